@@ -1,0 +1,116 @@
+"""Autodiff transforms: ``grad`` / ``value_and_grad`` over pytrees, plus ``vmap`` / ``jvp``.
+
+``grad`` differentiates with ``torch.autograd.grad`` over the leaf tensors of the chosen
+arguments -- not ``torch.func.grad`` -- so saved-tensor hooks (remat, offload) and
+``torch.utils.checkpoint`` keep working inside the differentiated function.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+
+from cfx._src import tree as tree_util
+
+
+def _diff_leaf(path: str, x: Any, fname: str, argnum: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+        kind = type(x).__name__ if not isinstance(x, torch.Tensor) else f"tensor of dtype {x.dtype}"
+        raise ValueError(
+            f"cfx.{fname}: argument {argnum} leaf {path or '<root>'!r} is a {kind}; only floating-point "
+            "tensors can be differentiated. Move it to another argument, or choose argnums that "
+            "exclude it.")
+    if x.requires_grad:
+        # Inside an outer grad: keep the connection so higher-order derivatives flow.
+        return x.view_as(x)
+    return x.detach().requires_grad_(True)
+
+
+def _check_scalar(out: Any, fname: str, has_aux: bool) -> torch.Tensor:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"cfx.{fname}(has_aux=True): the function must return (value, aux), "
+                             f"got {type(out).__name__}.")
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
+        got = (f"tensor of shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
+        raise ValueError(f"cfx.{fname}: the function must return a scalar floating-point tensor "
+                         f"(e.g. a mean loss), got {got}. Reduce it first, or use cfx.vjp-style "
+                         "torch.autograd.grad with grad_outputs.")
+    return out
+
+
+def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
+                   has_aux: bool = False) -> Callable[..., Any]:
+    """``fun``'s value and its gradient w.r.t. the pytree argument(s) ``argnums``.
+
+    Returns ``(value, grads)`` or, with ``has_aux``, ``((value, aux), grads)``; ``grads`` has the
+    structure of ``args[argnums]`` (a tuple of such trees when ``argnums`` is a sequence). Leaves
+    that do not influence the value get zero gradients.
+    """
+    multi = not isinstance(argnums, int)
+    nums = tuple(argnums) if multi else (argnums,)
+    fname = "value_and_grad"
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        for n in nums:
+            if not -len(args) <= n < len(args):
+                raise ValueError(f"cfx.{fname}: argnums={argnums!r} but the function was called with "
+                                 f"{len(args)} positional argument(s).")
+        args = list(args)
+        flat_inputs, treedefs, spans = [], [], []
+        for n in nums:
+            items, treedef = tree_util.flatten_with_path(args[n])
+            leaves = [_diff_leaf(p, x, fname, n) for p, x in items]
+            spans.append((len(flat_inputs), len(flat_inputs) + len(leaves)))
+            flat_inputs.extend(leaves)
+            treedefs.append(treedef)
+            args[n] = tree_util.unflatten(treedef, leaves)
+        nested = any(x.grad_fn is not None for x in flat_inputs)
+        with torch.enable_grad():
+            out = fun(*args, **kwargs)
+        value = _check_scalar(out, fname, has_aux)
+        if flat_inputs:
+            grads = torch.autograd.grad(value, flat_inputs, allow_unused=True, create_graph=nested)
+        else:
+            grads = ()
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(flat_inputs, grads)]
+        trees = tuple(tree_util.unflatten(td, grads[a:b]) for td, (a, b) in zip(treedefs, spans))
+        if not nested:
+            out = tree_util.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+        return out, (trees if multi else trees[0])
+
+    return wrapped
+
+
+def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
+         has_aux: bool = False) -> Callable[..., Any]:
+    """The gradient of scalar-valued ``fun`` w.r.t. ``args[argnums]`` (``(grads, aux)`` with has_aux)."""
+    vg = value_and_grad(fun, argnums, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        out, g = vg(*args, **kwargs)
+        return (g, out[1]) if has_aux else g
+
+    return wrapped
+
+
+def vmap(fun: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, *,
+         randomness: str = "error", chunk_size: int | None = None) -> Callable[..., Any]:
+    """Vectorising map (``torch.func.vmap``)."""
+    return torch.func.vmap(fun, in_dims, out_dims, randomness=randomness, chunk_size=chunk_size)
+
+
+def jvp(fun: Callable[..., Any], primals: tuple, tangents: tuple, *, has_aux: bool = False):
+    """Forward-mode Jacobian-vector product (``torch.func.jvp``): ``(out, tangent_out)``."""
+    if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
+        raise ValueError("cfx.jvp: primals and tangents must be tuples (one entry per argument of fun).")
+    if len(primals) != len(tangents):
+        raise ValueError(f"cfx.jvp: got {len(primals)} primals but {len(tangents)} tangents.")
+    for i, (p, t) in enumerate(zip(primals, tangents)):
+        tree_util.check_same_structure(f"cfx.jvp (argument {i})", p, t)
+    return torch.func.jvp(fun, primals, tangents, has_aux=has_aux)

@@ -1,0 +1,133 @@
+"""Pytree utilities over optree, in the ``cfx`` namespace.
+
+Params, grads and optimizer states are pytrees of tensors (nested dicts, lists, tuples and
+NamedTuples). ``None`` is an empty subtree, as in JAX. A leaf's *path* is a dotted string
+(``blocks.3.attn.q.w``) used by sharding rules, checkpoints and error messages.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import optree
+import torch
+
+NAMESPACE = "cfx"
+
+PyTree = Any
+PyTreeDef = optree.PyTreeSpec
+
+
+def leaves(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    return optree.tree_leaves(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def structure(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> PyTreeDef:
+    return optree.tree_structure(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def flatten(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], PyTreeDef]:
+    return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def unflatten(treedef: PyTreeDef, leaves: Iterable[Any]) -> PyTree:
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """``("blocks", 3, "attn")`` -> ``"blocks.3.attn"``; the root is ``""``."""
+    return ".".join(str(p) for p in path)
+
+
+def flatten_with_path(
+    tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[tuple[str, Any]], PyTreeDef]:
+    """Leaves paired with their dotted path strings, and the tree structure."""
+    paths, leaves_, treedef = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return [(path_str(p), x) for p, x in zip(paths, leaves_)], treedef
+
+
+def leaf_paths(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
+    return [p for p, _ in flatten_with_path(tree, is_leaf=is_leaf)[0]]
+
+
+def _mismatch_error(what: str, ref: PyTree, other: PyTree, index: int) -> ValueError:
+    ref_paths = set(leaf_paths(ref))
+    other_paths = set(leaf_paths(other))
+    missing = sorted(ref_paths - other_paths)
+    extra = sorted(other_paths - ref_paths)
+    detail = []
+    if missing:
+        detail.append(f"missing leaves {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+    if extra:
+        detail.append(f"unexpected leaves {extra[:5]}" + (" ..." if len(extra) > 5 else ""))
+    if not detail:
+        detail.append(f"structures differ: {structure(ref)} vs {structure(other)}")
+    return ValueError(
+        f"{what}: argument {index} does not have the structure of the first tree; "
+        + "; ".join(detail)
+        + ". Pass trees built from the same params (e.g. from the same model.init)."
+    )
+
+
+def check_same_structure(what: str, first: PyTree, *rest: PyTree) -> PyTreeDef:
+    """Raise a ValueError naming the differing paths if any tree in ``rest`` differs from ``first``."""
+    treedef = structure(first)
+    for i, other in enumerate(rest, start=1):
+        if structure(other) != treedef:
+            raise _mismatch_error(what, first, other, i)
+    return treedef
+
+
+def map(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> PyTree:
+    """``f`` applied leafwise over ``tree`` and trees of the same structure."""
+    if rest and is_leaf is None:
+        check_same_structure("cfx.tree.map", tree, *rest)
+    return optree.tree_map(f, tree, *rest, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def map_with_path(f: Callable[..., Any], tree: PyTree, *rest: PyTree,
+                  is_leaf: Callable[[Any], bool] | None = None) -> PyTree:
+    """``f(path_str, leaf, *other_leaves)`` applied leafwise."""
+    if rest and is_leaf is None:
+        check_same_structure("cfx.tree.map_with_path", tree, *rest)
+    return optree.tree_map_with_path(lambda p, *xs: f(path_str(p), *xs), tree, *rest,
+                                     is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def tree_size(tree: PyTree) -> int:
+    """Total number of elements over all tensor leaves."""
+    return sum(x.numel() for x in leaves(tree) if isinstance(x, torch.Tensor))
+
+
+def tree_bytes(tree: PyTree) -> int:
+    """Total bytes over all tensor leaves."""
+    return sum(x.numel() * x.element_size() for x in leaves(tree) if isinstance(x, torch.Tensor))
+
+
+def tree_allclose(a: PyTree, b: PyTree, *, rtol: float | None = None, atol: float | None = None) -> bool:
+    """True when both trees have the same structure and every pair of leaves is close.
+
+    Tolerances default to ``torch.testing.assert_close``'s for the leaves' dtype.
+    """
+    if structure(a) != structure(b):
+        return False
+    for x, y in zip(leaves(a), leaves(b)):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            try:
+                torch.testing.assert_close(x, y, rtol=rtol, atol=atol, check_device=False)
+            except AssertionError:
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def assert_tree_close(actual: PyTree, expected: PyTree, *, rtol: float | None = None,
+                      atol: float | None = None) -> None:
+    """``torch.testing.assert_close`` leafwise; the failure message names the leaf's path."""
+    check_same_structure("assert_tree_close", expected, actual)
+    for (path, x), y in zip(flatten_with_path(actual)[0], leaves(expected)):
+        try:
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol, check_device=False)
+        except AssertionError as e:
+            raise AssertionError(f"leaf {path or '<root>'!r}: {e}") from None

@@ -1,0 +1,4 @@
+"""Mixed-precision policies: ``cfx.amp.Policy``, ``cfx.amp.policy("bf16")``."""
+from cfx._src.amp import Policy, dtype_of, policy
+
+__all__ = ["Policy", "dtype_of", "policy"]
