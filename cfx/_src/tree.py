@@ -33,17 +33,30 @@ def unflatten(treedef: PyTreeDef, leaves: Iterable[Any]) -> PyTree:
     return optree.tree_unflatten(treedef, leaves)
 
 
-def path_str(path: tuple[Any, ...]) -> str:
-    """``("blocks", 3, "attn")`` -> ``"blocks.3.attn"``; the root is ``""``."""
-    return ".".join(str(p) for p in path)
+def _entry_str(entry: Any) -> str:
+    field = getattr(entry, "field", None)  # NamedTuple / dataclass entries carry a field name
+    if isinstance(field, str):
+        return field
+    for attr in ("key", "name", "index"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(getattr(entry, "entry", entry))
+
+
+def path_str(path: Any) -> str:
+    """A dotted path: ``("blocks", 3, "attn")`` or an optree accessor -> ``"blocks.3.attn"``.
+
+    NamedTuple fields are named (``state.mu``), not numbered. The root is ``""``.
+    """
+    return ".".join(_entry_str(p) if not isinstance(p, (str, int)) else str(p) for p in path)
 
 
 def flatten_with_path(
     tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None
 ) -> tuple[list[tuple[str, Any]], PyTreeDef]:
     """Leaves paired with their dotted path strings, and the tree structure."""
-    paths, leaves_, treedef = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, namespace=NAMESPACE)
-    return [(path_str(p), x) for p, x in zip(paths, leaves_)], treedef
+    accessors, leaves_, treedef = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return [(path_str(a), x) for a, x in zip(accessors, leaves_)], treedef
 
 
 def leaf_paths(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
@@ -90,8 +103,8 @@ def map_with_path(f: Callable[..., Any], tree: PyTree, *rest: PyTree,
     """``f(path_str, leaf, *other_leaves)`` applied leafwise."""
     if rest and is_leaf is None:
         check_same_structure("cfx.tree.map_with_path", tree, *rest)
-    return optree.tree_map_with_path(lambda p, *xs: f(path_str(p), *xs), tree, *rest,
-                                     is_leaf=is_leaf, namespace=NAMESPACE)
+    return optree.tree_map_with_accessor(lambda a, *xs: f(path_str(a), *xs), tree, *rest,
+                                         is_leaf=is_leaf, namespace=NAMESPACE)
 
 
 def tree_size(tree: PyTree) -> int:

@@ -1,0 +1,71 @@
+"""cfx.checkpoint: exact round trips, atomic writes, and errors naming the leaf."""
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import cfx
+from cfx import checkpoint
+
+
+class OptState(NamedTuple):
+    count: torch.Tensor
+    mu: dict
+
+
+def sample():
+    k = cfx.random.split(cfx.random.key(0), 3)
+    params = {"blocks": [{"w": cfx.random.normal(k[0], (3, 4))}, {"w": cfx.random.normal(k[1], (4, 2))}],
+              "scale": torch.tensor(2.0, dtype=torch.bfloat16)}
+    return {"params": params, "opt_state": OptState(torch.tensor(7), cfx.tree.map(torch.zeros_like, params))}
+
+
+def test_round_trip_is_exact_and_keeps_metadata(tmp_path):
+    tree = sample()
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, tree, metadata={"step": 12, "note": "hi"})
+    template = cfx.tree.map(torch.empty_like, tree)
+    restored, meta = checkpoint.load(path, template)
+    assert meta == {"step": 12, "note": "hi"}
+    assert isinstance(restored["opt_state"], OptState)
+    for a, b in zip(cfx.tree.leaves(restored), cfx.tree.leaves(tree)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_tied_and_view_tensors_are_saved(tmp_path):
+    w = torch.arange(12.0).reshape(3, 4)
+    tree = {"a": w, "b": w, "row": w[1]}
+    checkpoint.save(tmp_path / "c.safetensors", tree)
+    restored, _ = checkpoint.load(tmp_path / "c.safetensors", cfx.tree.map(torch.empty_like, tree))
+    assert torch.equal(restored["row"], w[1]) and torch.equal(restored["b"], w)
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(path, sample(), metadata={"step": 1})
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(RuntimeError):
+        checkpoint.save(path, sample(), metadata={"step": 2})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.safetensors"]  # no temp file left behind
+    _, meta = checkpoint.load(path, sample())
+    assert meta["step"] == 1  # the old checkpoint is intact
+
+
+def test_mismatch_names_the_leaf(tmp_path):
+    path = tmp_path / "c.safetensors"
+    checkpoint.save(path, sample())
+    wrong_shape = sample()
+    wrong_shape["params"]["blocks"][1]["w"] = torch.zeros(5, 2)
+    with pytest.raises(ValueError, match=r"params\.blocks\.1\.w"):
+        checkpoint.load(path, wrong_shape)
+    extra = sample()
+    extra["params"]["new"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"params\.new"):
+        checkpoint.load(path, extra)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        checkpoint.load(tmp_path / "missing.safetensors", sample())
