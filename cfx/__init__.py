@@ -3,9 +3,10 @@
 Models are pure functions over parameter pytrees; parallelism and memory strategies are
 function transformations over named device meshes.
 """
-from cfx import amp, random, tree
+from cfx import amp, checkpoint, models, nn, optim, random, tree
 from cfx._src.transforms import grad, jvp, value_and_grad, vmap
 
 __version__ = "0.1.0"
 
-__all__ = ["amp", "grad", "jvp", "random", "tree", "value_and_grad", "vmap"]
+__all__ = ["amp", "checkpoint", "grad", "jvp", "models", "nn", "optim", "random", "tree",
+           "value_and_grad", "vmap"]

@@ -1,0 +1,1 @@
+"""Decoder language models over ``cfx.nn`` layers (see ``cfx.models``)."""

@@ -1,0 +1,114 @@
+"""What GPT-2 and Llama share: input checks, the block loop, the fp32 loss, ``map_blocks``."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from cfx._src import random
+from cfx._src import tree as tree_util
+
+IGNORE_INDEX = -100
+
+
+def is_axes_leaf(x: Any) -> bool:
+    """An ``axes()`` leaf: a tuple of logical axis names (one per tensor dim)."""
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+
+
+def check_params(where: str, model: Any, params: Any) -> None:
+    """ValueError naming the differing leaf paths if ``params`` is not shaped like ``model.init``'s."""
+    ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=is_axes_leaf)
+    tree_util.check_same_structure(
+        f"{where}: params differ from {type(model).__name__}.init's structure "
+        "(were they made by a model with another config or layout?)", ref, params)
+
+
+def _check_int_2d(where: str, name: str, x: Any) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{where}: {name} must be a 2-D integer tensor (B, T), got {type(x).__name__}.")
+    if x.dim() != 2 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{where}: {name} must be a 2-D integer tensor (B, T), got a {x.dim()}-D "
+                         f"tensor of dtype {x.dtype} and shape {tuple(x.shape)}.")
+
+
+def check_inputs(where: str, tokens: Any, mask: Any, *, vocab_size: int, max_len: int,
+                 max_len_name: str) -> None:
+    """Validate tokens ``(B, T)`` (ids in range, ``T <= max_len``) and an optional bool mask."""
+    _check_int_2d(where, "tokens", tokens)
+    B, T = tokens.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"{where}: tokens must be non-empty, got shape {tuple(tokens.shape)}.")
+    if T > max_len:
+        raise ValueError(f"{where}: sequence length {T} exceeds {max_len_name}={max_len}. Crop the "
+                         f"sequence, or build the model with {max_len_name}>={T}.")
+    lo, hi = (int(v) for v in torch.aminmax(tokens))  # one reduction: cheap next to the forward
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{where}: token ids must lie in [0, vocab_size={vocab_size}), got ids in "
+                         f"[{lo}, {hi}].")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (B, T):
+            got = (f"dtype {mask.dtype}, shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor)
+                   else type(mask).__name__)
+            raise ValueError(f"{where}: mask must be a bool tensor of the tokens' shape {(B, T)} "
+                             f"(True = real token), got {got}.")
+
+
+def check_targets(where: str, tokens: torch.Tensor, targets: Any, *, vocab_size: int) -> None:
+    _check_int_2d(where, "targets", targets)
+    if targets.shape != tokens.shape:
+        raise ValueError(f"{where}: targets shape {tuple(targets.shape)} differs from tokens shape "
+                         f"{tuple(tokens.shape)}; targets[b, t] is the token that should follow "
+                         "tokens[b, t] (use -100 to ignore a position).")
+    valid = targets[targets != IGNORE_INDEX]
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
+        raise ValueError(f"{where}: target ids must lie in [0, vocab_size={vocab_size}) or be -100, "
+                         f"got ids in [{int(valid.min())}, {int(valid.max())}].")
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32; logits ``(B, T, V)``, targets ``(B, T)``, -100 ignored."""
+    V = logits.shape[-1]
+    return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def dropout_keys(key: torch.Tensor | None, rate: float, n: int) -> list[torch.Tensor | None]:
+    """``n`` keys for the dropout sites, or ``n`` Nones when there is no dropout to do."""
+    if key is None or rate == 0.0:
+        return [None] * n
+    return list(random.split(key, n))
+
+
+class DecoderLM:
+    """Mixin for frozen-dataclass models with ``config`` and ``blocks`` (a tuple of block layers)."""
+
+    blocks: tuple
+
+    def map_blocks(self, f: Callable[[Any], Any]):
+        """A copy of the model whose blocks are ``f(block)`` (same ``init`` / ``apply`` / ``axes``)."""
+        return dataclasses.replace(self, blocks=tuple(f(b) for b in self.blocks))
+
+    def run_blocks(self, params: list, x: torch.Tensor, *, mask: torch.Tensor | None,
+                   keys: list) -> torch.Tensor:
+        # x (B, T, C) -> (B, T, C), through each block's own apply (so wrapped blocks take effect)
+        for block, p, k in zip(self.blocks, params, keys):
+            x = block.apply(p, x, mask=mask, key=k)
+        return x
+
+    def loss(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
+             mask: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy (fp32) of ``apply``'s logits against ``targets`` (-100 = ignore).
+
+        ``targets[b, t]`` is the token expected after ``tokens[b, t]`` (no shift happens here).
+        """
+        where = f"{type(self).__name__}.loss"
+        _check_int_2d(where, "tokens", tokens)
+        check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
+        return cross_entropy(self.apply(params, tokens, mask=mask, key=key), targets)
+
+    def hf_config(self):
+        """The matching ``transformers`` config (imports transformers)."""
+        from cfx._src.models import hf
+        return hf.hf_config(self)

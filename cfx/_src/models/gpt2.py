@@ -1,0 +1,138 @@
+"""GPT-2 (Radford et al., 2019) as a pure function over a params pytree.
+
+Params: ``{"wte": {"w"}, "wpe": {"w"}, "blocks": [TransformerBlock params, ...], "ln_f": {...}}``.
+The LM head is tied to ``wte`` (``logits = x @ wte.T``). Weights convert to and from Hugging
+Face ``GPT2LMHeadModel`` with ``cfx.models.to_hf`` / ``from_hf``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from cfx._src.models.common import DecoderLM, check_inputs, check_params, dropout_keys
+from cfx._src.nn.block import TransformerBlock
+from cfx._src.nn.dropout import dropout
+from cfx._src.nn.embedding import Embedding
+from cfx._src.nn.linear import split_keys
+from cfx._src.nn.norm import LayerNorm
+
+GPT2_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256),
+    "small": dict(n_layer=12, n_head=12, n_embd=768),   # 124M
+    "medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "large": dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
+    "xl": dict(n_layer=48, n_head=25, n_embd=1600),      # 1558M
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """GPT-2 hyperparameters. ``dropout`` applies to the embeddings and both residual branches."""
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"GPT2Config: {name} must be a positive int, got {v!r}.")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT2Config: n_embd={self.n_embd} must be divisible by n_head={self.n_head}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPT2Config: dropout must be in [0, 1), got {self.dropout!r}.")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "GPT2Config":
+        """A named size (``tiny``, ``small``, ``medium``, ``large``, ``xl``) with field overrides."""
+        if name not in GPT2_PRESETS:
+            raise ValueError(f"GPT2Config.preset: unknown preset {name!r}; valid names are "
+                             f"{sorted(GPT2_PRESETS)}.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            raise ValueError(f"GPT2Config.preset: unknown field(s) {bad}; valid fields are "
+                             f"{sorted(fields)}.")
+        return cls(**{**GPT2_PRESETS[name], **overrides})
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2(DecoderLM):
+    """The GPT-2 decoder. ``blocks`` defaults to ``n_layer`` ``TransformerBlock``s."""
+
+    config: GPT2Config
+    blocks: tuple = None
+
+    def __post_init__(self):
+        if self.blocks is None:
+            c = self.config
+            block = TransformerBlock(
+                c.n_embd, c.n_head, 4 * c.n_embd, activation="gelu_tanh", norm="layernorm",
+                norm_eps=c.layer_norm_eps, bias=True, dropout=c.dropout, init_std=c.init_std,
+                # GPT-2's scaled init of the residual projections: 2 per block.
+                out_init_std=c.init_std / math.sqrt(2 * c.n_layer))
+            object.__setattr__(self, "blocks", (block,) * c.n_layer)
+        elif len(self.blocks) != self.config.n_layer:
+            raise ValueError(f"GPT2: got {len(self.blocks)} blocks for n_layer={self.config.n_layer}.")
+
+    def _layers(self) -> dict:
+        c = self.config
+        return {
+            "wte": Embedding(c.vocab_size, c.n_embd, init_std=c.init_std),
+            "wpe": Embedding(c.n_positions, c.n_embd, axes_names=("positions", "embed"),
+                             init_std=c.init_std),
+            "ln_f": LayerNorm(c.n_embd, eps=c.layer_norm_eps),
+        }
+
+    def init(self, key: torch.Tensor) -> dict:
+        layers = self._layers()
+        k_wte, k_wpe, k_blocks = split_keys(key, 3)
+        return {
+            "wte": layers["wte"].init(k_wte),
+            "wpe": layers["wpe"].init(k_wpe),
+            "blocks": [b.init(k) for b, k in zip(self.blocks, split_keys(k_blocks, len(self.blocks)))],
+            "ln_f": layers["ln_f"].init(None),
+        }
+
+    def apply(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
+              key: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab_size)`` for int tokens ``(B, T)``; ``key=None`` means no dropout.
+
+        ``mask`` (bool ``(B, T)``, True = real token) hides padded keys; positions stay
+        ``0..T-1`` as in HF without ``position_ids``.
+        """
+        c = self.config
+        check_inputs("GPT2.apply", tokens, mask, vocab_size=c.vocab_size, max_len=c.n_positions,
+                     max_len_name="n_positions")
+        check_params("GPT2.apply", self, params)
+        layers = self._layers()
+        keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
+        T = tokens.shape[1]
+        x = layers["wte"].apply(params["wte"], tokens) + params["wpe"]["w"][:T]  # (B, T, C)
+        x = dropout(x, c.dropout, keys[0])
+        x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:])  # (B, T, C)
+        x = layers["ln_f"].apply(params["ln_f"], x)
+        return layers["wte"].attend(params["wte"], x)  # (B, T, V)
+
+    def axes(self) -> dict:
+        layers = self._layers()
+        return {
+            "wte": layers["wte"].axes(),
+            "wpe": layers["wpe"].axes(),
+            "blocks": [b.axes() for b in self.blocks],
+            "ln_f": layers["ln_f"].axes(),
+        }
+
+
+def gpt2(preset: str = "tiny", **overrides: Any) -> GPT2:
+    """``GPT2(GPT2Config.preset(preset, **overrides))``."""
+    return GPT2(GPT2Config.preset(preset, **overrides))

@@ -1,0 +1,71 @@
+"""Hugging Face interop for every cfx model: ``to_hf``, ``from_hf``, ``hf_config``.
+
+``transformers`` is imported only by the functions that build HF configs; converting state dicts
+needs nothing but torch.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from cfx._src.models import gpt2_hf, llama_hf
+from cfx._src.models.gpt2 import GPT2
+from cfx._src.models.llama import Llama
+
+
+def _converter(model: Any, where: str):
+    if isinstance(model, GPT2):
+        return gpt2_hf
+    if isinstance(model, Llama):
+        return llama_hf
+    raise ValueError(f"{where}: expected a cfx.models.GPT2 or cfx.models.Llama, got {type(model).__name__}.")
+
+
+def hf_config(model: Any) -> Any:
+    """The ``transformers`` config (``GPT2Config`` / ``LlamaConfig``) matching ``model``."""
+    return _converter(model, "cfx.models.hf_config").hf_config(model.config)
+
+
+def model_from_hf_config(hf_config: Any) -> GPT2 | Llama:
+    """The cfx model for a ``transformers`` config (``model_type`` ``"gpt2"`` or ``"llama"``)."""
+    kind = getattr(hf_config, "model_type", None)
+    if kind == "gpt2":
+        return GPT2(gpt2_hf.config_from_hf(hf_config))
+    if kind == "llama":
+        return Llama(llama_hf.config_from_hf(hf_config))
+    raise ValueError(f"cfx.models.from_hf: model_type {kind!r} is not supported; cfx converts 'gpt2' "
+                     "and 'llama' checkpoints.")
+
+
+def to_hf(model: GPT2 | Llama, params: Any) -> dict[str, torch.Tensor]:
+    """A state dict with exactly the keys HF's ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` expects.
+
+    Load it with ``hf_model.load_state_dict(sd, strict=True)`` into a model built from
+    ``model.hf_config()``. Tensors are copies in the params' dtype.
+    """
+    return _converter(model, "cfx.models.to_hf").to_hf(model, params)
+
+
+def from_hf(hf_model_or_state_dict: Any, model: GPT2 | Llama | None = None) -> tuple[Any, dict]:
+    """``(model, params)`` from an HF model, or from a bare state dict plus ``model``.
+
+    Given an HF model (``GPT2LMHeadModel``, ``LlamaForCausalLM`` or their base models), the cfx
+    model is built from its ``config`` unless ``model`` is passed. Params are copies in the
+    checkpoint's dtype.
+    """
+    src = hf_model_or_state_dict
+    if isinstance(src, Mapping):
+        if model is None:
+            raise ValueError("cfx.models.from_hf: a bare state dict carries no config; pass model= "
+                             "(e.g. cfx.models.gpt2('small')), or pass the HF model itself.")
+        state_dict = src
+    elif hasattr(src, "state_dict") and hasattr(src, "config"):
+        if model is None:
+            model = model_from_hf_config(src.config)
+        state_dict = src.state_dict()
+    else:
+        raise ValueError(f"cfx.models.from_hf: expected a Hugging Face model or a state dict, got "
+                         f"{type(src).__name__}.")
+    params = _converter(model, "cfx.models.from_hf").from_hf_state_dict(model, state_dict)
+    return model, params

@@ -1,0 +1,161 @@
+"""A Llama-style decoder (Touvron et al., 2023): RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Params: ``{"embed": {"w"}, "blocks": [...], "norm": {"scale"}, "lm_head": {"w"}}``; with
+``tie_embeddings`` there is no ``lm_head`` and ``logits = x @ embed.T``. Weights convert to and
+from Hugging Face ``LlamaForCausalLM`` with ``cfx.models.to_hf`` / ``from_hf``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from cfx._src.models.common import DecoderLM, check_inputs, check_params
+from cfx._src.nn.block import TransformerBlock
+from cfx._src.nn.embedding import Embedding
+from cfx._src.nn.linear import Linear, split_keys
+from cfx._src.nn.norm import RMSNorm
+
+# Real sizes use default RoPE only: Llama 3.x's "llama3" frequency scaling is not implemented, so
+# "1b" is Llama-3.2-1B's shape at its original 8192-token context.
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=32000, hidden_size=128, intermediate_size=344, n_layer=4, n_head=4,
+                 n_kv_heads=2, max_position_embeddings=1024),
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, n_layer=16, n_head=32,
+               n_kv_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+               tie_embeddings=True),
+    "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, n_layer=32, n_head=32,
+               n_kv_heads=32, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n_layer=32, n_head=32,
+               n_kv_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Llama hyperparameters (defaults: Llama-2-7B's shape). ``n_kv_heads=None`` means ``n_head``."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    n_layer: int = 32
+    n_head: int = 32
+    n_kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_head)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "n_layer", "n_head",
+                     "n_kv_heads", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"LlamaConfig: {name} must be a positive int, got {v!r}.")
+        if self.hidden_size % self.n_head:
+            raise ValueError(f"LlamaConfig: hidden_size={self.hidden_size} must be divisible by "
+                             f"n_head={self.n_head}.")
+        if self.n_head % self.n_kv_heads:
+            raise ValueError(f"LlamaConfig: n_head={self.n_head} must be a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}.")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for RoPE.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_head
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "LlamaConfig":
+        """A named size (``tiny``, ``1b``, ``7b``, ``8b``) with field overrides."""
+        if name not in LLAMA_PRESETS:
+            raise ValueError(f"LlamaConfig.preset: unknown preset {name!r}; valid names are "
+                             f"{sorted(LLAMA_PRESETS)}.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            raise ValueError(f"LlamaConfig.preset: unknown field(s) {bad}; valid fields are "
+                             f"{sorted(fields)}.")
+        return cls(**{**LLAMA_PRESETS[name], **overrides})
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama(DecoderLM):
+    """The Llama decoder. ``blocks`` defaults to ``n_layer`` ``TransformerBlock``s."""
+
+    config: LlamaConfig
+    blocks: tuple = None
+
+    def __post_init__(self):
+        if self.blocks is None:
+            c = self.config
+            block = TransformerBlock(
+                c.hidden_size, c.n_head, c.intermediate_size, n_kv_heads=c.n_kv_heads,
+                activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps, bias=False, rope=True,
+                rope_theta=c.rope_theta, init_std=c.init_std)
+            object.__setattr__(self, "blocks", (block,) * c.n_layer)
+        elif len(self.blocks) != self.config.n_layer:
+            raise ValueError(f"Llama: got {len(self.blocks)} blocks for n_layer={self.config.n_layer}.")
+
+    def _layers(self) -> dict:
+        c = self.config
+        layers = {
+            "embed": Embedding(c.vocab_size, c.hidden_size, init_std=c.init_std),
+            "norm": RMSNorm(c.hidden_size, eps=c.rms_norm_eps),
+        }
+        if not c.tie_embeddings:
+            layers["lm_head"] = Linear(c.hidden_size, c.vocab_size, bias=False,
+                                       axes_names=("embed", "vocab"), init_std=c.init_std)
+        return layers
+
+    def init(self, key: torch.Tensor) -> dict:
+        layers = self._layers()
+        k_embed, k_head, k_blocks = split_keys(key, 3)
+        params = {
+            "embed": layers["embed"].init(k_embed),
+            "blocks": [b.init(k) for b, k in zip(self.blocks, split_keys(k_blocks, len(self.blocks)))],
+            "norm": layers["norm"].init(None),
+        }
+        if "lm_head" in layers:
+            params["lm_head"] = layers["lm_head"].init(k_head)
+        return params
+
+    def apply(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
+              key: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab_size)`` for int tokens ``(B, T)``.
+
+        ``mask`` (bool ``(B, T)``, True = real token) hides padded keys; RoPE positions stay
+        ``0..T-1``. Llama has no dropout: ``key`` is accepted for a uniform signature and unused.
+        """
+        del key
+        c = self.config
+        check_inputs("Llama.apply", tokens, mask, vocab_size=c.vocab_size,
+                     max_len=c.max_position_embeddings, max_len_name="max_position_embeddings")
+        check_params("Llama.apply", self, params)
+        layers = self._layers()
+        x = layers["embed"].apply(params["embed"], tokens)  # (B, T, C)
+        x = self.run_blocks(params["blocks"], x, mask=mask, keys=[None] * len(self.blocks))
+        x = layers["norm"].apply(params["norm"], x)  # (B, T, C)
+        if c.tie_embeddings:
+            return layers["embed"].attend(params["embed"], x)  # (B, T, V)
+        return layers["lm_head"].apply(params["lm_head"], x)  # (B, T, V)
+
+    def axes(self) -> dict:
+        layers = self._layers()
+        out = {
+            "embed": layers["embed"].axes(),
+            "blocks": [b.axes() for b in self.blocks],
+            "norm": layers["norm"].axes(),
+        }
+        if "lm_head" in layers:
+            out["lm_head"] = layers["lm_head"].axes()
+        return out
+
+
+def llama(preset: str = "tiny", **overrides: Any) -> Llama:
+    """``Llama(LlamaConfig.preset(preset, **overrides))``."""
+    return Llama(LlamaConfig.preset(preset, **overrides))

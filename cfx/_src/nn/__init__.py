@@ -1,0 +1,1 @@
+"""Functional layers: frozen dataclasses with ``init`` / ``apply`` / ``axes`` (see ``cfx.nn``)."""

@@ -1,0 +1,162 @@
+"""Multi-head self-attention: the ``attention`` core and the ``Attention`` layer (GQA, RoPE)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from cfx._src.nn.linear import Linear, split_keys
+from cfx._src.nn.rope import apply_rope, rope_cos_sin
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"cfx.nn.attention: {name} must be 4-D (B, T, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}.")
+    if k.shape != v.shape:
+        raise ValueError(f"cfx.nn.attention: k and v must have the same shape (B, S, Hkv, D), got "
+                         f"k {tuple(k.shape)} and v {tuple(v.shape)}.")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"cfx.nn.attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}.")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"cfx.nn.attention: head_dim differs between q ({q.shape[3]}) and k "
+                         f"({k.shape[3]}).")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"cfx.nn.attention: q has {q.shape[2]} heads, which is not a multiple of "
+                         f"k's {k.shape[2]} kv heads (grouped-query attention needs H % Hkv == 0).")
+
+
+def _allowed(mask: torch.Tensor | None, causal: bool, B: int, T: int, S: int,
+             device: torch.device) -> torch.Tensor | None:
+    """Which keys each query may see, ``(B, 1, T, S)`` bool, or None for "all of them"."""
+    allowed = None
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ValueError(f"cfx.nn.attention: mask must be a bool tensor (True = attend), "
+                             f"got dtype {mask.dtype}.")
+        if mask.dim() == 2 and tuple(mask.shape) == (B, S):
+            allowed = mask[:, None, None, :]  # (B, 1, 1, S)
+        elif mask.dim() == 3 and tuple(mask.shape) == (B, T, S):
+            allowed = mask[:, None, :, :]  # (B, 1, T, S)
+        else:
+            raise ValueError(f"cfx.nn.attention: mask must have shape (B, S) = {(B, S)} or "
+                             f"(B, T, S) = {(B, T, S)}, got {tuple(mask.shape)}.")
+        allowed = allowed.to(device)
+    if causal:
+        # Bottom-right aligned: query i sits at key position i + (S - T) (as in a kv-cache).
+        i = torch.arange(T, device=device)[:, None]
+        j = torch.arange(S, device=device)[None, :]
+        tri = j <= i + (S - T)  # (T, S)
+        allowed = tri if allowed is None else allowed & tri
+    return None if allowed is None else allowed.expand(B, 1, T, S)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """``softmax(q k^T * scale + bias) v`` per head; q ``(B, T, H, D)``, k/v ``(B, S, Hkv, D)``.
+
+    ``H`` must be a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads kv head
+    ``h // (H // Hkv)``). ``causal`` lets query ``i`` see keys ``j <= i + S - T``; ``mask`` is a
+    bool ``(B, S)`` key-padding mask or ``(B, T, S)`` mask, True = attend. ``scale`` defaults to
+    ``1/sqrt(D)``. A query that may see no key at all returns zeros, not NaN. Returns
+    ``(B, T, H, D)``. This is the one function attention kernels plug into.
+    """
+    _check_qkv(q, k, v)
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    q_ = q.transpose(1, 2)  # (B, H, T, D)
+    k_ = k.transpose(1, 2)  # (B, Hkv, S, D)
+    v_ = v.transpose(1, 2)
+    if Hkv != H:
+        k_ = k_.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
+        v_ = v_.repeat_interleave(H // Hkv, dim=1)
+    if mask is None and (not causal or T == S):
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=scale)
+        return out.transpose(1, 2)  # (B, T, H, D)
+    allowed = _allowed(mask, causal, B, T, S, q.device)  # (B, 1, T, S)
+    row_ok = allowed.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
+    # Let fully masked rows attend everywhere (finite softmax), then zero their output.
+    out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=allowed | ~row_ok, scale=scale)
+    out = out.masked_fill(~row_ok, 0.0)
+    return out.transpose(1, 2)  # (B, T, H, D)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """Self-attention with separate ``q``, ``k``, ``v``, ``o`` ``Linear`` projections.
+
+    ``n_kv_heads < n_heads`` gives grouped-query attention; ``rope=True`` rotates q and k (HF
+    Llama convention, base ``rope_theta``). ``apply(params, x, mask=None, positions=None)`` with
+    x ``(B, T, C)``, an optional bool ``(B, T)`` padding mask (True = real token) and optional
+    integer ``positions`` ``(T,)`` / ``(B, T)`` for RoPE (default ``arange(T)``).
+    """
+
+    features: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    bias: bool = True
+    causal: bool = True
+    rope: bool = False
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    out_init_std: float | None = None
+
+    def __post_init__(self):
+        if self.n_heads <= 0 or self.kv_heads <= 0:
+            raise ValueError(f"Attention: n_heads and n_kv_heads must be positive, got "
+                             f"{self.n_heads} and {self.kv_heads}.")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"Attention: n_heads={self.n_heads} is not a multiple of "
+                             f"n_kv_heads={self.kv_heads}.")
+        if self.head_dim is None and self.features % self.n_heads:
+            raise ValueError(f"Attention: features={self.features} is not divisible by "
+                             f"n_heads={self.n_heads}; pass head_dim explicitly.")
+        if self.rope and self.dim % 2:
+            raise ValueError(f"Attention: rope needs an even head_dim, got {self.dim}.")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def dim(self) -> int:
+        return self.features // self.n_heads if self.head_dim is None else self.head_dim
+
+    def _layers(self) -> dict:
+        C, D = self.features, self.dim
+        out_std = self.init_std if self.out_init_std is None else self.out_init_std
+        kw = dict(bias=self.bias, init_std=self.init_std)
+        return {
+            "q": Linear(C, self.n_heads * D, axes_names=("embed", "heads"), **kw),
+            "k": Linear(C, self.kv_heads * D, axes_names=("embed", "kv_heads"), **kw),
+            "v": Linear(C, self.kv_heads * D, axes_names=("embed", "kv_heads"), **kw),
+            "o": Linear(self.n_heads * D, C, axes_names=("heads", "embed"), bias=self.bias,
+                        init_std=out_std),
+        }
+
+    def init(self, key: torch.Tensor) -> dict:
+        layers = self._layers()
+        return {n: layer.init(k) for (n, layer), k in zip(layers.items(), split_keys(key, len(layers)))}
+
+    def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"Attention.apply: x must be (B, T, C), got shape {tuple(x.shape)}.")
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.kv_heads, self.dim
+        layers = self._layers()
+        q = layers["q"].apply(params["q"], x).view(B, T, H, D)  # (B, T, H, D)
+        k = layers["k"].apply(params["k"], x).view(B, T, Hkv, D)  # (B, T, Hkv, D)
+        v = layers["v"].apply(params["v"], x).view(B, T, Hkv, D)
+        if self.rope:
+            pos = torch.arange(T, device=x.device) if positions is None else positions.to(x.device)
+            cos, sin = rope_cos_sin(pos, D, theta=self.rope_theta, dtype=q.dtype)  # (..., T, D)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, causal=self.causal, mask=mask)  # (B, T, H, D)
+        return layers["o"].apply(params["o"], out.reshape(B, T, H * D))  # (B, T, C)
+
+    def axes(self) -> dict:
+        return {n: layer.axes() for n, layer in self._layers().items()}

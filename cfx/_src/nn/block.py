@@ -1,0 +1,77 @@
+"""``TransformerBlock``: pre-norm ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cfx._src.nn.attention import Attention
+from cfx._src.nn.dropout import dropout
+from cfx._src.nn.linear import split_keys
+from cfx._src.nn.mlp import MLP
+from cfx._src.nn.norm import LayerNorm, RMSNorm
+
+NORMS = ("layernorm", "rmsnorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerBlock:
+    """A pre-norm decoder block. Params ``{"norm1", "attn", "norm2", "mlp"}``.
+
+    GPT-2: ``norm="layernorm"``, ``activation="gelu_tanh"``, biases. Llama: ``norm="rmsnorm"``,
+    ``activation="swiglu"``, ``bias=False``, ``rope=True``, ``n_kv_heads`` for GQA.
+    ``dropout`` applies to both residual branches when ``apply`` gets a ``key``.
+    ``out_init_std`` is the init std of the two residual projections (``attn.o``, the MLP's last).
+    """
+
+    features: int
+    n_heads: int
+    mlp_hidden: int
+    n_kv_heads: int | None = None
+    activation: str = "gelu_tanh"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    bias: bool = True
+    rope: bool = False
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    init_std: float = 0.02
+    out_init_std: float | None = None
+
+    def __post_init__(self):
+        if self.norm not in NORMS:
+            raise ValueError(f"TransformerBlock: unknown norm {self.norm!r}; use one of {NORMS}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"TransformerBlock: dropout must be in [0, 1), got {self.dropout!r}.")
+
+    def _layers(self) -> dict:
+        if self.norm == "layernorm":
+            norm = LayerNorm(self.features, eps=self.norm_eps, bias=self.bias)
+        else:
+            norm = RMSNorm(self.features, eps=self.norm_eps)
+        attn = Attention(self.features, self.n_heads, n_kv_heads=self.n_kv_heads, bias=self.bias,
+                         rope=self.rope, rope_theta=self.rope_theta, init_std=self.init_std,
+                         out_init_std=self.out_init_std)
+        mlp = MLP(self.features, self.mlp_hidden, activation=self.activation, bias=self.bias,
+                  init_std=self.init_std, out_init_std=self.out_init_std)
+        return {"norm1": norm, "attn": attn, "norm2": norm, "mlp": mlp}
+
+    def init(self, key: torch.Tensor) -> dict:
+        layers = self._layers()
+        return {n: layer.init(k) for (n, layer), k in zip(layers.items(), split_keys(key, len(layers)))}
+
+    def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
+        # x (B, T, C) -> (B, T, C)
+        layers = self._layers()
+        k_attn = k_mlp = None
+        if key is not None and self.dropout > 0.0:
+            k_attn, k_mlp = split_keys(key, 2)
+        h = layers["attn"].apply(params["attn"], layers["norm1"].apply(params["norm1"], x),
+                                 mask=mask, positions=positions)
+        x = x + dropout(h, self.dropout, k_attn)
+        h = layers["mlp"].apply(params["mlp"], layers["norm2"].apply(params["norm2"], x))
+        return x + dropout(h, self.dropout, k_mlp)
+
+    def axes(self) -> dict:
+        return {n: layer.axes() for n, layer in self._layers().items()}

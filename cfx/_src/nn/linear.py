@@ -1,0 +1,65 @@
+"""``Linear``: ``y = x @ w + b`` with ``w`` laid out ``(in_features, out_features)``."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from cfx._src import random
+
+
+def split_keys(key: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``n`` independent child keys as a list (``cfx.random.split`` stacks them)."""
+    return list(random.split(key, n))
+
+
+def init_normal(key: torch.Tensor, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    """``normal(0, std)`` in fp32 from an explicit key (the init every layer here uses)."""
+    return random.normal(key, shape, dtype=torch.float32) * std
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """A dense layer. ``w`` is ``(in_features, out_features)`` (HF ``Conv1D`` layout).
+
+    ``axes`` names the logical axes of ``w``'s two dims (``b`` takes the second). ``init_std=None``
+    draws ``w`` from ``normal(0, 1/sqrt(in_features))``; biases start at zero.
+    """
+
+    in_features: int
+    out_features: int
+    bias: bool = True
+    axes_names: tuple[str, str] = ("embed", "mlp")
+    init_std: float | None = None
+
+    def __post_init__(self):
+        for name in ("in_features", "out_features"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Linear: {name} must be a positive int, got {v!r}.")
+        if len(self.axes_names) != 2:
+            raise ValueError(f"Linear: axes_names must name 2 dims, got {self.axes_names!r}.")
+
+    def init(self, key: torch.Tensor) -> dict:
+        std = self.init_std if self.init_std is not None else 1.0 / math.sqrt(self.in_features)
+        params = {"w": init_normal(key, (self.in_features, self.out_features), std)}
+        if self.bias:
+            params["b"] = torch.zeros(self.out_features, dtype=torch.float32)
+        return params
+
+    def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        # (..., in) -> (..., out)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Linear.apply: x has {x.shape[-1]} features in its last dim, expected "
+                             f"in_features={self.in_features} (x shape {tuple(x.shape)}).")
+        y = x @ params["w"]
+        if self.bias:
+            y = y + params["b"]
+        return y
+
+    def axes(self) -> dict:
+        out = {"w": tuple(self.axes_names)}
+        if self.bias:
+            out["b"] = (self.axes_names[1],)
+        return out

@@ -1,0 +1,1 @@
+"""Implementation of ``cfx.optim``; the public names live in ``cfx/optim.py``."""

@@ -1,0 +1,168 @@
+"""Ready-made optimizers, each a ``chain`` of building blocks (optax's aliases).
+
+Every alias chains the same stages whatever its hyperparameters (weight decay 0 is a stateless
+no-op, momentum 0 an ``identity``), so each stage keeps its index in the state's paths.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from cfx._src import tree as tree_util
+from cfx._src.optim import _util
+from cfx._src.optim._adam import adam_sweep
+from cfx._src.optim.base import GradientTransformation, chain, identity
+from cfx._src.optim.transforms import (
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_lars,
+    scale_by_learning_rate,
+    scale_by_trust_ratio,
+    trace,
+)
+
+LearningRate = float | Callable[[torch.Tensor], Any]
+
+
+def sgd(learning_rate: LearningRate, momentum: float = 0.0, *, nesterov: bool = False,
+        weight_decay: float = 0.0) -> GradientTransformation:
+    """torch.optim.SGD (dampening 0): ``g += wd * p``; ``t = momentum * t + g``;
+    ``p -= lr * (t or g + momentum * t with nesterov)``."""
+    _util.check_learning_rate("sgd", learning_rate)
+    _util.check_nonneg("sgd", "momentum", momentum, "typical values are 0.9-0.99")
+    if nesterov and momentum == 0.0:
+        raise ValueError("cfx.optim.sgd: nesterov=True needs momentum > 0; set momentum=0.9, say.")
+    return chain(
+        add_decayed_weights(weight_decay),
+        trace(momentum, nesterov=nesterov) if momentum else identity(),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def adam(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+         weight_decay: float = 0.0) -> GradientTransformation:
+    """torch.optim.Adam: ``weight_decay`` is L2 regularisation added to the gradient before the
+    moments (use ``adamw`` for decoupled decay).
+
+    ``chain(add_decayed_weights(weight_decay), scale_by_adam(...), scale_by_learning_rate(lr))``,
+    run as one fused sweep over the leaves (same state; the same numbers up to float rounding).
+    """
+    _util.check_learning_rate("adam", learning_rate)
+    reference = chain(
+        add_decayed_weights(weight_decay),
+        scale_by_adam(b1=b1, b2=b2, eps=eps),
+        scale_by_learning_rate(learning_rate),
+    )
+
+    def update(updates, state, params=None):
+        _check_chain_state("adam", state, 3)
+        if weight_decay and params is None:
+            raise ValueError("cfx.optim.adam: weight decay needs the params; call "
+                             "tx.update(grads, state, params).")
+        decay_state, adam_state, lr_state = state
+        updates, adam_state, lr_state = _fused_adam(
+            updates, adam_state, lr_state, params, learning_rate, b1=b1, b2=b2, eps=eps,
+            l2=weight_decay)
+        return updates, (decay_state, adam_state, lr_state)
+
+    return GradientTransformation(reference.init, update)
+
+
+def adamw(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 1e-2, mask: Any = None) -> GradientTransformation:
+    """torch.optim.AdamW (Loshchilov & Hutter, 2019): ``p -= lr * (adam_direction + wd * p)``.
+
+    ``mask`` (a pytree of bools like params, or ``params -> bools``) selects the leaves that
+    decay, e.g. ``lambda params: cfx.tree.map(lambda p: p.ndim >= 2, params)``.
+
+    ``chain(scale_by_adam(...), add_decayed_weights(weight_decay, mask=mask),
+    scale_by_learning_rate(lr))``, run as one fused sweep over the leaves (same state; the same
+    numbers up to float rounding).
+    """
+    _util.check_learning_rate("adamw", learning_rate)
+    reference = chain(
+        scale_by_adam(b1=b1, b2=b2, eps=eps),
+        add_decayed_weights(weight_decay, mask=mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+    def update(updates, state, params=None):
+        _check_chain_state("adamw", state, 3)
+        if weight_decay and params is None:
+            raise ValueError("cfx.optim.adamw: weight decay needs the params; call "
+                             "tx.update(grads, state, params).")
+        adam_state, decay_state, lr_state = state
+        updates, adam_state, lr_state = _fused_adam(
+            updates, adam_state, lr_state, params, learning_rate, b1=b1, b2=b2, eps=eps,
+            decay=weight_decay, mask=mask)
+        return updates, (adam_state, decay_state, lr_state)
+
+    return GradientTransformation(reference.init, update)
+
+
+def _check_chain_state(fn: str, state: Any, n: int) -> None:
+    if not isinstance(state, tuple) or len(state) != n:
+        raise ValueError(f"cfx.optim.{fn}: expected a state tuple of {n} entries, got "
+                         f"{type(state).__name__}; pass the state returned by this optimizer's "
+                         "init or update.")
+
+
+def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2, eps, l2=0.0,
+                decay=0.0, mask=None):
+    """The Adam chain in one sweep (see ``_adam.py``): returns updates and the two new states."""
+    what = "cfx.optim update"
+    gs, treedef = tree_util.flatten(updates)
+    ps = None
+    if params is not None:
+        ps, params_treedef = tree_util.flatten(params)
+        _util.leaves_like(f"{what} (params vs grads)", updates, params_treedef, params)
+    mus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.mu, treedef, updates)
+    nus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.nu, treedef, updates)
+    if callable(learning_rate):
+        lr, lr_state = learning_rate(lr_state.count), ScaleByScheduleState(lr_state.count + 1)
+    else:
+        lr = learning_rate
+    count = adam_state.count + 1
+    if not gs:
+        return updates, ScaleByAdamState(count, adam_state.mu, adam_state.nu), lr_state
+    flags = _util.resolve_mask("cfx.optim.add_decayed_weights", mask, params, len(gs)) \
+        if decay else None
+    lr = _util.as_scalar(lr, gs[0].device)
+    mu, nu, out = adam_sweep(gs, mus, nus, count, b1=b1, b2=b2, eps=eps, params=ps, l2=l2,
+                             decay=decay, decay_flags=flags, lr=lr)
+    unflat = lambda xs: tree_util.unflatten(treedef, xs)  # noqa: E731
+    return unflat(out), ScaleByAdamState(count, unflat(mu), unflat(nu)), lr_state
+
+
+def lamb(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+         weight_decay: float = 0.0, mask: Any = None) -> GradientTransformation:
+    """LAMB (You et al., 2019): ``r = m_hat / (sqrt(v_hat) + eps) + wd * p`` and, per leaf,
+    ``p -= lr * ||p|| / ||r|| * r`` (ratio 1 where either norm is 0). ``mask`` selects the
+    leaves that decay."""
+    _util.check_learning_rate("lamb", learning_rate)
+    return chain(
+        scale_by_adam(b1=b1, b2=b2, eps=eps),
+        add_decayed_weights(weight_decay, mask=mask),
+        scale_by_trust_ratio(),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def lars(learning_rate: LearningRate, *, momentum: float = 0.9, weight_decay: float = 0.0,
+         trust_coefficient: float = 1e-3, eps: float = 0.0, nesterov: bool = False,
+         mask: Any = None) -> GradientTransformation:
+    """LARS (You et al., 2017), Algorithm 1: per leaf
+    ``lam = eta * ||p|| / (||g|| + wd * ||p||)``, ``v = momentum * v + lr * lam * (g + wd * p)``,
+    ``p -= v``. Leaves where ``mask`` is False get plain momentum SGD (no decay, no ``lam``)."""
+    _util.check_learning_rate("lars", learning_rate)
+    _util.check_nonneg("lars", "momentum", momentum, "typical values are 0.9")
+    if nesterov and momentum == 0.0:
+        raise ValueError("cfx.optim.lars: nesterov=True needs momentum > 0; set momentum=0.9, say.")
+    return chain(
+        scale_by_lars(trust_coefficient, weight_decay=weight_decay, eps=eps, mask=mask),
+        scale_by_learning_rate(learning_rate),
+        trace(momentum, nesterov=nesterov) if momentum else identity(),
+    )

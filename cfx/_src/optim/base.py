@@ -1,0 +1,90 @@
+"""The optimizer contract: ``GradientTransformation(init, update)``, ``chain``, ``apply_updates``.
+
+As in optax, an optimizer is a pair of pure functions::
+
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = apply_updates(params, updates)
+
+``state`` is an explicit pytree of tensors (NamedTuples), step counts included, so a checkpoint
+can save every leaf. ``update`` never writes into ``grads``, ``params`` or the old ``state``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from cfx._src import tree as tree_util
+from cfx._src.optim import _util
+
+PyTree = Any
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``."""
+
+    init: Callable[[PyTree], PyTree]
+    update: Callable[..., tuple[PyTree, PyTree]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation (no leaves)."""
+
+
+def identity() -> GradientTransformation:
+    """Passes updates through unchanged."""
+
+    def init(params):
+        del params
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Applies ``transforms`` in order; the state is the tuple of their states."""
+    for i, t in enumerate(transforms):
+        if not (callable(getattr(t, "init", None)) and callable(getattr(t, "update", None))):
+            raise ValueError(f"cfx.optim.chain: argument {i} is a {type(t).__name__}, not a "
+                             "GradientTransformation; build one with e.g. cfx.optim.scale(...).")
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(f"cfx.optim.chain: expected a state tuple of {len(transforms)} entries "
+                             f"(one per transformation), got {type(state).__name__}; pass the state "
+                             "returned by this optimizer's init or update.")
+        if params is not None:
+            tree_util.check_same_structure("cfx.optim update (params vs grads)", params, updates)
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """New params ``p + u`` leafwise, with ``u`` cast to ``p``'s dtype."""
+    ps, treedef = tree_util.flatten(params)
+    us = _util.leaves_like("cfx.optim.apply_updates (params vs updates)", updates, treedef, params)
+    if not ps:
+        return params
+    us = [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(ps, us)]
+    return tree_util.unflatten(treedef, torch._foreach_add(ps, us))
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """``sqrt(sum of squares)`` over every tensor leaf, accumulated in float32 (0-d tensor)."""
+    xs = [x for x in tree_util.leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not xs:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(_util.leaf_norms(xs)))

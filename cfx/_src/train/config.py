@@ -1,0 +1,63 @@
+"""The training job's configuration and its command line."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: str = "gpt2"            # gpt2 | llama
+    preset: str = "tiny"
+    steps: int = 300
+    batch: int = 16
+    seq: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    precision: str = "fp32"        # fp32 | bf16 | fp16
+    seed: int = 0
+    data: str | None = None        # a text file; default: the stdlib's source text
+    eval_every: int = 50
+    eval_batches: int = 8
+    save: str | None = None        # checkpoint path (.safetensors), written at the end
+    save_every: int = 0            # also every N steps when > 0
+    resume: str | None = None      # checkpoint to continue from
+    threads: int = 0               # torch intra-op threads; 0 keeps torch's default
+    progress: bool = True
+    json: str | None = None        # write the summary as JSON here
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m cfx.train",
+                                description="Train a cfx language model on byte-level text (CPU-friendly defaults).")
+    p.add_argument("--model", choices=["gpt2", "llama"], default=d.model)
+    p.add_argument("--preset", default=d.preset, help="model size preset, e.g. tiny, small (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
+    p.add_argument("--seq", type=int, default=d.seq, help="sequence length in bytes")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warmup + cosine decay)")
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global-norm clip; 0 disables")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=d.precision)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--data", default=d.data, help="a text file (default: the Python stdlib's source text)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--save", default=d.save, help="checkpoint path (.safetensors)")
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--resume", default=d.resume, help="checkpoint to resume from")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")
+    a = p.parse_args(argv)
+    cfg = TrainConfig(**vars(a))
+    for name in ("steps", "batch", "seq"):
+        if getattr(cfg, name) <= 0:
+            p.error(f"--{name} must be positive, got {getattr(cfg, name)}")
+    return cfg

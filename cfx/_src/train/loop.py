@@ -1,0 +1,155 @@
+"""The training job: a language model on byte-level text, with eval, checkpoints and a summary."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from cfx import amp, checkpoint, models, optim
+from cfx._src import data as data_lib
+from cfx._src import random as jr
+from cfx._src import tree as tree_util
+from cfx._src.table import format_table
+from cfx._src.train.config import TrainConfig
+from cfx._src.transforms import value_and_grad
+
+
+def build_model(cfg: TrainConfig):
+    overrides = {"vocab_size": data_lib.VOCAB_SIZE}
+    if cfg.model == "gpt2":
+        model = models.gpt2(cfg.preset, **overrides)
+        max_len = model.config.n_positions
+    else:
+        model = models.llama(cfg.preset, **overrides)
+        max_len = model.config.max_position_embeddings
+    if cfg.seq > max_len:
+        raise ValueError(f"--seq {cfg.seq} exceeds the {cfg.model} {cfg.preset!r} context of {max_len}; "
+                         f"use --seq {max_len} or less.")
+    return model
+
+
+def decay_mask(params: Any) -> Any:
+    """Weight decay on matrices only (not biases, norms)."""
+    return tree_util.map(lambda x: x.dim() >= 2, params)
+
+
+def build_optimizer(cfg: TrainConfig, params: Any) -> optim.GradientTransformation:
+    schedule = optim.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup, cfg.steps),
+        decay_steps=max(cfg.steps, 1), end_value=cfg.lr * cfg.min_lr_ratio)
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optim.clip_by_global_norm(cfg.grad_clip))
+    parts.append(optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(params)))
+    tx = optim.chain(*parts)
+    if amp.policy(cfg.precision).needs_loss_scaling:
+        tx = optim.dynamic_loss_scale(tx)
+    return tx
+
+
+def make_train_step(model, tx, policy: amp.Policy):
+    def scaled_loss(params, tokens, targets, key, scale):
+        loss = model.loss(policy.cast_to_compute(params), tokens, targets, key=key)
+        return loss * scale, loss
+
+    grad_fn = value_and_grad(scaled_loss, has_aux=True)
+
+    def step(params, opt_state, tokens, targets, key):
+        scale = optim.loss_scale(opt_state) if policy.needs_loss_scaling else 1.0
+        (_, loss), grads = grad_fn(params, tokens, targets, key, scale)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+@torch.no_grad()
+def evaluate(model, params, policy, val_batches) -> float:
+    p = policy.cast_to_compute(params)
+    losses = [float(model.loss(p, x, y)) for x, y in val_batches]
+    return sum(losses) / len(losses)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run the job described by ``cfg``; returns the summary (also printed as a table)."""
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    policy = amp.policy(cfg.precision)
+    corpus = data_lib.text_file(cfg.data) if cfg.data else data_lib.stdlib_corpus()
+    train_data, val_data = data_lib.train_val_split(corpus)
+    model = build_model(cfg)
+    k_init, k_data, k_val, k_drop = jr.split(jr.key(cfg.seed), 4)
+    params = model.init(k_init)
+    tx = build_optimizer(cfg, params)
+    opt_state = tx.init(params)
+    start = 0
+    if cfg.resume:
+        restored, meta = checkpoint.load(cfg.resume, {"params": params, "opt_state": opt_state})
+        params, opt_state, start = restored["params"], restored["opt_state"], int(meta.get("step", 0))
+    val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
+                   for i in range(cfg.eval_batches)]
+    step_fn = make_train_step(model, tx, policy)
+    n_params = tree_util.tree_size(params)
+
+    def save(step: int) -> None:
+        checkpoint.save(cfg.save, {"params": params, "opt_state": opt_state},
+                        metadata={"step": step, "config": dataclasses.asdict(cfg)})
+
+    history = {"train": [], "eval": []}
+    eval0 = evaluate(model, params, policy, val_batches)
+    history["eval"].append((start, eval0))
+    train_time, tokens = 0.0, 0
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not cfg.progress,
+               desc=f"{cfg.model}-{cfg.preset}", unit="step", mininterval=0.5)
+    ema = None
+    for step in bar:
+        x, y = data_lib.sample_batch(train_data, jr.fold_in(k_data, step), cfg.batch, cfg.seq)
+        t0 = time.perf_counter()
+        params, opt_state, loss = step_fn(params, opt_state, x, y, jr.fold_in(k_drop, step))
+        loss = float(loss)
+        train_time += time.perf_counter() - t0
+        tokens += x.numel()
+        if not math.isfinite(loss) and not policy.needs_loss_scaling:
+            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or use --precision fp32.")
+        ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+        history["train"].append((step + 1, loss))
+        done = step + 1
+        if done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
+            history["eval"].append((done, evaluate(model, params, policy, val_batches)))
+        if cfg.save and cfg.save_every and done % cfg.save_every == 0:
+            save(done)
+        bar.set_postfix(loss=f"{ema:.3f}", eval=f"{history['eval'][-1][1]:.3f}",
+                        tok_s=f"{tokens / max(train_time, 1e-9):,.0f}", refresh=False)
+    bar.close()
+    if cfg.save:
+        save(cfg.steps)
+    summary = {
+        "model": f"{cfg.model}-{cfg.preset}", "params": n_params, "precision": cfg.precision,
+        "steps": cfg.steps - start, "tokens": tokens,
+        "train_loss_first": history["train"][0][1] if history["train"] else float("nan"),
+        "train_loss_last": ema if ema is not None else float("nan"),
+        "eval_loss_first": eval0, "eval_loss_last": history["eval"][-1][1],
+        "tokens_per_s": tokens / train_time if train_time else 0.0, "train_time_s": train_time,
+        "history": history,
+    }
+    print_summary(summary)
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    rows = [
+        ("model", s["model"]), ("parameters", f"{s['params']:,}"), ("precision", s["precision"]),
+        ("steps", s["steps"]), ("tokens", f"{s['tokens']:,}"),
+        ("train loss (first -> last, EMA)", f"{s['train_loss_first']:.3f} -> {s['train_loss_last']:.3f}"),
+        ("eval loss (first -> last)", f"{s['eval_loss_first']:.3f} -> {s['eval_loss_last']:.3f}"),
+        ("tokens/s (train steps)", f"{s['tokens_per_s']:,.0f}"), ("train time", f"{s['train_time_s']:.1f} s"),
+    ]
+    print(format_table(rows, ["summary", "value"]), flush=True)

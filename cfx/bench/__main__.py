@@ -1,0 +1,23 @@
+"""``python -m cfx.bench NAME [--quick] [--json FILE]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cfx.bench import overhead
+
+BENCHES = {"overhead": overhead.run}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cfx.bench", description=__doc__)
+    p.add_argument("name", choices=sorted(BENCHES))
+    p.add_argument("--quick", action="store_true", help="finish in under a minute on 2 CPU cores")
+    p.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    a = p.parse_args(argv)
+    BENCHES[a.name](quick=a.quick, json_path=a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

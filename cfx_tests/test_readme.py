@@ -1,0 +1,27 @@
+"""The README's code blocks run as written, so the docs cannot rot."""
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks():
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_opens_with_the_two_commands():
+    first_block = re.search(r"```sh\n(.*?)```", README.read_text(), flags=re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
+    assert commands == ["make demo", "make test"]
+
+
+def test_readme_python_blocks_run(tmp_path, monkeypatch, capsys):
+    blocks = python_blocks()
+    assert blocks, "README has no python blocks"
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        code = code.replace("/tmp/cfx-tour.safetensors", str(tmp_path / "tour.safetensors"))
+        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out
+    losses = [float(line.split()[1]) for line in out.splitlines() if re.fullmatch(r"\d+ [\d.]+", line)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
