@@ -6,35 +6,22 @@ import torch
 
 import cfx
 from cfx import models
+from cfx_tests.hf_helpers import random_tokens, roughen, shifted_targets
 
 transformers = pytest.importorskip("transformers")
 
 CFG = dict(vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 
 
-def roughen(hf_model, seed=0):
-    """Move every HF weight well off its init so a wrong eps, bias or layout shows in the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            base = 1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else 0.0
-            p.copy_(base + 0.15 * torch.randn(p.shape, generator=g))
-    return hf_model
-
-
 def hf_gpt2(attn="eager", **overrides):
     torch.manual_seed(0)
     cfg = models.gpt2("tiny", **{**CFG, **overrides}).hf_config()
     cfg._attn_implementation = attn
-    return roughen(transformers.GPT2LMHeadModel(cfg)).eval()
+    return roughen(transformers.GPT2LMHeadModel(cfg), ("ln_1.weight", "ln_2.weight", "ln_f.weight")).eval()
 
 
 def tokens(B=3, T=16, seed=0, V=CFG["vocab_size"]):
-    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def shifted_targets(tok):
-    return torch.cat([tok[:, 1:], torch.full_like(tok[:, :1], -100)], dim=1)
+    return random_tokens(B, T, V, seed)
 
 
 @pytest.fixture(scope="module")

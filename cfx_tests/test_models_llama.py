@@ -6,6 +6,7 @@ import torch
 
 import cfx
 from cfx import models
+from cfx_tests.hf_helpers import random_tokens, roughen, shifted_targets
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,28 +17,15 @@ NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.nor
 VARIANTS = [(2, False), (4, True), (1, False)]
 
 
-def roughen(hf_model, seed=0):
-    """Move every HF weight well off its init so a wrong eps, RoPE or layout shows in the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            p.copy_((1.0 if name.endswith(NORMS) else 0.0) + 0.15 * torch.randn(p.shape, generator=g))
-    return hf_model
-
-
 def hf_llama(attn="eager", **overrides):
     torch.manual_seed(0)
     cfg = models.llama("tiny", **{**CFG, **overrides}).hf_config()
     cfg._attn_implementation = attn
-    return roughen(transformers.LlamaForCausalLM(cfg)).eval()
+    return roughen(transformers.LlamaForCausalLM(cfg), NORMS).eval()
 
 
 def tokens(B=3, T=16, seed=0, V=CFG["vocab_size"]):
-    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def shifted_targets(tok):
-    return torch.cat([tok[:, 1:], torch.full_like(tok[:, :1], -100)], dim=1)
+    return random_tokens(B, T, V, seed)
 
 
 @pytest.fixture(scope="module")

@@ -358,25 +358,6 @@ def test_fused_adam_aliases_equal_their_chains(seed, shapes_, which, wd, schedul
         params = optim.apply_updates(params, u1)
 
 
-@given(seeds, st.integers(1, 9), st.sampled_from([0.0, 0.1]), st.sampled_from([0.0, 0.2]),
-       st.booleans())
-def test_adam_sweep_chunked_equals_foreach(seed, chunk, l2, decay, with_lr):
-    from cfx._src.optim._adam import adam_sweep
-    g = torch.Generator().manual_seed(seed)
-    shapes_ = [(3, 7), (), (0,), (11,), (4, 5)]
-    gs, ps, ms = ([torch.randn(s, generator=g) for s in shapes_] for _ in range(3))
-    vs = [torch.rand(s, generator=g) for s in shapes_]
-    ps[0] = torch.randn(7, 3, generator=g).t()  # a non-contiguous leaf
-    kw = dict(b1=0.9, b2=0.99, eps=1e-6, params=ps, l2=l2, decay=decay,
-              decay_flags=[True, False, True, True, True], lr=torch.tensor(0.1) if with_lr else None)
-    count = torch.tensor(3, dtype=torch.int32)
-    before = clone((gs, ps, ms, vs))
-    a = adam_sweep(gs, ms, vs, count, impl="chunked", chunk=chunk, **kw)
-    b = adam_sweep(gs, ms, vs, count, impl="foreach", **kw)
-    assert_tree_equal((gs, ps, ms, vs), before)
-    torch.testing.assert_close(list(a), list(b))
-
-
 def test_adamw_stays_differentiable_for_params_that_require_grad():
     params = {"w": torch.randn(3, requires_grad=True)}
     tx = optim.adamw(1e-2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cfx._src.runtime import keep_host_memory
 from cfx.bench import overhead
 
 BENCHES = {"overhead": overhead.run}
@@ -15,6 +16,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="finish in under a minute on 2 CPU cores")
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     a = p.parse_args(argv)
+    keep_host_memory()  # the same setting as python -m cfx.train; applies to both sides of a comparison
     BENCHES[a.name](quick=a.quick, json_path=a.json)
     return 0
 

@@ -53,10 +53,12 @@ class Linear:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Linear.apply: x has {x.shape[-1]} features in its last dim, expected "
                              f"in_features={self.in_features} (x shape {tuple(x.shape)}).")
-        y = x @ params["w"]
-        if self.bias:
-            y = y + params["b"]
-        return y
+        w = params["w"]
+        if not self.bias:
+            return x @ w
+        # one addmm with the bias fused; w's gradient comes out contiguous in w's own layout
+        y = torch.addmm(params["b"], x.reshape(-1, self.in_features), w)  # (N, out)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def axes(self) -> dict:
         out = {"w": tuple(self.axes_names)}

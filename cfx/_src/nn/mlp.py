@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,8 @@ ACTIVATIONS = ("gelu_tanh", "gelu", "relu", "swiglu")
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     """Pointwise activation by name. ``gelu_tanh`` is GPT-2's ``gelu_new`` (tanh approximation)."""
     if name == "gelu_tanh":
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+        # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as one fused kernel
+        return F.gelu(x, approximate="tanh")
     if name == "gelu":
         return F.gelu(x)
     if name == "relu":

@@ -26,6 +26,7 @@ class TrainConfig:
     save: str | None = None        # checkpoint path (.safetensors), written at the end
     save_every: int = 0            # also every N steps when > 0
     resume: str | None = None      # checkpoint to continue from
+    stop_after: int = 0            # stop (and save) after N steps of this run; 0 runs to --steps
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
     json: str | None = None        # write the summary as JSON here
@@ -52,6 +53,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--save", default=d.save, help="checkpoint path (.safetensors)")
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--resume", default=d.resume, help="checkpoint to resume from")
+    p.add_argument("--stop-after", type=int, default=d.stop_after,
+                   help="stop and save after N steps of this run (resume later with --resume)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")

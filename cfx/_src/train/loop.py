@@ -104,7 +104,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     eval0 = evaluate(model, params, policy, val_batches)
     history["eval"].append((start, eval0))
     train_time, tokens = 0.0, 0
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not cfg.progress,
+    end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not cfg.progress,
                desc=f"{cfg.model}-{cfg.preset}", unit="step", mininterval=0.5)
     ema = None
     for step in bar:
@@ -119,7 +120,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         ema = loss if ema is None else 0.9 * ema + 0.1 * loss
         history["train"].append((step + 1, loss))
         done = step + 1
-        if done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
+        if done == end or (cfg.eval_every and done % cfg.eval_every == 0):
             history["eval"].append((done, evaluate(model, params, policy, val_batches)))
         if cfg.save and cfg.save_every and done % cfg.save_every == 0:
             save(done)
@@ -127,26 +128,26 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                         tok_s=f"{tokens / max(train_time, 1e-9):,.0f}", refresh=False)
     bar.close()
     if cfg.save:
-        save(cfg.steps)
+        save(end)
     summary = {
-        "model": f"{cfg.model}-{cfg.preset}", "params": n_params, "precision": cfg.precision,
-        "steps": cfg.steps - start, "tokens": tokens,
+        "model": f"{cfg.model}-{cfg.preset}", "n_params": n_params, "precision": cfg.precision,
+        "steps": end - start, "tokens": tokens,
         "train_loss_first": history["train"][0][1] if history["train"] else float("nan"),
         "train_loss_last": ema if ema is not None else float("nan"),
         "eval_loss_first": eval0, "eval_loss_last": history["eval"][-1][1],
         "tokens_per_s": tokens / train_time if train_time else 0.0, "train_time_s": train_time,
-        "history": history,
+        "history": history, "params": params,
     }
     print_summary(summary)
     if cfg.json:
         with open(cfg.json, "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump({k: v for k, v in summary.items() if k != "params"}, f, indent=1)
     return summary
 
 
 def print_summary(s: dict[str, Any]) -> None:
     rows = [
-        ("model", s["model"]), ("parameters", f"{s['params']:,}"), ("precision", s["precision"]),
+        ("model", s["model"]), ("parameters", f"{s['n_params']:,}"), ("precision", s["precision"]),
         ("steps", s["steps"]), ("tokens", f"{s['tokens']:,}"),
         ("train loss (first -> last, EMA)", f"{s['train_loss_first']:.3f} -> {s['train_loss_last']:.3f}"),
         ("eval loss (first -> last)", f"{s['eval_loss_first']:.3f} -> {s['eval_loss_last']:.3f}"),

@@ -1,0 +1,71 @@
+"""The training job: loss falls, resume equals an uninterrupted run, precisions run, errors are clear."""
+import json
+
+import pytest
+import torch
+
+import cfx
+from cfx.train import TrainConfig, main, train
+
+SMALL = dict(batch=4, seq=32, eval_every=0, eval_batches=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    return str(path)
+
+
+def test_loss_falls_on_the_default_corpus():
+    s = train(TrainConfig(steps=40, batch=8, seq=64, eval_every=0, eval_batches=4, progress=False))
+    assert s["eval_loss_first"] > 5.0  # ~ln(256) at init
+    assert s["eval_loss_last"] < s["eval_loss_first"] - 1.0
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, text_file):
+    base = dict(SMALL, steps=6, data=text_file, model="llama")
+    full = train(TrainConfig(**base, save=str(tmp_path / "full.safetensors")))
+    train(TrainConfig(**base, stop_after=3, save=str(tmp_path / "half.safetensors")))
+    resumed = train(TrainConfig(**base, resume=str(tmp_path / "half.safetensors"),
+                                save=str(tmp_path / "resumed.safetensors")))
+    assert resumed["steps"] == 3
+    cfx.tree.assert_tree_close(resumed["params"], full["params"])
+    _, meta = cfx.checkpoint.load(tmp_path / "resumed.safetensors",
+                                  {"params": full["params"], "opt_state": _opt_state_like(base, full["params"])})
+    assert meta["step"] == 6
+
+
+def _opt_state_like(base, params):
+    from cfx._src.train.loop import build_optimizer
+    return build_optimizer(TrainConfig(**base), params).init(params)
+
+
+@pytest.fixture(scope="module")
+def fp32_run(text_file):
+    return train(TrainConfig(**SMALL, steps=10, data=text_file))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_tracks_fp32_and_keeps_fp32_master_params(precision, text_file, fp32_run):
+    s = train(TrainConfig(**SMALL, steps=10, data=text_file, precision=precision))
+    assert all(x.dtype == torch.float32 for x in cfx.tree.leaves(s["params"]))
+    assert s["eval_loss_last"] < s["eval_loss_first"] - 1.0
+    assert abs(s["eval_loss_last"] - fp32_run["eval_loss_last"]) < 0.15
+
+
+def test_cli_prints_summary_and_writes_json(tmp_path, text_file, capsys):
+    out = tmp_path / "summary.json"
+    assert main(["--steps", "2", "--batch", "2", "--seq", "16", "--data", text_file, "--no-progress",
+                 "--json", str(out)]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    assert json.loads(out.read_text())["steps"] == 2
+
+
+def test_cli_reports_bad_input(text_file, capsys):
+    assert main(["--preset", "huge", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
+    assert "unknown preset 'huge'" in capsys.readouterr().err
+    assert main(["--seq", "4096", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
+    assert "--seq 4096 exceeds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--steps", "0"])
