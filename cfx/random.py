@@ -2,7 +2,9 @@
 from cfx._src.random import (
     Key,
     bernoulli,
+    categorical,
     fold_in,
+    gumbel,
     key,
     normal,
     permutation,
@@ -13,5 +15,5 @@ from cfx._src.random import (
     uniform,
 )
 
-__all__ = ["Key", "bernoulli", "fold_in", "key", "normal", "permutation", "randint", "split",
+__all__ = ["Key", "bernoulli", "categorical", "fold_in", "gumbel", "key", "normal", "permutation", "randint", "split",
            "threefry2x32", "truncated_normal", "uniform"]

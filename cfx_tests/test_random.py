@@ -106,3 +106,12 @@ def test_dtypes_devices_and_bad_input():
         cfx.random.normal(cfx.random.split(k, 2), (2,))
     with pytest.raises(ValueError, match="seed"):
         cfx.random.key(1.5)
+
+
+def test_categorical_frequencies_follow_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    draws = torch.stack([cfx.random.categorical(k, logits) for k in cfx.random.split(cfx.random.key(0), 4000)])
+    for row in range(2):
+        freq = torch.bincount(draws[:, row], minlength=4).double() / len(draws)
+        expected = torch.softmax(logits[row].double(), dim=0)
+        assert (freq - expected).abs().max() < 0.03  # binomial sd <= 0.008 at n = 4000

@@ -7,7 +7,7 @@ import torch
 import cfx
 from cfx.train import TrainConfig, main, train
 
-SMALL = dict(batch=4, seq=32, eval_every=0, eval_batches=2, progress=False)
+SMALL = dict(batch=4, seq=32, eval_every=0, eval_batches=2, progress=False, sample_bytes=0)
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +18,11 @@ def text_file(tmp_path_factory):
 
 
 def test_loss_falls_on_the_default_corpus():
-    s = train(TrainConfig(steps=40, batch=8, seq=64, eval_every=0, eval_batches=4, progress=False))
+    s = train(TrainConfig(steps=40, batch=8, seq=64, eval_every=0, eval_batches=4, progress=False,
+                          sample_bytes=20))
     assert s["eval_loss_first"] > 5.0  # ~ln(256) at init
     assert s["eval_loss_last"] < s["eval_loss_first"] - 1.0
+    assert s["sample"].startswith("def ") and len(s["sample"].encode("utf-8", "replace")) >= 20
 
 
 def test_resume_equals_uninterrupted_run(tmp_path, text_file):

@@ -143,6 +143,19 @@ def truncated_normal(key: Key, lower: float = -2.0, upper: float = 2.0, shape: S
     return x.to(device=device, dtype=dtype)
 
 
+def gumbel(key: Key, shape: Shape = (), dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Standard Gumbel samples ``-log(-log(u))``."""
+    u = torch.rand(_shape(shape), generator=_generator(key), dtype=torch.float64)
+    u = u.clamp(min=torch.finfo(torch.float64).tiny)
+    return (-torch.log(-torch.log(u))).to(device=device, dtype=dtype)
+
+
+def categorical(key: Key, logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Indices drawn from ``softmax(logits)`` along ``dim`` (Gumbel-max), one per other position."""
+    g = gumbel(key, logits.shape, dtype=torch.float64, device=logits.device)
+    return torch.argmax(logits.double() + g, dim=dim)
+
+
 def permutation(key: Key, n: int, device=None) -> torch.Tensor:
     """A random permutation of ``range(n)``."""
     return torch.randperm(n, generator=_generator(key)).to(device=device)

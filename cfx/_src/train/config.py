@@ -27,6 +27,7 @@ class TrainConfig:
     save_every: int = 0            # also every N steps when > 0
     resume: str | None = None      # checkpoint to continue from
     stop_after: int = 0            # stop (and save) after N steps of this run; 0 runs to --steps
+    sample_bytes: int = 200        # bytes of text to sample from the trained model at the end
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
     json: str | None = None        # write the summary as JSON here
@@ -55,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--resume", default=d.resume, help="checkpoint to resume from")
     p.add_argument("--stop-after", type=int, default=d.stop_after,
                    help="stop and save after N steps of this run (resume later with --resume)")
+    p.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
+                   help="sample this many bytes of text at the end (0: none)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")

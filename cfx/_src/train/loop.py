@@ -16,6 +16,7 @@ from cfx._src import random as jr
 from cfx._src import tree as tree_util
 from cfx._src.table import format_table
 from cfx._src.train.config import TrainConfig
+from cfx._src.train.sample import sample_bytes
 from cfx._src.transforms import value_and_grad
 
 
@@ -139,6 +140,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "history": history, "params": params,
     }
     print_summary(summary)
+    if cfg.sample_bytes > 0:
+        text = sample_bytes(model, policy.cast_to_compute(params), b"def ", steps=cfg.sample_bytes,
+                            key=jr.fold_in(k_drop, -1), context=cfg.seq)
+        summary["sample"] = text.decode("utf-8", errors="replace")
+        print(f"\nsample ({cfg.sample_bytes} bytes after 'def ', temperature 0.8):\n{summary['sample']}", flush=True)
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump({k: v for k, v in summary.items() if k != "params"}, f, indent=1)
