@@ -17,6 +17,7 @@ differentiate ``scale_loss(loss, state)``.
 from cfx._src.optim.alias import adam, adamw, lamb, lars, sgd
 from cfx._src.optim.base import (
     EmptyState,
+    init_empty_state,
     GradientTransformation,
     apply_updates,
     chain,

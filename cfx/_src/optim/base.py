@@ -31,19 +31,20 @@ class GradientTransformation(NamedTuple):
 class EmptyState(NamedTuple):
     """The state of a stateless transformation (no leaves)."""
 
+def init_empty_state(params: PyTree) -> EmptyState:
+    """The ``init`` of a stateless transformation."""
+    del params
+    return EmptyState()
+
 
 def identity() -> GradientTransformation:
     """Passes updates through unchanged."""
-
-    def init(params):
-        del params
-        return EmptyState()
 
     def update(updates, state, params=None):
         del params
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_empty_state, update)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

@@ -11,7 +11,7 @@ import torch
 from cfx._src import tree as tree_util
 from cfx._src.optim import _util
 from cfx._src.optim._adam import adam_sweep
-from cfx._src.optim.base import EmptyState, GradientTransformation
+from cfx._src.optim.base import GradientTransformation, init_empty_state
 
 PyTree = Any
 
@@ -33,10 +33,6 @@ class TraceState(NamedTuple):
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     """Multiplies updates by a constant ``step_size``."""
 
-    def init(params):
-        del params
-        return EmptyState()
-
     def update(updates, state, params=None):
         del params
         us, treedef = tree_util.flatten(updates)
@@ -45,7 +41,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
         s = _util.as_scalar(step_size, us[0].device)
         return tree_util.unflatten(treedef, torch._foreach_mul(us, s)), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_empty_state, update)
 
 
 def scale_by_schedule(step_size_fn: Callable[[torch.Tensor], Any]) -> GradientTransformation:
@@ -137,10 +133,6 @@ def add_decayed_weights(weight_decay: float = 0.0, *, mask: Any = None) -> Gradi
     _util.check_nonneg("add_decayed_weights", "weight_decay", weight_decay,
                        "typical values are 0 to 0.1")
 
-    def init(params):
-        del params
-        return EmptyState()
-
     def update(updates, state, params=None):
         if weight_decay == 0.0:
             return updates, state
@@ -160,7 +152,7 @@ def add_decayed_weights(weight_decay: float = 0.0, *, mask: Any = None) -> Gradi
             out[i] = d
         return tree_util.unflatten(treedef, out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_empty_state, update)
 
 
 def _layer_norms(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -180,10 +172,6 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
     _util.check_positive("scale_by_trust_ratio", "trust_coefficient", trust_coefficient)
     _util.check_nonneg("scale_by_trust_ratio", "eps", eps)
 
-    def init(params):
-        del params
-        return EmptyState()
-
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("cfx.optim.scale_by_trust_ratio: needs the params; call "
@@ -199,7 +187,7 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
                             trust_coefficient * p_norm / (u_norm + eps))
         return tree_util.unflatten(treedef, _scale_leaves(us, ratio)), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_empty_state, update)
 
 
 def scale_by_lars(trust_coefficient: float = 1e-3, *, weight_decay: float = 0.0, eps: float = 0.0,
@@ -213,10 +201,6 @@ def scale_by_lars(trust_coefficient: float = 1e-3, *, weight_decay: float = 0.0,
                          "the paper uses 0.001")
     _util.check_nonneg("scale_by_lars", "weight_decay", weight_decay)
     _util.check_nonneg("scale_by_lars", "eps", eps)
-
-    def init(params):
-        del params
-        return EmptyState()
 
     def update(updates, state, params=None):
         if params is None:
@@ -238,4 +222,4 @@ def scale_by_lars(trust_coefficient: float = 1e-3, *, weight_decay: float = 0.0,
             out[i] = x
         return tree_util.unflatten(treedef, out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_empty_state, update)
