@@ -3,10 +3,14 @@
 Models are pure functions over parameter pytrees; parallelism and memory strategies are
 function transformations over named device meshes.
 """
-from cfx import amp, checkpoint, models, nn, optim, random, tree
+from cfx import amp, checkpoint, lax, models, nn, optim, random, tree
+from cfx._src.lax.stats import CommStats, comm_stats
+from cfx._src.mesh.mesh import Mesh
+from cfx._src.mesh.spec import P
+from cfx._src.shard_map import shard_map
 from cfx._src.transforms import grad, jvp, value_and_grad, vmap
 
 __version__ = "0.1.0"
 
-__all__ = ["amp", "checkpoint", "grad", "jvp", "models", "nn", "optim", "random", "tree",
-           "value_and_grad", "vmap"]
+__all__ = ["CommStats", "Mesh", "P", "amp", "checkpoint", "comm_stats", "grad", "jvp", "lax",
+           "models", "nn", "optim", "random", "shard_map", "tree", "value_and_grad", "vmap"]

@@ -1,0 +1,209 @@
+"""Collectives by mesh axis name, each differentiable with JAX's transpose as its backward.
+
+Transposes: psum <-> pvary (psum's backward is the identity, pvary's is a psum),
+all_gather <-> psum_scatter, all_to_all <-> all_to_all (split and concat dims swapped),
+ppermute <-> ppermute by the inverse permutation; pmax / pmin route the cotangent to the
+ranks holding the extremum (split evenly between ties). As in JAX, the cotangent of a psum /
+pmean / pmax result (a replicated value) is taken to be the same on every rank, while varying
+outputs (all_gather, psum_scatter, all_to_all, ppermute, pvary) have their per-rank cotangents
+summed by the transpose.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from cfx._src.lax import comm
+
+Axis = str | Sequence[str]
+
+
+def _names(axis: Axis) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _ax(axis: Axis, where: str) -> comm.Axes:
+    return comm.Axes(_names(axis), where)
+
+
+def _check_dim(x: torch.Tensor, dim: int, where: str) -> int:
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise ValueError(f"{where}: dim={dim} is out of range for a tensor of shape {tuple(x.shape)}.")
+    return dim % max(x.dim(), 1)
+
+
+def axis_index(axis: Axis) -> int:
+    """This rank's position along ``axis`` (tuple axes linearised major to minor)."""
+    return _ax(axis, "cfx.lax.axis_index").index
+
+
+def axis_size(axis: Axis) -> int:
+    """The number of ranks along ``axis`` (the product for a tuple)."""
+    return _ax(axis, "cfx.lax.axis_size").size
+
+
+class _PSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax):
+        return comm.all_reduce(x, ax, "sum")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _PVary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax):
+        ctx.ax = ax
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g, ctx.ax, "sum"), None
+
+
+class _PExtremum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, op):
+        out = comm.all_reduce(x, ax, op)
+        ctx.save_for_backward(x, out)
+        ctx.ax = ax
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, out = ctx.saved_tensors
+        hit = (x == out).to(g.dtype)
+        ties = comm.all_reduce(hit, ctx.ax, "sum")
+        return g * hit / ties.clamp_min(1), None, None
+
+
+def psum(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Sum over the ranks of ``axis``."""
+    return _PSum.apply(x, _ax(axis, "cfx.lax.psum"))
+
+
+def pmean(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Mean over the ranks of ``axis``."""
+    ax = _ax(axis, "cfx.lax.pmean")
+    return _PSum.apply(x, ax) / ax.size
+
+
+def pmax(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Elementwise maximum over the ranks of ``axis``."""
+    return _PExtremum.apply(x, _ax(axis, "cfx.lax.pmax"), "max")
+
+
+def pmin(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Elementwise minimum over the ranks of ``axis``."""
+    return _PExtremum.apply(x, _ax(axis, "cfx.lax.pmin"), "min")
+
+
+def pvary(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Identity on values; marks a replicated value as varying, so its backward sums cotangents.
+
+    Megatron's ``f``: put it where a replicated activation enters a sharded computation.
+    """
+    return _PVary.apply(x, _ax(axis, "cfx.lax.pvary"))
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, tiled):
+        ctx.ax, ctx.dim, ctx.tiled = ax, dim, tiled
+        blocks = comm.all_gather_blocks(x, ax)
+        return torch.cat(blocks, dim) if tiled else torch.stack(blocks, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        blocks = g.chunk(ctx.ax.size, ctx.dim) if ctx.tiled else g.unbind(ctx.dim)
+        return comm.reduce_scatter_blocks(blocks, ctx.ax), None, None, None
+
+
+class _PSumScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, tiled):
+        ctx.ax, ctx.dim, ctx.tiled = ax, dim, tiled
+        blocks = x.chunk(ax.size, dim) if tiled else x.unbind(dim)
+        return comm.reduce_scatter_blocks(blocks, ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        blocks = comm.all_gather_blocks(g, ctx.ax)
+        return (torch.cat(blocks, ctx.dim) if ctx.tiled else torch.stack(blocks, ctx.dim)), None, None, None
+
+
+def all_gather(x: torch.Tensor, axis: Axis, *, dim: int = 0, tiled: bool = False) -> torch.Tensor:
+    """Every rank's ``x``, stacked along a new ``dim`` (or concatenated along ``dim`` if tiled)."""
+    where = "cfx.lax.all_gather"
+    ax = _ax(axis, where)
+    dim = _check_dim(x, dim, where) if tiled else dim % (x.dim() + 1)
+    return _AllGather.apply(x, ax, dim, tiled)
+
+
+def psum_scatter(x: torch.Tensor, axis: Axis, *, dim: int = 0, tiled: bool = False) -> torch.Tensor:
+    """Sum over ``axis``, then keep this rank's slice of ``dim``: block ``i`` of ``dim`` (tiled) or
+    index ``i`` (not tiled, ``x.shape[dim]`` must equal the axis size) goes to position ``i``."""
+    where = "cfx.lax.psum_scatter"
+    ax = _ax(axis, where)
+    dim = _check_dim(x, dim, where)
+    n = x.shape[dim] if x.dim() else 1
+    if tiled and n % ax.size:
+        raise ValueError(f"{where}: dim {dim} has size {n}, not divisible by the {ax.size} ranks of "
+                         f"axis {ax.names}; pad it or choose another dim.")
+    if not tiled and n != ax.size:
+        raise ValueError(f"{where}: with tiled=False dim {dim} must have the axis size {ax.size}, got "
+                         f"{n}; pass tiled=True to scatter blocks of it.")
+    return _PSumScatter.apply(x, ax, dim, tiled)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, split_dim, concat_dim):
+        ctx.ax, ctx.split_dim, ctx.concat_dim = ax, split_dim, concat_dim
+        received = comm.all_to_all_blocks(x.chunk(ax.size, split_dim), ax)
+        return torch.cat(received, concat_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        received = comm.all_to_all_blocks(g.chunk(ctx.ax.size, ctx.concat_dim), ctx.ax)
+        return torch.cat(received, ctx.split_dim), None, None, None
+
+
+def all_to_all(x: torch.Tensor, axis: Axis, *, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Split ``split_dim`` into one block per rank, send block ``i`` to position ``i``, and
+    concatenate the blocks received along ``concat_dim`` in sender order."""
+    where = "cfx.lax.all_to_all"
+    ax = _ax(axis, where)
+    split_dim, concat_dim = _check_dim(x, split_dim, where), _check_dim(x, concat_dim, where)
+    if x.shape[split_dim] % ax.size:
+        raise ValueError(f"{where}: split_dim {split_dim} has size {x.shape[split_dim]}, not divisible "
+                         f"by the {ax.size} ranks of axis {ax.names}.")
+    return _AllToAll.apply(x, ax, split_dim, concat_dim)
+
+
+class _PPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, perm):
+        ctx.ax, ctx.perm = ax, perm
+        return comm.permute(x, ax, perm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.permute(g, ctx.ax, [(d, s) for s, d in ctx.perm]), None, None
+
+
+def ppermute(x: torch.Tensor, axis: Axis, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Send ``x`` from position ``src`` to ``dst`` for each ``(src, dst)`` in ``perm``; positions
+    that receive nothing get zeros. Sources and destinations must each be unique."""
+    where = "cfx.lax.ppermute"
+    ax = _ax(axis, where)
+    perm = [(int(s), int(d)) for s, d in perm]
+    srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
+    bad = [p for p in srcs + dsts if not 0 <= p < ax.size]
+    if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"{where}: perm {perm} must pair unique sources with unique destinations in "
+                         f"[0, {ax.size}) for axis {ax.names}.")
+    return _PPermute.apply(x, ax, tuple(perm))

@@ -1,0 +1,130 @@
+"""The one collective layer: raw gloo/NCCL calls on a rank's group, with accounting.
+
+Everything that moves bytes between ranks goes through these functions; they record each call
+in the active ``comm_stats`` collectors. Inputs are never modified; outputs are fresh tensors.
+Blocks are exchanged in the *requested* axis order: a group is made once per member set in the
+mesh's axis order, and ``order`` maps requested positions to group ranks.
+"""
+from __future__ import annotations
+
+import contextvars
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from cfx._src.mesh import context as ctx_lib
+
+_collectors: contextvars.ContextVar[tuple] = contextvars.ContextVar("cfx_comm_stats", default=())
+
+
+class Axes:
+    """A rank's view of the group over ``axes`` in the requested order."""
+
+    def __init__(self, axes: tuple[str, ...], where: str):
+        ctx = ctx_lib.current(where)
+        self.names = ctx.mesh.check_axes(axes, where)
+        self.ctx = ctx
+        self.group = ctx.group(self.names)
+        self.size = self.group.size
+        self.index = ctx.mesh.index_in(self.names, ctx.coords)  # position in requested order
+        canon = self.group.axes
+        # order[i]: the group rank of the member at requested position i
+        if canon == self.names:
+            self.order = None
+        else:
+            self.order = [self._canon_index(i, canon) for i in range(self.size)]
+
+    def _canon_index(self, i: int, canon: tuple[str, ...]) -> int:
+        mesh, c = self.ctx.mesh, {}
+        for a in reversed(self.names):
+            i, c[a] = divmod(i, mesh.shape[a])
+        return mesh.index_in(canon, c)
+
+    def record(self, op: str, t: torch.Tensor) -> None:
+        for c in _collectors.get():
+            c.record(self.ctx.rank, op, self.names, t.numel(), t.numel() * t.element_size(),
+                     ctx_lib.in_backward())
+
+
+def _wait(work) -> None:
+    work.wait()
+
+
+def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    ax.record("all_reduce", out)
+    if ax.size == 1:
+        return out
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    _wait(ax.group.get().allreduce([out], opts))
+    return out
+
+
+def all_gather_blocks(x: torch.Tensor, ax: Axes) -> list[torch.Tensor]:
+    """Every member's block, in requested order."""
+    x = x.detach().contiguous()
+    ax.record("all_gather", x)
+    if ax.size == 1:
+        return [x.clone()]
+    outs = [torch.empty_like(x) for _ in range(ax.size)]
+    _wait(ax.group.get().allgather([outs], [x]))
+    return outs if ax.order is None else [outs[j] for j in ax.order]
+
+
+def reduce_scatter_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> torch.Tensor:
+    """Sum over members of ``blocks[i]`` lands on the member at requested position ``i``."""
+    blocks = [b.detach().contiguous() for b in blocks]
+    ax.record("reduce_scatter", torch.cat([b.reshape(-1) for b in blocks]) if len(blocks) > 1 else blocks[0])
+    if ax.size == 1:
+        return blocks[0].clone()
+    if ax.order is not None:  # group rank j receives requested position order.index(j)
+        inv = [0] * ax.size
+        for i, j in enumerate(ax.order):
+            inv[j] = i
+        blocks = [blocks[inv[j]] for j in range(ax.size)]
+    out = torch.empty_like(blocks[0])
+    _wait(ax.group.get().reduce_scatter([out], [list(blocks)]))
+    return out
+
+
+def all_to_all_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> list[torch.Tensor]:
+    """Send ``blocks[i]`` to requested position ``i``; returns the blocks received, by sender."""
+    blocks = [b.detach().contiguous() for b in blocks]
+    ax.record("all_to_all", torch.cat([b.reshape(-1) for b in blocks]))
+    if ax.size == 1:
+        return [blocks[0].clone()]
+    if ax.order is not None:
+        inv = [0] * ax.size
+        for i, j in enumerate(ax.order):
+            inv[j] = i
+        blocks = [blocks[inv[j]] for j in range(ax.size)]
+    shapes = [b.shape for b in blocks]
+    if any(s != shapes[0] for s in shapes):
+        raise AssertionError("all_to_all blocks must have equal shapes")
+    inp = torch.stack(blocks)  # (N, ...) by destination
+    out = torch.empty_like(inp)
+    _wait(ax.group.get().alltoall_base(out, inp, [], []))
+    received = list(out.unbind(0))  # by source group rank
+    return received if ax.order is None else [received[j] for j in ax.order]
+
+
+def permute(x: torch.Tensor, ax: Axes, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Send to / receive from requested positions per ``perm``; zeros where nothing arrives."""
+    x = x.detach().contiguous()
+    ax.record("ppermute", x)
+    out = torch.zeros_like(x)
+    to_group = (lambda i: i) if ax.order is None else (lambda i: ax.order[i])
+    works = []
+    pg = ax.group.get() if ax.size > 1 else None
+    for src, dst in perm:
+        if src == ax.index and dst == ax.index:
+            out.copy_(x)
+        elif src == ax.index:
+            works.append(pg.send([x], to_group(dst), 0))
+        elif dst == ax.index:
+            works.append(pg.recv([out], to_group(src), 0))
+    for w in works:
+        _wait(w)
+    return out
