@@ -22,7 +22,8 @@ class DistBackend:
 
     def __init__(self, mesh):
         self.mesh = mesh
-        if not dist.is_initialized():
+        self._owns_world = not dist.is_initialized()
+        if self._owns_world:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=mesh.timeout))
         world = dist.get_world_size()
         if world != mesh.size:
@@ -57,4 +58,15 @@ class DistBackend:
         return gathered
 
     def close(self) -> None:
+        """Wait for every rank, release the groups, and shut the world down if this mesh made it."""
+        if self._closed:
+            return
         self._closed = True
+        dist.barrier()
+        for g in self._groups.values():
+            if g.pg is not None and g.size > 1:
+                dist.destroy_process_group(g.pg)
+            g.pg = None
+        self._ctx.groups.clear()
+        if self._owns_world:
+            dist.destroy_process_group()
