@@ -19,7 +19,6 @@ import optree
 import torch
 
 from cfx._src import tree as tree_util
-from cfx._src.lax import comm
 from cfx._src.mesh.spec import P, is_spec
 
 
@@ -127,17 +126,12 @@ def shard_map(f: Callable[..., Any], *, mesh, in_specs: Any, out_specs: Any,
                 raise ValueError(f"shard_map: in_specs leaf {path!r} is a {type(leaf).__name__}, which "
                                  "cannot be split; give it P().")
         _, treedef = tree_util.flatten(tuple(args))
-        collectors = comm._collectors.get()
 
         def on_rank(rank: int):
             coords = mesh.coords(rank)
             leaves = [block_of(x.detach(), spec, mesh, coords).clone() if isinstance(x, torch.Tensor) else x
                       for _, x, spec in items]
-            token = comm._collectors.set(collectors)
-            try:
-                return f(*tree_util.unflatten(treedef, leaves))
-            finally:
-                comm._collectors.reset(token)
+            return f(*tree_util.unflatten(treedef, leaves))
 
         outs = mesh.run(on_rank)
         ref = tree_util.structure(outs[0])

@@ -48,7 +48,7 @@ class DistBackend:
         self._ctx.groups = dict(self._groups)
         self._closed = False
 
-    def run(self, fn: Callable[[int], Any], carried=None) -> list[Any]:
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
         if self._closed:
             raise ValueError(f"{self.mesh!r} is closed; make a new Mesh.")
         with ctx_lib.installed(self._ctx):

@@ -82,10 +82,10 @@ class LocalBackend:
             job = self._inbox[rank].get()
             if job is None:
                 return
-            fn, carried = job
+            fn = job
             ctx = self._contexts[rank]
             try:
-                with ctx_lib.installed(ctx), carried():
+                with ctx_lib.installed(ctx):
                     out = fn(rank)
                 self._outbox.put((rank, True, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the controller
@@ -95,13 +95,12 @@ class LocalBackend:
                 self._outbox.put((rank, False, RankFailure(rank, ctx.coords, e, text)))
                 del e
 
-    def run(self, fn: Callable[[int], Any], carried: Callable[[], Any] | None = None) -> list[Any]:
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
         if self._closed:
             raise ValueError(f"{self.mesh!r} is closed; make a new Mesh.")
-        carried = carried or _nullcontext
         with self._lock:
             for q in self._inbox:
-                q.put((fn, carried))
+                q.put(fn)
             results: list[Any] = [None] * self.mesh.size
             failures: list[RankFailure] = []
             for _ in range(self.mesh.size):
@@ -154,11 +153,3 @@ class _SingletonGroup:
 
     def __getattr__(self, name):
         raise AssertionError(f"collective {name} on a size-1 group should be short-circuited")
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -102,8 +102,20 @@ class Mesh:
 
     # -- lifetime -----------------------------------------------------------------------------
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
-        """``fn(rank)`` on every rank this process drives, with that rank's context installed."""
-        return self.backend.run(fn)
+        """``fn(rank)`` on every rank this process drives, with that rank's context installed.
+
+        Active ``comm_stats`` collectors of the caller are active in the ranks too.
+        """
+        from cfx._src.lax import comm
+        collectors = comm._collectors.get()
+
+        def with_collectors(rank: int):
+            token = comm._collectors.set(collectors)
+            try:
+                return fn(rank)
+            finally:
+                comm._collectors.reset(token)
+        return self.backend.run(with_collectors)
 
     @property
     def local_ranks(self) -> list[int]:
