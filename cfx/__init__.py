@@ -7,6 +7,7 @@ from cfx import amp, checkpoint, lax, models, nn, optim, random, tree
 from cfx._src.lax.stats import CommStats, comm_stats
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.mesh.spec import P
+from cfx._src.parallel.rules import Rules
 from cfx._src.reshard import Plan as ReshardPlan, reshard, reshard_plan
 from cfx._src.shard_map import shard_map
 from cfx._src.sharded import ShardedArray, device_put
@@ -14,5 +15,5 @@ from cfx._src.transforms import grad, jvp, value_and_grad, vmap
 
 __version__ = "0.1.0"
 
-__all__ = ["CommStats", "Mesh", "P", "ReshardPlan", "ShardedArray", "device_put", "reshard", "reshard_plan", "amp", "checkpoint", "comm_stats", "grad", "jvp", "lax",
+__all__ = ["CommStats", "Mesh", "P", "Rules", "ReshardPlan", "ShardedArray", "device_put", "reshard", "reshard_plan", "amp", "checkpoint", "comm_stats", "grad", "jvp", "lax",
            "models", "nn", "optim", "random", "shard_map", "tree", "value_and_grad", "vmap"]

@@ -53,8 +53,24 @@ def _allowed(mask: torch.Tensor | None, causal: bool, B: int, T: int, S: int,
     return None if allowed is None else allowed.expand(B, 1, T, S)
 
 
+_IMPLS = ("auto", "sdpa", "triton", "reference")
+
+
+def _pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    if impl not in _IMPLS:
+        raise ValueError(f"cfx.nn.attention: impl must be one of {_IMPLS}, got {impl!r}.")
+    if impl != "auto":
+        return impl
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return "sdpa"
+    from cfx_kernels.flash_attention import triton_unsupported  # lazily: triton loads only here
+
+    return "triton" if triton_unsupported(q, k, v) is None else "sdpa"
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, scale: float | None = None,
+              impl: str = "auto") -> torch.Tensor:
     """``softmax(q k^T * scale + bias) v`` per head; q ``(B, T, H, D)``, k/v ``(B, S, Hkv, D)``.
 
     ``H`` must be a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads kv head
@@ -62,8 +78,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     bool ``(B, S)`` key-padding mask or ``(B, T, S)`` mask, True = attend. ``scale`` defaults to
     ``1/sqrt(D)``. A query that may see no key at all returns zeros, not NaN. Returns
     ``(B, T, H, D)``. This is the one function attention kernels plug into.
+
+    ``impl``: ``"sdpa"`` (``F.scaled_dot_product_attention``), ``"triton"`` (the flash-attention
+    kernel of ``cfx_kernels.flash_attention``), ``"reference"`` (its plain-PyTorch reference), or
+    ``"auto"``: the Triton kernel for CUDA tensors it supports (fp32/fp16/bf16, head_dim <= 128),
+    SDPA otherwise.
     """
     _check_qkv(q, k, v)
+    impl = _pick_impl(impl, q, k, v)
+    if impl in ("triton", "reference"):
+        if mask is not None and mask.dtype != torch.bool:
+            raise ValueError(f"cfx.nn.attention: mask must be a bool tensor (True = attend), "
+                             f"got dtype {mask.dtype}.")
+        from cfx_kernels.flash_attention import flash_attention
+
+        return flash_attention(q, k, v, causal=causal, mask=mask, scale=scale, impl=impl)
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     q_ = q.transpose(1, 2)  # (B, H, T, D)
@@ -90,7 +119,8 @@ class Attention:
     ``n_kv_heads < n_heads`` gives grouped-query attention; ``rope=True`` rotates q and k (HF
     Llama convention, base ``rope_theta``). ``apply(params, x, mask=None, positions=None)`` with
     x ``(B, T, C)``, an optional bool ``(B, T)`` padding mask (True = real token) and optional
-    integer ``positions`` ``(T,)`` / ``(B, T)`` for RoPE (default ``arange(T)``).
+    integer ``positions`` ``(T,)`` / ``(B, T)`` for RoPE (default ``arange(T)``). ``impl`` picks
+    the attention implementation (see :func:`attention`).
     """
 
     features: int
@@ -103,6 +133,7 @@ class Attention:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     out_init_std: float | None = None
+    impl: str = "auto"
 
     def __post_init__(self):
         if self.n_heads <= 0 or self.kv_heads <= 0:
@@ -114,6 +145,8 @@ class Attention:
         if self.head_dim is None and self.features % self.n_heads:
             raise ValueError(f"Attention: features={self.features} is not divisible by "
                              f"n_heads={self.n_heads}; pass head_dim explicitly.")
+        if self.impl not in _IMPLS:
+            raise ValueError(f"Attention: impl must be one of {_IMPLS}, got {self.impl!r}.")
         if self.rope and self.dim % 2:
             raise ValueError(f"Attention: rope needs an even head_dim, got {self.dim}.")
 
@@ -143,6 +176,12 @@ class Attention:
 
     def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
               positions: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.heads(params, x, mask=mask, positions=positions)  # (B, T, H * D)
+        return self._layers()["o"].apply(params["o"], out)  # (B, T, C)
+
+    def heads(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Every head's output, concatenated, before the ``o`` projection: (B, T, C) -> (B, T, H * D)."""
         if x.dim() != 3:
             raise ValueError(f"Attention.apply: x must be (B, T, C), got shape {tuple(x.shape)}.")
         B, T, _ = x.shape
@@ -155,8 +194,8 @@ class Attention:
             pos = torch.arange(T, device=x.device) if positions is None else positions.to(x.device)
             cos, sin = rope_cos_sin(pos, D, theta=self.rope_theta, dtype=q.dtype)  # (..., T, D)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, causal=self.causal, mask=mask)  # (B, T, H, D)
-        return layers["o"].apply(params["o"], out.reshape(B, T, H * D))  # (B, T, C)
+        out = attention(q, k, v, causal=self.causal, mask=mask, impl=self.impl)  # (B, T, H, D)
+        return out.reshape(B, T, H * D)
 
     def axes(self) -> dict:
         return {n: layer.axes() for n, layer in self._layers().items()}

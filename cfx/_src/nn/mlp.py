@@ -60,14 +60,22 @@ class MLP:
         keys = split_keys(key, len(layers))
         return {name: layer.init(k) for (name, layer), k in zip(layers.items(), keys)}
 
-    def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
-        # (..., C) -> (..., hidden) -> (..., C)
+    @property
+    def out_name(self) -> str:
+        """The name of the output projection's params (``down`` for SwiGLU, else ``proj``)."""
+        return "down" if self.activation == "swiglu" else "proj"
+
+    def hidden_out(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        """The activated hidden layer, before the output projection: (..., C) -> (..., hidden)."""
         layers = self._layers()
         if self.activation == "swiglu":
-            h = F.silu(layers["gate"].apply(params["gate"], x)) * layers["up"].apply(params["up"], x)
-            return layers["down"].apply(params["down"], h)
-        h = activation(self.activation, layers["fc"].apply(params["fc"], x))
-        return layers["proj"].apply(params["proj"], h)
+            return F.silu(layers["gate"].apply(params["gate"], x)) * layers["up"].apply(params["up"], x)
+        return activation(self.activation, layers["fc"].apply(params["fc"], x))
+
+    def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        # (..., C) -> (..., hidden) -> (..., C)
+        out = self._layers()[self.out_name]
+        return out.apply(params[self.out_name], self.hidden_out(params, x))
 
     def axes(self) -> dict:
         return {name: layer.axes() for name, layer in self._layers().items()}

@@ -1,0 +1,81 @@
+"""Megatron-LM 1D tensor parallelism (Shoeybi et al., 2019) as a layer transform.
+
+With the rules ``{"heads": axis, "kv_heads": axis, "mlp": axis}`` each rank holds a column slice
+of q/k/v and fc/gate/up and the matching row slice of o and proj/down. A block then needs
+exactly two collective points per sub-layer, Megatron's ``f`` and ``g``:
+
+    h = pvary(norm(x), axis)            # f: identity forward, all-reduce of the input grad backward
+    y = psum(local_part(h) @ w_o, axis) # g: all-reduce forward, identity backward
+    x = x + y + b_o                     # the row-parallel bias is added once, after the sum
+
+so a block issues 2 all-reduces of ``B*T*C`` elements in forward and 2 in backward. The model
+itself is unchanged: ``tensor_parallel(model, axis)`` wraps each block.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from cfx._src.lax import collectives as lax
+from cfx._src.nn.dropout import dropout
+from cfx._src.nn.linear import split_keys
+
+MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model"}
+
+
+def _row_parallel(h: torch.Tensor, p: dict, axis: str) -> torch.Tensor:
+    # (..., in/n) @ (in/n, out) summed over the axis, then the replicated bias once
+    y = lax.psum(h @ p["w"], axis)
+    return y + p["b"] if "b" in p else y
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelBlock:
+    """A ``TransformerBlock`` whose attention heads and MLP hidden units are split over ``axis``.
+
+    Same ``init`` / ``axes`` as the wrapped block (params are global; shard them with the rules);
+    ``apply`` must run inside ``shard_map`` with the block's params sharded by those rules.
+    """
+
+    block: Any
+    axis: str = "model"
+
+    def init(self, key: torch.Tensor) -> dict:
+        return self.block.init(key)
+
+    def axes(self) -> dict:
+        return self.block.axes()
+
+    def _local_layers(self, n: int) -> dict:
+        layers = self.block._layers()
+        attn, mlp = layers["attn"], layers["mlp"]
+        for what, size in (("n_heads", attn.n_heads), ("n_kv_heads", attn.kv_heads), ("mlp hidden", mlp.hidden)):
+            if size % n:
+                raise ValueError(f"tensor parallelism over axis {self.axis!r} of size {n}: the block's "
+                                 f"{what}={size} is not divisible by {n}; use a mesh axis size dividing it.")
+        layers["attn"] = dataclasses.replace(attn, n_heads=attn.n_heads // n,
+                                             n_kv_heads=attn.kv_heads // n, head_dim=attn.dim)
+        layers["mlp"] = dataclasses.replace(mlp, hidden=mlp.hidden // n)
+        return layers
+
+    def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
+        # x (B, T, C) replicated over the axis -> (B, T, C) replicated
+        layers = self._local_layers(lax.axis_size(self.axis))
+        attn, mlp, rate = layers["attn"], layers["mlp"], self.block.dropout
+        k_attn = k_mlp = None
+        if key is not None and rate > 0.0:
+            k_attn, k_mlp = split_keys(key, 2)  # the same keys on every rank of the axis
+        h = lax.pvary(layers["norm1"].apply(params["norm1"], x), self.axis)
+        h = attn.heads(params["attn"], h, mask=mask, positions=positions)  # (B, T, H/n * D)
+        x = x + dropout(_row_parallel(h, params["attn"]["o"], self.axis), rate, k_attn)
+        h = lax.pvary(layers["norm2"].apply(params["norm2"], x), self.axis)
+        h = mlp.hidden_out(params["mlp"], h)  # (B, T, hidden/n)
+        return x + dropout(_row_parallel(h, params["mlp"][mlp.out_name], self.axis), rate, k_mlp)
+
+
+def tensor_parallel(model: Any, axis: str = "model") -> Any:
+    """``model`` with every block made Megatron tensor-parallel over ``axis``."""
+    return model.map_blocks(lambda b: TensorParallelBlock(b, axis))

@@ -1,0 +1,44 @@
+"""Specs for optimizer state, and data-parallel gradient averaging in one flat all-reduce."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cfx._src import tree as tree_util
+from cfx._src.lax import collectives as lax
+from cfx._src.mesh.spec import P, is_spec
+
+
+def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
+    """Specs for an optimizer state: a leaf whose path ends with a param's path and has that
+    param's shape (moments, momentum buffers) gets the param's spec; counters etc. get ``P()``."""
+    by_path = {}
+    spec_leaves = tree_util.leaves(param_specs, is_leaf=is_spec)
+    for (path, p), spec in zip(tree_util.flatten_with_path(params)[0], spec_leaves):
+        by_path[path] = (tuple(p.shape), spec)
+
+    def pick(path: str, leaf: Any) -> P:
+        parts = path.split(".")
+        for i in range(len(parts)):
+            hit = by_path.get(".".join(parts[i:]))
+            if hit is not None and isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == hit[0]:
+                return hit[1]
+        return P()
+    return tree_util.map_with_path(pick, state)
+
+
+def tree_pmean(tree: Any, axis: str) -> Any:
+    """``pmean`` of every floating leaf over ``axis`` as ONE flat all-reduce (bucketed DP sync)."""
+    items, treedef = tree_util.flatten(tree)
+    floats = [i for i, x in enumerate(items) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not floats:
+        return tree
+    flat = torch.cat([items[i].reshape(-1).to(torch.float32) for i in floats])
+    flat = lax.pmean(flat, axis)
+    out, offset = list(items), 0
+    for i in floats:
+        n = items[i].numel()
+        out[i] = flat[offset:offset + n].view_as(items[i]).to(items[i].dtype)
+        offset += n
+    return tree_util.unflatten(treedef, out)
