@@ -1,0 +1,135 @@
+"""SPMD runtime figures: mesh start-up, shard_map overhead, collective throughput, reshard bytes.
+
+* start-up: a ``local`` Mesh to its first completed psum vs ``torch.multiprocessing`` spawning the
+  same number of gloo processes to their first all-reduce;
+* per-call overhead of ``shard_map`` on an identity function;
+* all-reduce throughput through ``cfx.lax.psum`` vs raw ``ProcessGroupGloo.allreduce`` on the
+  same groups and sizes (ratio, target >= 0.9);
+* bytes moved per rank by ``reshard`` vs gather-then-split on a table of spec pairs.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import cfx
+from cfx import P
+from cfx.bench.common import Row, report
+
+
+def _mp_worker(rank: int, size: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
+                           timeout=datetime.timedelta(seconds=60))
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+
+
+def mp_startup(size: int) -> float:
+    fd, path = tempfile.mkstemp(prefix="cfx-bench-init-")
+    os.close(fd)
+    os.remove(path)
+    t0 = time.perf_counter()
+    mp.start_processes(_mp_worker, args=(size, path), nprocs=size, start_method="spawn", join=True)
+    return time.perf_counter() - t0
+
+
+def local_startup(size: int) -> float:
+    t0 = time.perf_counter()
+    with cfx.Mesh({"data": size}) as mesh:
+        cfx.shard_map(lambda x: cfx.lax.psum(x, "data"), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(1))
+        elapsed = time.perf_counter() - t0
+    return elapsed
+
+
+def shard_map_overhead_us(size: int, calls: int) -> float:
+    with cfx.Mesh({"data": size}) as mesh:
+        f = cfx.shard_map(lambda x: x, mesh=mesh, in_specs=P(), out_specs=P())
+        x = torch.ones(4)
+        f(x)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            f(x)
+        return (time.perf_counter() - t0) / calls * 1e6
+
+
+def allreduce_ratio(size: int, numel: int, reps: int) -> tuple[float, float, float]:
+    """(cfx seconds per psum, raw gloo seconds per allreduce, raw / cfx)."""
+    with cfx.Mesh({"data": size}) as mesh:
+        def body(x):
+            cfx.lax.psum(x, "data")  # make the group
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                cfx.lax.psum(x, "data")
+            return torch.tensor([time.perf_counter() - t0])
+        x = torch.randn(numel)
+        t_cfx = float(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(x).max()) / reps
+
+    store = dist.HashStore()
+    pgs = [None] * size
+    times = [0.0] * size
+
+    def worker(r):
+        pgs[r] = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), r, size, datetime.timedelta(seconds=60))
+        y = x.clone()
+        pgs[r].allreduce([y]).wait()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            y = x.clone()  # psum returns a fresh tensor: do the same copy here
+            pgs[r].allreduce([y]).wait()
+        times[r] = time.perf_counter() - t0
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(size)]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    try:
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    finally:
+        torch.set_num_threads(saved)
+    t_raw = max(times) / reps
+    return t_cfx, t_raw, t_raw / t_cfx
+
+
+RESHARD_PAIRS = [
+    ({"a": 2, "b": 2}, (64, 64), P("a", "b"), P("b", "a")),
+    ({"a": 2, "b": 2}, (64, 64), P("a", None), P(None, "a")),
+    ({"a": 2, "b": 2}, (64, 64), P(("a", "b")), P(None, ("a", "b"))),
+    ({"a": 4}, (64, 64), P("a"), P()),
+    ({"a": 2, "b": 4}, (64, 64), P("a", "b"), P()),
+    ({"a": 2, "b": 4}, (64, 64), P(None, ("a", "b")), P("b", "a")),
+    ({"a": 2, "b": 2, "c": 2}, (16, 16, 16), P("a", "b", "c"), P("c", "a", "b")),
+]
+
+
+def run(*, quick: bool = False, json_path: str | None = None) -> dict:
+    rows = []
+    sizes = (2, 4, 8)
+    for n in sizes:
+        t_local = min(local_startup(n) for _ in range(3))
+        rows.append(Row(f"local mesh startup, {n} ranks (to first psum)", t_local, "s",
+                        "< 1 s" if n == 8 else "", t_local < 1.0 if n == 8 else True))
+        if not quick or n == 2:
+            t_mp = mp_startup(n)
+            rows.append(Row(f"torch.multiprocessing gloo startup, {n} ranks (to first all_reduce)", t_mp, "s"))
+            rows.append(Row(f"startup ratio mp/local, {n} ranks", t_mp / t_local, "x"))
+    rows.append(Row("shard_map per-call overhead, identity, 4 ranks", shard_map_overhead_us(4, 50 if quick else 500), "us"))
+    for numel in ((1 << 16,) if quick else (1 << 10, 1 << 16, 1 << 20)):
+        t_cfx, t_raw, ratio = allreduce_ratio(4, numel, 20 if quick else 100)
+        gbs = numel * 4 / t_cfx / 1e9
+        rows.append(Row(f"psum throughput ratio raw/cfx, 4 ranks, {numel * 4 // 1024} KiB", ratio, "x",
+                        ">= 0.9", ratio >= 0.9))
+        rows.append(Row(f"psum algorithm bandwidth, 4 ranks, {numel * 4 // 1024} KiB", gbs, "GB/s"))
+    for shape, tshape, src, dst in RESHARD_PAIRS:
+        with cfx.Mesh(shape) as mesh:
+            arr = cfx.device_put(torch.zeros(tshape), mesh, src)
+            plan = cfx.reshard_plan(arr, dst)
+        rows.append(Row(f"reshard {src}->{dst} on {shape}: bytes/rank (gather-then-split {plan.naive_bytes:,.0f})",
+                        plan.nbytes, "B", "<= gather-then-split", plan.nbytes <= plan.naive_bytes))
+    return report("spmd", rows, json_path)
