@@ -71,3 +71,20 @@ def test_cli_reports_bad_input(text_file, capsys):
     assert "--seq 4096 exceeds" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--steps", "0"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_mesh_training_tracks_single_device(model, text_file):
+    base = dict(SMALL, steps=5, data=text_file, model=model)
+    single = train(TrainConfig(**base))
+    sharded = train(TrainConfig(**base, mesh="data=2,model=2"))
+    torch.testing.assert_close(torch.tensor([l for _, l in sharded["history"]["train"]]),
+                               torch.tensor([l for _, l in single["history"]["train"]]), rtol=1e-4, atol=1e-5)
+
+
+def test_mesh_flag_errors(text_file, capsys):
+    assert main(["--mesh", "data=2,pipe=2", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
+    assert "AXIS=SIZE" in capsys.readouterr().err
+    assert main(["--mesh", "data=3", "--batch", "4", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
+    assert "not divisible by the data axis size 3" in capsys.readouterr().err

@@ -28,6 +28,7 @@ class TrainConfig:
     resume: str | None = None      # checkpoint to continue from
     stop_after: int = 0            # stop (and save) after N steps of this run; 0 runs to --steps
     sample_bytes: int = 200        # bytes of text to sample from the trained model at the end
+    mesh: str | None = None        # e.g. "data=2,model=2": DP x Megatron TP on a cfx.Mesh
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
     json: str | None = None        # write the summary as JSON here
@@ -58,6 +59,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
                    help="stop and save after N steps of this run (resume later with --resume)")
     p.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
                    help="sample this many bytes of text at the end (0: none)")
+    p.add_argument("--mesh", default=d.mesh,
+                   help="train on a mesh, e.g. data=2,model=2 (local threads, or one process per rank "
+                        "under torchrun)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")

@@ -1,6 +1,7 @@
 """The training job: a language model on byte-level text, with eval, checkpoints and a summary."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -15,7 +16,9 @@ from cfx._src import data as data_lib
 from cfx._src import random as jr
 from cfx._src import tree as tree_util
 from cfx._src.table import format_table
+from cfx._src.mesh.mesh import Mesh
 from cfx._src.train.config import TrainConfig
+from cfx._src.train.sharded import make_sharded_train_step, parse_mesh
 from cfx._src.train.sample import sample_bytes
 from cfx._src.transforms import value_and_grad
 
@@ -40,11 +43,13 @@ def decay_mask(params: Any) -> Any:
 
 
 def build_optimizer(cfg: TrainConfig, params: Any) -> optim.GradientTransformation:
+    """AdamW with warmup + cosine; clipping here only on one device (a mesh step clips by the
+    global norm across shards itself)."""
     schedule = optim.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup, cfg.steps),
         decay_steps=max(cfg.steps, 1), end_value=cfg.lr * cfg.min_lr_ratio)
     parts = []
-    if cfg.grad_clip > 0:
+    if cfg.grad_clip > 0 and not cfg.mesh:
         parts.append(optim.clip_by_global_norm(cfg.grad_clip))
     parts.append(optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(params)))
     tx = optim.chain(*parts)
@@ -78,6 +83,11 @@ def evaluate(model, params, policy, val_batches) -> float:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the job described by ``cfg``; returns the summary (also printed as a table)."""
+    with contextlib.ExitStack() as stack:  # closes the mesh, if any, however the run ends
+        return _train(cfg, stack)
+
+
+def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     policy = amp.policy(cfg.precision)
@@ -94,7 +104,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         params, opt_state, start = restored["params"], restored["opt_state"], int(meta.get("step", 0))
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]
-    step_fn = make_train_step(model, tx, policy)
+    mesh = None
+    if cfg.mesh:
+        mesh = stack.enter_context(Mesh(parse_mesh(cfg.mesh)))
+        step_fn = make_sharded_train_step(model, tx, policy, mesh, params, opt_state, batch=cfg.batch,
+                                          grad_clip=cfg.grad_clip)
+    else:
+        step_fn = make_train_step(model, tx, policy)
+    is_main = mesh is None or 0 in mesh.local_ranks  # under torchrun only rank 0 reports and saves
     n_params = tree_util.tree_size(params)
 
     def save(step: int) -> None:
@@ -106,7 +123,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     history["eval"].append((start, eval0))
     train_time, tokens = 0.0, 0
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
-    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not cfg.progress,
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not (cfg.progress and is_main),
                desc=f"{cfg.model}-{cfg.preset}", unit="step", mininterval=0.5)
     ema = None
     for step in bar:
@@ -123,15 +140,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         done = step + 1
         if done == end or (cfg.eval_every and done % cfg.eval_every == 0):
             history["eval"].append((done, evaluate(model, params, policy, val_batches)))
-        if cfg.save and cfg.save_every and done % cfg.save_every == 0:
+        if cfg.save and is_main and cfg.save_every and done % cfg.save_every == 0:
             save(done)
         bar.set_postfix(loss=f"{ema:.3f}", eval=f"{history['eval'][-1][1]:.3f}",
                         tok_s=f"{tokens / max(train_time, 1e-9):,.0f}", refresh=False)
     bar.close()
-    if cfg.save:
+    if cfg.save and is_main:
         save(end)
     summary = {
-        "model": f"{cfg.model}-{cfg.preset}", "n_params": n_params, "precision": cfg.precision,
+        "model": f"{cfg.model}-{cfg.preset}", "n_params": n_params, "mesh": cfg.mesh or "none", "precision": cfg.precision,
         "steps": end - start, "tokens": tokens,
         "train_loss_first": history["train"][0][1] if history["train"] else float("nan"),
         "train_loss_last": ema if ema is not None else float("nan"),
@@ -139,6 +156,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "tokens_per_s": tokens / train_time if train_time else 0.0, "train_time_s": train_time,
         "history": history, "params": params,
     }
+    if not is_main:
+        return summary
     print_summary(summary)
     if cfg.sample_bytes > 0:
         text = sample_bytes(model, policy.cast_to_compute(params), b"def ", steps=cfg.sample_bytes,
@@ -153,7 +172,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 def print_summary(s: dict[str, Any]) -> None:
     rows = [
-        ("model", s["model"]), ("parameters", f"{s['n_params']:,}"), ("precision", s["precision"]),
+        ("model", s["model"]), ("mesh", s["mesh"]), ("parameters", f"{s['n_params']:,}"), ("precision", s["precision"]),
         ("steps", s["steps"]), ("tokens", f"{s['tokens']:,}"),
         ("train loss (first -> last, EMA)", f"{s['train_loss_first']:.3f} -> {s['train_loss_last']:.3f}"),
         ("eval loss (first -> last)", f"{s['eval_loss_first']:.3f} -> {s['eval_loss_last']:.3f}"),
