@@ -113,3 +113,25 @@ def test_tp_bad_mesh_size():
                           in_specs=(rules.specs(model.axes()), P()), out_specs=P())
         with pytest.raises(ValueError, match="n_kv_heads=2 is not divisible by 4"):
             f(params, torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_vocab_parallel_logits_are_shards_of_the_full_logits():
+    model = models()["llama"]
+    params = model.init(cfx.random.key(3))
+    tokens = cfx.random.randint(cfx.random.key(4), (2, T), 0, 64)
+    rules = cfx.Rules(MEGATRON_RULES)
+    with cfx.Mesh({"model": 2}) as mesh:
+        logits = cfx.shard_map(lambda p, t: tensor_parallel(model).apply(p, t), mesh=mesh,
+                               in_specs=(rules.specs(model.axes()), P()), out_specs=P(None, None, "model"))(params, tokens)
+    torch.testing.assert_close(logits, model.apply(params, tokens))
+
+
+def test_vocab_not_divisible_names_the_leaf():
+    model = cfx.models.gpt2("tiny", vocab_size=65, n_layer=1, n_embd=32, n_head=4, n_positions=T)
+    params = model.init(cfx.random.key(0))
+    rules = cfx.Rules(MEGATRON_RULES)
+    with cfx.Mesh({"model": 2}) as mesh:
+        f = cfx.shard_map(lambda p, t: tensor_parallel(model).loss(p, t, t), mesh=mesh,
+                          in_specs=(rules.specs(model.axes()), P()), out_specs=P())
+        with pytest.raises(ValueError, match=r"'0\.wte\.w'.*size 65, not divisible by 2"):
+            f(params, torch.zeros(2, 4, dtype=torch.long))

@@ -5,10 +5,13 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from cfx._src import random
 from cfx._src import tree as tree_util
+from cfx._src.lax.collectives import pvary
+from cfx._src.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_embed
+from cfx._src.quant import quantized_as_leaves
+from cfx_kernels.cross_entropy import cross_entropy as _cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -21,9 +24,11 @@ def is_axes_leaf(x: Any) -> bool:
 def check_params(where: str, model: Any, params: Any) -> None:
     """ValueError naming the differing leaf paths if ``params`` is not shaped like ``model.init``'s."""
     ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=is_axes_leaf)
-    tree_util.check_same_structure(
-        f"{where}: params differ from {type(model).__name__}.init's structure "
-        "(were they made by a model with another config or layout?)", ref, params)
+    what = (f"{where}: params differ from {type(model).__name__}.init's structure "
+            "(were they made by a model with another config or layout?)")
+    if tree_util.structure(params) != tree_util.structure(ref):
+        # cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node
+        tree_util.check_same_structure(what, ref, quantized_as_leaves(params))
 
 
 def _check_int_2d(where: str, name: str, x: Any) -> None:
@@ -69,9 +74,11 @@ def check_targets(where: str, tokens: torch.Tensor, targets: Any, *, vocab_size:
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32; logits ``(B, T, V)``, targets ``(B, T)``, -100 ignored."""
-    V = logits.shape[-1]
-    return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    """Mean token cross-entropy in fp32; logits ``(B, T, V)``, targets ``(B, T)``, -100 ignored.
+
+    On CUDA the fused kernel (``cfx_kernels.cross_entropy``) never holds fp32 ``(B, T, V)``
+    probabilities; elsewhere this is ``F.cross_entropy(logits.float(), ...)``."""
+    return _cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
 def dropout_keys(key: torch.Tensor | None, rate: float, n: int) -> list[torch.Tensor | None]:
@@ -82,9 +89,12 @@ def dropout_keys(key: torch.Tensor | None, rate: float, n: int) -> list[torch.Te
 
 
 class DecoderLM:
-    """Mixin for frozen-dataclass models with ``config`` and ``blocks`` (a tuple of block layers)."""
+    """Mixin for frozen-dataclass models with ``config``, ``blocks`` (a tuple of block layers) and
+    ``vocab_axis`` (a mesh axis the vocabulary is split over, or None; set by
+    ``cfx.parallel.tensor_parallel``, under which ``apply`` returns this rank's logits shard)."""
 
     blocks: tuple
+    vocab_axis: str | None
 
     def map_blocks(self, f: Callable[[Any], Any]):
         """A copy of the model whose blocks are ``f(block)`` (same ``init`` / ``apply`` / ``axes``)."""
@@ -106,7 +116,21 @@ class DecoderLM:
         where = f"{type(self).__name__}.loss"
         _check_int_2d(where, "tokens", tokens)
         check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
-        return cross_entropy(self.apply(params, tokens, mask=mask, key=key), targets)
+        logits = self.apply(params, tokens, mask=mask, key=key)
+        if self.vocab_axis is not None:
+            return vocab_parallel_cross_entropy(logits, targets, self.vocab_axis)
+        return cross_entropy(logits, targets)
+
+    def embed(self, emb_layer: Any, emb_params: dict, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (B, T, C); from this rank's vocab shard when ``vocab_axis`` is set."""
+        if self.vocab_axis is not None:
+            return vocab_parallel_embed(emb_params["w"], tokens, self.vocab_axis)
+        return emb_layer.apply(emb_params, tokens)
+
+    def head_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head's input; marked varying over ``vocab_axis`` so its gradient sums over shards
+        (the head then yields this rank's logits shard (B, T, V/n))."""
+        return x if self.vocab_axis is None else pvary(x, self.vocab_axis)
 
     def hf_config(self):
         """The matching ``transformers`` config (imports transformers)."""

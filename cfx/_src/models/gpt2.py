@@ -71,6 +71,7 @@ class GPT2(DecoderLM):
 
     config: GPT2Config
     blocks: tuple = None
+    vocab_axis: str | None = None
 
     def __post_init__(self):
         if self.blocks is None:
@@ -117,11 +118,11 @@ class GPT2(DecoderLM):
         layers = self._layers()
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
         T = tokens.shape[1]
-        x = layers["wte"].apply(params["wte"], tokens) + params["wpe"]["w"][:T]  # (B, T, C)
+        x = self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][:T]  # (B, T, C)
         x = dropout(x, c.dropout, keys[0])
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:])  # (B, T, C)
         x = layers["ln_f"].apply(params["ln_f"], x)
-        return layers["wte"].attend(params["wte"], x)  # (B, T, V)
+        return layers["wte"].attend(params["wte"], self.head_input(x))  # (B, T, V) or (B, T, V/n)
 
     def axes(self) -> dict:
         layers = self._layers()

@@ -89,6 +89,7 @@ class Llama(DecoderLM):
 
     config: LlamaConfig
     blocks: tuple = None
+    vocab_axis: str | None = None
 
     def __post_init__(self):
         if self.blocks is None:
@@ -137,12 +138,13 @@ class Llama(DecoderLM):
                      max_len=c.max_position_embeddings, max_len_name="max_position_embeddings")
         check_params("Llama.apply", self, params)
         layers = self._layers()
-        x = layers["embed"].apply(params["embed"], tokens)  # (B, T, C)
+        x = self.embed(layers["embed"], params["embed"], tokens)  # (B, T, C)
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=[None] * len(self.blocks))
         x = layers["norm"].apply(params["norm"], x)  # (B, T, C)
+        x = self.head_input(x)
         if c.tie_embeddings:
-            return layers["embed"].attend(params["embed"], x)  # (B, T, V)
-        return layers["lm_head"].apply(params["lm_head"], x)  # (B, T, V)
+            return layers["embed"].attend(params["embed"], x)  # (B, T, V) or (B, T, V/n)
+        return layers["lm_head"].apply(params["lm_head"], x)  # (B, T, V) or (B, T, V/n)
 
     def axes(self) -> dict:
         layers = self._layers()

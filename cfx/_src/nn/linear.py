@@ -7,6 +7,8 @@ import math
 import torch
 
 from cfx._src import random
+from cfx._src.quant import QuantizedWeight
+from cfx_kernels.int8_matmul import int8_matmul
 
 
 def split_keys(key: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -24,7 +26,8 @@ class Linear:
     """A dense layer. ``w`` is ``(in_features, out_features)`` (HF ``Conv1D`` layout).
 
     ``axes`` names the logical axes of ``w``'s two dims (``b`` takes the second). ``init_std=None``
-    draws ``w`` from ``normal(0, 1/sqrt(in_features))``; biases start at zero.
+    draws ``w`` from ``normal(0, 1/sqrt(in_features))``; biases start at zero. A ``w`` made by
+    ``cfx.quant.quantize`` (a ``QuantizedWeight``) runs the int8 weight-only matmul kernel.
     """
 
     in_features: int
@@ -54,6 +57,8 @@ class Linear:
             raise ValueError(f"Linear.apply: x has {x.shape[-1]} features in its last dim, expected "
                              f"in_features={self.in_features} (x shape {tuple(x.shape)}).")
         w = params["w"]
+        if isinstance(w, QuantizedWeight):
+            return int8_matmul(x, w.q, w.scale, params["b"] if self.bias else None)
         if not self.bias:
             return x @ w
         # one addmm with the bias fused; w's gradient comes out contiguous in w's own layout

@@ -5,6 +5,8 @@ import dataclasses
 
 import torch
 
+from cfx_kernels.norms import layer_norm, rms_norm
+
 
 def _check_features(where: str, x: torch.Tensor, features: int) -> None:
     if x.shape[-1] != features:
@@ -14,12 +16,17 @@ def _check_features(where: str, x: torch.Tensor, features: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class LayerNorm:
-    """``(x - mean) / sqrt(var + eps) * scale + bias`` (``bias=False`` drops the shift)."""
+    """``(x - mean) / sqrt(var + eps) * scale + bias`` (``bias=False`` drops the shift).
+
+    ``impl``: ``"auto"`` (the fused Triton kernel on CUDA, ``F.layer_norm`` elsewhere),
+    ``"triton"`` or ``"reference"`` (see ``cfx_kernels.norms``).
+    """
 
     features: int
     eps: float = 1e-5
     bias: bool = True
     axis_name: str = "embed"
+    impl: str = "auto"
 
     def init(self, key: torch.Tensor) -> dict:
         del key  # deterministic init
@@ -30,8 +37,7 @@ class LayerNorm:
 
     def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         _check_features("LayerNorm.apply", x, self.features)
-        return torch.nn.functional.layer_norm(x, (self.features,), params["scale"],
-                                              params.get("bias"), self.eps)
+        return layer_norm(x, params["scale"], params.get("bias"), eps=self.eps, impl=self.impl)
 
     def axes(self) -> dict:
         out = {"scale": (self.axis_name,)}
@@ -42,11 +48,16 @@ class LayerNorm:
 
 @dataclasses.dataclass(frozen=True)
 class RMSNorm:
-    """``x / sqrt(mean(x**2) + eps) * scale``; the statistic is taken in fp32 (as HF Llama does)."""
+    """``x / sqrt(mean(x**2) + eps) * scale``; the statistic is taken in fp32 (as HF Llama does).
+
+    ``impl``: ``"auto"`` (the fused Triton kernel on CUDA, plain PyTorch elsewhere), ``"triton"``
+    or ``"reference"`` (see ``cfx_kernels.norms``).
+    """
 
     features: int
     eps: float = 1e-6
     axis_name: str = "embed"
+    impl: str = "auto"
 
     def init(self, key: torch.Tensor) -> dict:
         del key  # deterministic init
@@ -54,9 +65,7 @@ class RMSNorm:
 
     def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         _check_features("RMSNorm.apply", x, self.features)
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return params["scale"] * y.to(x.dtype)
+        return rms_norm(x, params["scale"], eps=self.eps, impl=self.impl)
 
     def axes(self) -> dict:
         return {"scale": (self.axis_name,)}

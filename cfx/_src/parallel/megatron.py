@@ -22,7 +22,7 @@ from cfx._src.lax import collectives as lax
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
 
-MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model"}
+MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 
 
 def _row_parallel(h: torch.Tensor, p: dict, axis: str) -> torch.Tensor:
@@ -76,6 +76,9 @@ class TensorParallelBlock:
         return x + dropout(_row_parallel(h, params["mlp"][mlp.out_name], self.axis), rate, k_mlp)
 
 
-def tensor_parallel(model: Any, axis: str = "model") -> Any:
-    """``model`` with every block made Megatron tensor-parallel over ``axis``."""
-    return model.map_blocks(lambda b: TensorParallelBlock(b, axis))
+def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool = True) -> Any:
+    """``model`` with every block made Megatron tensor-parallel over ``axis`` and, with ``vocab``,
+    the embedding, LM head and loss vocab-parallel (rules must then map ``"vocab"`` to ``axis``;
+    ``apply`` returns this rank's logits shard and ``loss`` combines the shards)."""
+    tp = model.map_blocks(lambda b: TensorParallelBlock(b, axis))
+    return dataclasses.replace(tp, vocab_axis=axis) if vocab else tp

@@ -1,0 +1,11 @@
+"""Weight-only quantisation: ``cfx.quant.quantize(params, "int8")`` swaps Linear weights for
+int8 + per-column scales, and ``cfx.nn.Linear.apply`` then runs the int8 matmul kernel::
+
+    qparams = cfx.quant.quantize(params, "int8")
+    logits = model.apply(qparams, tokens)
+"""
+from cfx._src.quant import QuantizedWeight, dequantize, is_quantized, quantize
+from cfx_kernels.int8_matmul import int8_matmul, quantize_weight
+
+__all__ = ["QuantizedWeight", "dequantize", "int8_matmul", "is_quantized", "quantize",
+           "quantize_weight"]
