@@ -3,7 +3,7 @@
 Models are pure functions over parameter pytrees; parallelism and memory strategies are
 function transformations over named device meshes.
 """
-from cfx import amp, checkpoint, lax, models, nn, optim, random, tree
+from cfx import amp, checkpoint, lax, models, nn, optim, parallel, quant, random, testing, tree
 from cfx._src.lax.stats import CommStats, comm_stats
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.mesh.spec import P
@@ -15,5 +15,8 @@ from cfx._src.transforms import grad, jvp, value_and_grad, vmap
 
 __version__ = "0.1.0"
 
-__all__ = ["CommStats", "Mesh", "P", "Rules", "ReshardPlan", "ShardedArray", "device_put", "reshard", "reshard_plan", "amp", "checkpoint", "comm_stats", "grad", "jvp", "lax",
-           "models", "nn", "optim", "random", "shard_map", "tree", "value_and_grad", "vmap"]
+__all__ = [
+    "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShardedArray", "amp", "checkpoint",
+    "comm_stats", "device_put", "grad", "jvp", "lax", "models", "nn", "optim", "parallel", "quant",
+    "random", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap",
+]
