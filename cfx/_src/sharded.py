@@ -35,6 +35,8 @@ class ShardedArray:
         """The global tensor (every block needed: the ``local`` backend, or after ``reshard(P())``)."""
         mesh = self.mesh
         missing = [r for r in range(mesh.size) if r not in self.blocks]
+        if missing and not self.partial and not any(self.spec.all_axes()):
+            return next(iter(self.blocks.values())).clone()  # replicated: any block is the value
         if missing:
             raise ValueError(f"ShardedArray.gather: this process holds only ranks {sorted(self.blocks)} of "
                              f"{mesh!r}; use cfx.reshard(arr, P()) to replicate it first.")
