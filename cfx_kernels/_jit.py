@@ -89,6 +89,28 @@ def _interpretable_stdlib() -> Iterator[None]:
             setattr(module, name, value)
 
 
+@contextlib.contextmanager
+def _restored_language() -> Iterator[None]:
+    """Leave ``triton.language`` as a GPU compile in this process needs it.
+
+    The interpreter patches ``tl.core``'s builtins for a launch, and its device-function path
+    (``InterpretedFunction.__call__``, taken by the stdlib functions wrapped above) never undoes
+    that; and the compiler modules it imports lazily mid-launch (``code_generator``, gluon) would
+    keep the patched builtins forever. Import those first and put the builtins back afterwards.
+    """
+    import triton.compiler.code_generator  # noqa: F401
+    import triton.language as tl
+
+    saved = [(o, dict(vars(o))) for o in (tl.core, tl.core.tensor, tl.math)]
+    try:
+        yield
+    finally:
+        for o, before in saved:
+            for name, value in before.items():
+                if vars(o).get(name) is not value:
+                    setattr(o, name, value)
+
+
 # launch options that only mean something to the GPU compiler; the interpreter rejects them
 _GPU_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"})
 
@@ -115,7 +137,7 @@ class LazyKernel:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             kwargs = {k: v for k, v in kwargs.items() if k not in _GPU_OPTIONS}
-            with _interpretable_stdlib(), _interpreter_bf16():
+            with _restored_language(), _interpretable_stdlib(), _interpreter_bf16():
                 return launch(*args, **kwargs)
 
         return run

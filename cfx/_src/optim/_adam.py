@@ -63,3 +63,32 @@ def _foreach(gs, mus, nus, ps, b1, b2, scale, eps_t, l2, decay, flags, neg_lr) -
     if neg_lr is not None:
         torch._foreach_mul_(u, neg_lr)
     return AdamOut(mu, nu, u)
+
+
+def flat_chunk_kernel_applies(impl: str, *lists: Sequence[torch.Tensor]) -> bool:
+    """True when every leaf is a flat fp32 chunk and ``impl`` resolves to the Triton kernel."""
+    if impl == "reference":
+        return False
+    tensors = [x for xs in lists for x in xs]
+    if not all(x.dim() == 1 and x.is_contiguous() and x.dtype == torch.float32 for x in tensors):
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return False
+    from cfx_kernels._common import resolve_impl
+    return resolve_impl(impl, *tensors) == "triton"
+
+
+def adamw_chunks(gs, mus, nus, ps, count, *, b1, b2, eps, decay, decay_flags, lr) -> AdamOut:
+    """AdamW on flat chunks with the fused kernel, one launch per chunk, on fresh copies."""
+    from cfx_kernels.adamw import adamw_flat_
+    step, lr = int(count), float(lr)
+    flags = decay_flags if decay_flags is not None else [True] * len(gs)
+    out = AdamOut([], [], [])
+    for g, m, v, p, f in zip(gs, mus, nus, ps, flags):
+        p2, m2, v2 = p.clone(), m.clone(), v.clone()
+        adamw_flat_(p2, g, m2, v2, step=step, lr=lr, b1=b1, b2=b2, eps=eps,
+                    weight_decay=decay if f else 0.0, impl="triton")
+        out.mu.append(m2)
+        out.nu.append(v2)
+        out.updates.append(p2.sub_(p))  # the update that apply_updates adds back
+    return out

@@ -11,7 +11,7 @@ import torch
 
 from cfx._src import tree as tree_util
 from cfx._src.optim import _util
-from cfx._src.optim._adam import adam_sweep
+from cfx._src.optim._adam import adam_sweep, adamw_chunks, flat_chunk_kernel_applies
 from cfx._src.optim.base import GradientTransformation, chain, identity
 from cfx._src.optim.transforms import (
     ScaleByAdamState,
@@ -72,11 +72,15 @@ def adam(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps
 
 
 def adamw(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-2, mask: Any = None) -> GradientTransformation:
+          weight_decay: float = 1e-2, mask: Any = None, impl: str = "auto") -> GradientTransformation:
     """torch.optim.AdamW (Loshchilov & Hutter, 2019): ``p -= lr * (adam_direction + wd * p)``.
 
     ``mask`` (a pytree of bools like params, or ``params -> bools``) selects the leaves that
     decay, e.g. ``lambda params: cfx.tree.map(lambda p: p.ndim >= 2, params)``.
+
+    When every leaf is a flat chunk (1-D contiguous fp32, as Gemini's chunks are) and ``impl``
+    resolves to Triton (``auto``: on CUDA), each chunk is one launch of the fused kernel
+    ``cfx_kernels.adamw`` (on copies: the inputs stay untouched).
 
     ``chain(scale_by_adam(...), add_decayed_weights(weight_decay, mask=mask),
     scale_by_learning_rate(lr))``, run as one fused sweep over the leaves (same state; the same
@@ -97,7 +101,7 @@ def adamw(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, ep
         adam_state, decay_state, lr_state = state
         updates, adam_state, lr_state = _fused_adam(
             updates, adam_state, lr_state, params, learning_rate, b1=b1, b2=b2, eps=eps,
-            decay=weight_decay, mask=mask)
+            decay=weight_decay, mask=mask, impl=impl)
         return updates, (adam_state, decay_state, lr_state)
 
     return GradientTransformation(reference.init, update)
@@ -111,7 +115,7 @@ def _check_chain_state(fn: str, state: Any, n: int) -> None:
 
 
 def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2, eps, l2=0.0,
-                decay=0.0, mask=None):
+                decay=0.0, mask=None, impl="reference"):
     """The Adam chain in one sweep (see ``_adam.py``): returns updates and the two new states."""
     what = "cfx.optim update"
     gs, treedef = tree_util.flatten(updates)
@@ -131,8 +135,12 @@ def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2,
     flags = _util.resolve_mask("cfx.optim.add_decayed_weights", mask, params, len(gs)) \
         if decay else None
     lr = _util.as_scalar(lr, gs[0].device)
-    mu, nu, out = adam_sweep(gs, mus, nus, count, b1=b1, b2=b2, eps=eps, params=ps, l2=l2,
-                             decay=decay, decay_flags=flags, lr=lr)
+    if not l2 and ps is not None and flat_chunk_kernel_applies(impl, gs, mus, nus, ps):
+        mu, nu, out = adamw_chunks(gs, mus, nus, ps, count, b1=b1, b2=b2, eps=eps, decay=decay,
+                                   decay_flags=flags, lr=lr)
+    else:
+        mu, nu, out = adam_sweep(gs, mus, nus, count, b1=b1, b2=b2, eps=eps, params=ps, l2=l2,
+                                 decay=decay, decay_flags=flags, lr=lr)
     unflat = lambda xs: tree_util.unflatten(treedef, xs)  # noqa: E731
     return unflat(out), ScaleByAdamState(count, unflat(mu), unflat(nu)), lr_state
 

@@ -1,0 +1,93 @@
+"""Attention kernels: the reference path against naive PyTorch on CPU, the Triton flash-attention
+kernel against ``F.scaled_dot_product_attention`` (flash backend) on CUDA.
+
+CPU: median forward+backward time of ``attention_reference`` (what CPU users get from
+``cfx_kernels.flash_attention``) over naive ``softmax(q k^T) v`` with repeated kv heads, as a ratio
+(same inputs, interleaved rounds). CUDA (when present): TFLOP/s of forward+backward, causal,
+bf16, for sequence lengths 512..16K at 16K tokens per batch, counting the usual
+``3.5 * 4 * B * H * T * S * D / 2`` FLOPs (backward = 2.5 x forward, causal halves both).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cfx.bench.common import Row, interleaved_medians
+from cfx_kernels.attention_reference import attention_reference
+from cfx_kernels.flash_attention import flash_attention
+
+
+def _naive(q, k, v):
+    """Causal softmax(q k^T / sqrt(D)) v with kv heads repeated: what one writes by hand."""
+    T, H, D = q.shape[1], q.shape[2], q.shape[3]
+    k = k.repeat_interleave(H // k.shape[2], dim=2)
+    v = v.repeat_interleave(H // v.shape[2], dim=2)
+    s = torch.einsum("bthd,bshd->bhts", q, k) * D ** -0.5  # (B, H, T, S)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(s, dim=-1), v)  # (B, T, H, D)
+
+
+def _fwd_bwd(fn, *inputs, sync=lambda: None):
+    do = torch.randn_like(fn(*inputs))
+
+    def step():
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward(do)
+        sync()
+
+    return step
+
+
+def cpu_rows(quick: bool) -> list[Row]:
+    B, T, H, Hkv, D = (1, 256, 8, 2, 64) if quick else (2, 1024, 8, 2, 64)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, H, D, generator=g, requires_grad=True)
+    k = torch.randn(B, T, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(B, T, Hkv, D, generator=g, requires_grad=True)
+    ref = _fwd_bwd(lambda q, k, v: attention_reference(q, k, v, causal=True), q, k, v)
+    naive = _fwd_bwd(_naive, q, k, v)
+    t_ref, t_naive = interleaved_medians([ref, naive], rounds=15 if quick else 10, warmup=2)
+    shape = f"B={B} T=S={T} H={H} Hkv={Hkv} D={D} fp32 causal"
+    return [
+        Row(f"attention reference fwd+bwd ({shape})", t_ref * 1e3, "ms"),
+        Row(f"attention naive fwd+bwd ({shape})", t_naive * 1e3, "ms"),
+        Row("attention reference / naive time (CPU)", t_ref / t_naive, "ratio", "<= 1.1",
+            ok=t_ref / t_naive <= 1.1),
+    ]
+
+
+def cuda_rows(quick: bool) -> list[Row]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, D, tokens = 16, 64, 16384
+    seqs = (512, 2048) if quick else (512, 1024, 2048, 4096, 8192, 16384)
+    rows = []
+    for T in seqs:
+        B = max(1, tokens // T)
+        flops = 3.5 * 4 * B * H * T * T * D / 2
+        mk = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                        requires_grad=True)
+        q, k, v = mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, D)  # (B, T, H, D)
+        qs, ks, vs = mk(B, H, T, D), mk(B, H, T, D), mk(B, H, T, D)  # SDPA's (B, H, T, D)
+
+        def sdpa(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, impl="triton"), q, k, v,
+                        sync=torch.cuda.synchronize)
+        theirs = _fwd_bwd(sdpa, qs, ks, vs, sync=torch.cuda.synchronize)
+        t_ours, t_theirs = interleaved_medians([ours, theirs], rounds=5 if quick else 20, warmup=2)
+        rows += [Row(f"flash attention fwd+bwd T={T} (B={B} H={H} D={D} bf16 causal)",
+                     flops / t_ours / 1e12, "TFLOP/s"),
+                 Row(f"SDPA flash fwd+bwd T={T}", flops / t_theirs / 1e12, "TFLOP/s"),
+                 Row(f"flash attention / SDPA throughput T={T}", t_theirs / t_ours, "ratio")]
+    return rows
+
+
+def rows(quick: bool) -> list[Row]:
+    out = cpu_rows(quick)
+    if torch.cuda.is_available():
+        out += cuda_rows(quick)
+    return out
