@@ -133,5 +133,5 @@ def test_vocab_not_divisible_names_the_leaf():
     with cfx.Mesh({"model": 2}) as mesh:
         f = cfx.shard_map(lambda p, t: tensor_parallel(model).loss(p, t, t), mesh=mesh,
                           in_specs=(rules.specs(model.axes()), P()), out_specs=P())
-        with pytest.raises(ValueError, match=r"'0\.wte\.w'.*size 65, not divisible by 2"):
+        with pytest.raises(ValueError, match=r"'args\[0\]\.wte\.w'.*size 65, not divisible by 2"):
             f(params, torch.zeros(2, 4, dtype=torch.long))

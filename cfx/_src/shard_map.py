@@ -34,6 +34,9 @@ def _broadcast_specs(specs: Any, tree: Any, what: str, mesh) -> list[tuple[str, 
     spec_leaves = tree_util.leaves(full, is_leaf=is_spec)
     out = []
     for (path, leaf), spec in zip(items, spec_leaves):
+        if what == "in_specs":  # "0.wte.w" -> "args[0].wte.w"
+            head, _, rest = path.partition(".")
+            path = f"args[{head}]" + (f".{rest}" if rest else "")
         if not is_spec(spec):
             raise ValueError(f"shard_map: {what} leaf {path or '<root>'!r} must be a cfx.P spec, got "
                              f"{spec!r}.")
