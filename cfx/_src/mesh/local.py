@@ -44,6 +44,7 @@ class LocalBackend:
         self.local_ranks = list(range(mesh.size))
         self._store = dist.HashStore()
         self._generation = 0
+        self._calls = 0
         self._closed = False
         self._lock = threading.Lock()  # one shard_map call at a time on this mesh
         self._inbox: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(mesh.size)]
@@ -82,29 +83,35 @@ class LocalBackend:
             job = self._inbox[rank].get()
             if job is None:
                 return
-            fn = job
+            call, fn = job
             ctx = self._contexts[rank]
             try:
                 with ctx_lib.installed(ctx):
                     out = fn(rank)
-                self._outbox.put((rank, True, out))
+                self._outbox.put((call, rank, True, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the controller
                 text = "".join(traceback.format_exception(e))
                 traceback.clear_frames(e.__traceback__)  # release tensors and process groups
                 ctx.drop_groups()  # closes sockets: peers blocked on this rank fail fast
-                self._outbox.put((rank, False, RankFailure(rank, ctx.coords, e, text)))
+                self._outbox.put((call, rank, False, RankFailure(rank, ctx.coords, e, text)))
                 del e
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
         if self._closed:
             raise ValueError(f"{self.mesh!r} is closed; make a new Mesh.")
         with self._lock:
+            self._calls += 1
+            call = self._calls
             for q in self._inbox:
-                q.put(fn)
+                q.put((call, fn))
             results: list[Any] = [None] * self.mesh.size
             failures: list[RankFailure] = []
-            for _ in range(self.mesh.size):
-                rank, ok, value = self._outbox.get()
+            pending = self.mesh.size
+            while pending:
+                got, rank, ok, value = self._outbox.get()
+                if got != call:  # a late result of a call the caller abandoned (e.g. Ctrl-C)
+                    continue
+                pending -= 1
                 if ok:
                     results[rank] = value
                 else:
