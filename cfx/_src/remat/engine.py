@@ -176,6 +176,7 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
         dots: WeakIdKeyDictionary = WeakIdKeyDictionary()
         counter = itertools.count()
         needed: set[int] = set()
+        counted: set[int] = set()
         recomputation = _Recomputation(f, args, kwargs, needed)
 
         def pack(t: torch.Tensor):
@@ -184,6 +185,10 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
                 return ("keep", t)  # f's inputs (and views of them, e.g. a transposed weight)
             nbytes = t.numel() * t.element_size()
             info = pol.Saved(tuple(t.shape), t.dtype, nbytes, t in dots, _names.get(t))
+            storage = t.untyped_storage().data_ptr()
+            if storage in counted:  # saved again (q, k and v all save their input): count once
+                nbytes = 0
+            counted.add(storage)
             decision = policy(info)
             if decision not in pol.DECISIONS:
                 raise ValueError(f"cfx.remat: the policy returned {decision!r}; expected one of {pol.DECISIONS}.")
