@@ -88,3 +88,13 @@ def test_mesh_flag_errors(text_file, capsys):
     assert "AXIS=SIZE" in capsys.readouterr().err
     assert main(["--mesh", "data=3", "--batch", "4", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
     assert "not divisible by the data axis size 3" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("remat,mesh", [("blocks", None), ("dots", None), ("blocks", "data=2,model=2")])
+def test_remat_flag_keeps_the_loss_trajectory(remat, mesh, text_file):
+    base = dict(SMALL, steps=3, data=text_file)
+    ref = train(TrainConfig(**base))
+    got = train(TrainConfig(**base, remat=remat, mesh=mesh))
+    torch.testing.assert_close(torch.tensor([l for _, l in got["history"]["train"]]),
+                               torch.tensor([l for _, l in ref["history"]["train"]]), rtol=1e-4, atol=1e-5)

@@ -12,11 +12,13 @@ import torch
 from tqdm.auto import tqdm
 
 from cfx import amp, checkpoint, models, optim
+from cfx import checkpoint_policies as cp
 from cfx._src import data as data_lib
 from cfx._src import random as jr
 from cfx._src import tree as tree_util
 from cfx._src.table import format_table
 from cfx._src.mesh.mesh import Mesh
+from cfx._src.remat.engine import remat
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.sharded import make_sharded_train_step, parse_mesh
 from cfx._src.train.sample import sample_bytes
@@ -35,6 +37,14 @@ def build_model(cfg: TrainConfig):
         raise ValueError(f"--seq {cfg.seq} exceeds the {cfg.model} {cfg.preset!r} context of {max_len}; "
                          f"use --seq {max_len} or less.")
     return model
+
+
+def with_remat(model, mode: str):
+    """Activation checkpointing per block (applied after tensor parallelism, outermost)."""
+    if mode == "none":
+        return model
+    policy = {"blocks": cp.nothing_saveable, "dots": cp.dots_saveable}[mode]
+    return model.map_blocks(lambda b: remat(b, policy=policy))
 
 
 def decay_mask(params: Any) -> Any:
@@ -108,9 +118,9 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     if cfg.mesh:
         mesh = stack.enter_context(Mesh(parse_mesh(cfg.mesh)))
         step_fn = make_sharded_train_step(model, tx, policy, mesh, params, opt_state, batch=cfg.batch,
-                                          grad_clip=cfg.grad_clip)
+                                          grad_clip=cfg.grad_clip, wrap=lambda m: with_remat(m, cfg.remat))
     else:
-        step_fn = make_train_step(model, tx, policy)
+        step_fn = make_train_step(with_remat(model, cfg.remat), tx, policy)
     is_main = mesh is None or 0 in mesh.local_ranks  # under torchrun only rank 0 reports and saves
     n_params = tree_util.tree_size(params)
 

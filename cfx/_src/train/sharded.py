@@ -38,7 +38,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def make_sharded_train_step(model, tx, policy, mesh: Mesh, params: Any, opt_state: Any, *,
-                            batch: int, grad_clip: float):
+                            batch: int, grad_clip: float, wrap=lambda m: m):
     """A ``step(params, opt_state, tokens, targets, key)`` with the signature of the
     single-device one; params and optimizer state stay global between steps."""
     if policy.needs_loss_scaling and mesh.shape.get("model", 1) > 1:
@@ -55,6 +55,8 @@ def make_sharded_train_step(model, tx, policy, mesh: Mesh, params: Any, opt_stat
     sspecs = state_specs(opt_state, params, pspecs)
     # 1. tensor parallelism: every block split over `model` (embeddings and head replicated)
     local_model = tensor_parallel(model, "model") if "model" in mesh.shape else model
+    # 2. then per-block strategies that wrap the tensor-parallel blocks (activation checkpointing)
+    local_model = wrap(local_model)
 
     def scaled_loss(p, tokens, targets, key, scale):
         loss = local_model.loss(policy.cast_to_compute(p), tokens, targets, key=key)
@@ -64,11 +66,11 @@ def make_sharded_train_step(model, tx, policy, mesh: Mesh, params: Any, opt_stat
     def step(params, opt_state, tokens, targets, key):
         scale = optim.loss_scale(opt_state) if policy.needs_loss_scaling else 1.0
         (_, loss), grads = grad_fn(params, tokens, targets, key, scale)
-        # 2. data parallelism: average gradients over `data` (equal shards: mean of the means)
+        # 3. data parallelism: average gradients over `data` (equal shards: mean of the means)
         if "data" in mesh.shape:
             grads = tree_pmean(grads, "data")
             loss = lax.pmean(loss, "data")
-        # 3. clip by the global norm over all shards (loss-scaled grads are unscaled first)
+        # 4. clip by the global norm over all shards (loss-scaled grads are unscaled first)
         if grad_clip > 0:
             norm = sharded_global_norm(grads, pspecs) / (scale if policy.needs_loss_scaling else 1.0)
             coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
