@@ -17,6 +17,7 @@ import contextvars
 import dataclasses
 import functools
 import itertools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -176,7 +177,7 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
         dots: WeakIdKeyDictionary = WeakIdKeyDictionary()
         counter = itertools.count()
         needed: set[int] = set()
-        counted: set[int] = set()
+        counted: dict[int, weakref.ref] = {}
         recomputation = _Recomputation(f, args, kwargs, needed)
 
         def pack(t: torch.Tensor):
@@ -185,10 +186,11 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
                 return ("keep", t)  # f's inputs (and views of them, e.g. a transposed weight)
             nbytes = t.numel() * t.element_size()
             info = pol.Saved(tuple(t.shape), t.dtype, nbytes, t in dots, _names.get(t))
-            storage = t.untyped_storage().data_ptr()
-            if storage in counted:  # saved again (q, k and v all save their input): count once
+            storage = t.untyped_storage()
+            seen = counted.get(storage.data_ptr())
+            if seen is not None and seen() is storage:  # saved again (q, k, v share an input): count once
                 nbytes = 0
-            counted.add(storage)
+            counted[storage.data_ptr()] = weakref.ref(storage)  # a freed and reused address is new
             decision = policy(info)
             if decision not in pol.DECISIONS:
                 raise ValueError(f"cfx.remat: the policy returned {decision!r}; expected one of {pol.DECISIONS}.")
