@@ -172,8 +172,8 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
             return f(*args, **kwargs)  # nothing is saved without grad
         call = next(_calls)
         collectors = _collectors.get()
-        input_storages = {x.untyped_storage().data_ptr() for x in tree_util.leaves((args, kwargs))
-                          if isinstance(x, torch.Tensor)}
+        inputs = [x for x in tree_util.leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        input_storages = {id(x.untyped_storage()) for x in inputs}  # alive: args hold them
         dots: WeakIdKeyDictionary = WeakIdKeyDictionary()
         counter = itertools.count()
         needed: set[int] = set()
@@ -182,15 +182,15 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
 
         def pack(t: torch.Tensor):
             i = next(counter)
-            if t.untyped_storage().data_ptr() in input_storages:
+            storage = t.untyped_storage()
+            if id(storage) in input_storages:
                 return ("keep", t)  # f's inputs (and views of them, e.g. a transposed weight)
             nbytes = t.numel() * t.element_size()
             info = pol.Saved(tuple(t.shape), t.dtype, nbytes, t in dots, _names.get(t))
-            storage = t.untyped_storage()
-            seen = counted.get(storage.data_ptr())
+            seen = counted.get(id(storage))
             if seen is not None and seen() is storage:  # saved again (q, k, v share an input): count once
                 nbytes = 0
-            counted[storage.data_ptr()] = weakref.ref(storage)  # a freed and reused address is new
+            counted[id(storage)] = weakref.ref(storage)  # identity, not address: addresses get reused
             decision = policy(info)
             if decision not in pol.DECISIONS:
                 raise ValueError(f"cfx.remat: the policy returned {decision!r}; expected one of {pol.DECISIONS}.")
