@@ -16,6 +16,19 @@ from cfx_kernels.cross_entropy import cross_entropy as _cross_entropy
 IGNORE_INDEX = -100
 
 
+def config_from_preset(cls: Any, presets: dict, name: str, overrides: dict) -> Any:
+    """``cls(**presets[name], **overrides)``, with ValueErrors naming the valid presets / fields."""
+    if name not in presets:
+        raise ValueError(f"{cls.__name__}.preset: unknown preset {name!r}; valid names are "
+                         f"{sorted(presets)}.")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"{cls.__name__}.preset: unknown field(s) {bad}; valid fields are "
+                         f"{sorted(fields)}.")
+    return cls(**{**presets[name], **overrides})
+
+
 def is_axes_leaf(x: Any) -> bool:
     """An ``axes()`` leaf: a tuple of logical axis names (one per tensor dim)."""
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from cfx._src.models.common import DecoderLM, check_inputs, check_params, dropout_keys
+from cfx._src.models.common import (DecoderLM, check_inputs, check_params, config_from_preset,
+                                     dropout_keys)
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.embedding import Embedding
@@ -54,15 +55,7 @@ class GPT2Config:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "GPT2Config":
         """A named size (``tiny``, ``small``, ``medium``, ``large``, ``xl``) with field overrides."""
-        if name not in GPT2_PRESETS:
-            raise ValueError(f"GPT2Config.preset: unknown preset {name!r}; valid names are "
-                             f"{sorted(GPT2_PRESETS)}.")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(overrides) - fields)
-        if bad:
-            raise ValueError(f"GPT2Config.preset: unknown field(s) {bad}; valid fields are "
-                             f"{sorted(fields)}.")
-        return cls(**{**GPT2_PRESETS[name], **overrides})
+        return config_from_preset(cls, GPT2_PRESETS, name, overrides)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cfx._src.models.common import DecoderLM, check_inputs, check_params
+from cfx._src.models.common import DecoderLM, check_inputs, check_params, config_from_preset
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
@@ -72,15 +72,7 @@ class LlamaConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "LlamaConfig":
         """A named size (``tiny``, ``1b``, ``7b``, ``8b``) with field overrides."""
-        if name not in LLAMA_PRESETS:
-            raise ValueError(f"LlamaConfig.preset: unknown preset {name!r}; valid names are "
-                             f"{sorted(LLAMA_PRESETS)}.")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(overrides) - fields)
-        if bad:
-            raise ValueError(f"LlamaConfig.preset: unknown field(s) {bad}; valid fields are "
-                             f"{sorted(fields)}.")
-        return cls(**{**LLAMA_PRESETS[name], **overrides})
+        return config_from_preset(cls, LLAMA_PRESETS, name, overrides)
 
 
 @dataclasses.dataclass(frozen=True)

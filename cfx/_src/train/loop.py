@@ -22,7 +22,7 @@ from cfx._src.remat.engine import remat
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.sharded import make_sharded_train_step, parse_mesh
 from cfx._src.train.sample import sample_bytes
-from cfx._src.transforms import value_and_grad
+from cfx._src.train.step import scaled_loss_grad
 
 
 def build_model(cfg: TrainConfig):
@@ -69,11 +69,7 @@ def build_optimizer(cfg: TrainConfig, params: Any) -> optim.GradientTransformati
 
 
 def make_train_step(model, tx, policy: amp.Policy):
-    def scaled_loss(params, tokens, targets, key, scale):
-        loss = model.loss(policy.cast_to_compute(params), tokens, targets, key=key)
-        return loss * scale, loss
-
-    grad_fn = value_and_grad(scaled_loss, has_aux=True)
+    grad_fn = scaled_loss_grad(model, policy)
 
     def step(params, opt_state, tokens, targets, key):
         scale = optim.loss_scale(opt_state) if policy.needs_loss_scaling else 1.0

@@ -19,7 +19,7 @@ from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
 from cfx._src.parallel.rules import Rules
 from cfx._src.parallel.state import sharded_global_norm, state_specs, tree_pmean
 from cfx._src.shard_map import shard_map
-from cfx._src.transforms import value_and_grad
+from cfx._src.train.step import scaled_loss_grad
 
 KNOWN_AXES = ("data", "model")
 
@@ -58,10 +58,7 @@ def make_sharded_train_step(model, tx, policy, mesh: Mesh, params: Any, opt_stat
     # 2. then per-block strategies that wrap the tensor-parallel blocks (activation checkpointing)
     local_model = wrap(local_model)
 
-    def scaled_loss(p, tokens, targets, key, scale):
-        loss = local_model.loss(policy.cast_to_compute(p), tokens, targets, key=key)
-        return loss * scale, loss
-    grad_fn = value_and_grad(scaled_loss, has_aux=True)
+    grad_fn = scaled_loss_grad(local_model, policy)
 
     def step(params, opt_state, tokens, targets, key):
         scale = optim.loss_scale(opt_state) if policy.needs_loss_scaling else 1.0
