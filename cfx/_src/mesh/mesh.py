@@ -8,6 +8,7 @@ different orders of the same members).
 """
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 from typing import Any, Callable, Mapping, Sequence
@@ -104,18 +105,20 @@ class Mesh:
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
         """``fn(rank)`` on every rank this process drives, with that rank's context installed.
 
-        Active ``comm_stats`` collectors of the caller are active in the ranks too.
+        Each rank runs in a copy of the caller's ``contextvars`` context, so whatever the caller
+        has active (``comm_stats``, ``activation_stats``, ``cfx.memory`` trackers) is active in
+        the ranks too.
         """
-        from cfx._src.lax import comm
-        collectors = comm._collectors.get()
+        from cfx._src.mesh import context as ctx_lib
+        caller = contextvars.copy_context()
 
-        def with_collectors(rank: int):
-            token = comm._collectors.set(collectors)
-            try:
+        def in_rank(rank_ctx, rank: int):
+            with ctx_lib.installed(rank_ctx):
                 return fn(rank)
-            finally:
-                comm._collectors.reset(token)
-        return self.backend.run(with_collectors)
+
+        def in_caller_context(rank: int):
+            return caller.copy().run(in_rank, ctx_lib._current.get(), rank)
+        return self.backend.run(in_caller_context)
 
     @property
     def local_ranks(self) -> list[int]:
