@@ -108,6 +108,7 @@ class DecoderLM:
 
     blocks: tuple
     vocab_axis: str | None
+    remat_plan: Any
 
     def map_blocks(self, f: Callable[[Any], Any]):
         """A copy of the model whose blocks are ``f(block)`` (same ``init`` / ``apply`` / ``axes``)."""
@@ -116,6 +117,9 @@ class DecoderLM:
     def run_blocks(self, params: list, x: torch.Tensor, *, mask: torch.Tensor | None,
                    keys: list) -> torch.Tensor:
         # x (B, T, C) -> (B, T, C), through each block's own apply (so wrapped blocks take effect)
+        if self.remat_plan is not None:  # the blocks as one chain, under a checkpointing schedule
+            return self.remat_plan.run([b.apply for b in self.blocks], params, x,
+                                       [dict(mask=mask, key=k) for k in keys])
         for block, p, k in zip(self.blocks, params, keys):
             x = block.apply(p, x, mask=mask, key=k)
         return x

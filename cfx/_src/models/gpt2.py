@@ -65,6 +65,7 @@ class GPT2(DecoderLM):
     config: GPT2Config
     blocks: tuple = None
     vocab_axis: str | None = None
+    remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
 
     def __post_init__(self):
         if self.blocks is None:

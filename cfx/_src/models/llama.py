@@ -82,6 +82,7 @@ class Llama(DecoderLM):
     config: LlamaConfig
     blocks: tuple = None
     vocab_axis: str | None = None
+    remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
 
     def __post_init__(self):
         if self.blocks is None:

@@ -71,6 +71,7 @@ class ActivationStats:
 
     def __init__(self):
         self.records: list[SavedRecord] = []
+        self.chain_peaks: list[tuple[str, int]] = []  # (schedule name, measured peak bytes) per chain run
         self._token = None
 
     def bytes(self, *, tier: str | None = None, name: str | None = None, call: int | None = None) -> int:

@@ -32,9 +32,11 @@ solver guarantees it is <= the budget. Time is the sum of ``fw[i]`` over forward
 ``bw[i]`` over backwards. Model parameters, their gradients and the forward's own temporaries are
 not counted: the budget is for activations.
 
-Discretisation: sizes are rounded *up* to slots of ``ceil(no_remat_peak / max_slots)`` bytes and
-the budget down, so a schedule feasible in slots is feasible in bytes; with integer sizes and a
-no-remat peak of at most ``max_slots`` the solver is exact.
+Discretisation: sizes are counted in slots. When all sizes share a common factor ``g`` with
+``no_remat_peak / g <= max_slots`` (typical: activation bytes are multiples of a large power of
+two) the slot is ``g`` and the solver is exact; otherwise sizes are rounded *up* to slots of
+``ceil(no_remat_peak / max_slots)`` bytes and the budget down, so a schedule feasible in slots is
+feasible in bytes (and may miss the byte-optimum by the rounding).
 """
 from __future__ import annotations
 
@@ -119,26 +121,30 @@ def chen(chain: Chain, *, segment: int | None = None) -> Schedule:
     return _schedule(chain, ops, f"chen, segment {k}")
 
 
-def solve(chain: Chain, budget: int, *, max_slots: int = 500) -> Schedule:
+def solve(chain: Chain, budget: int, *, max_slots: int = 4000) -> Schedule:
     """The fastest persistent schedule whose peak memory (see module docstring) is <= budget.
 
     Raises ValueError, stating the minimum, when no schedule fits in ``budget``.
     """
+    plain = no_remat(chain)
+    if plain.peak <= budget:  # nothing to recompute: the fastest schedule fits
+        return dataclasses.replace(plain, name="rotor", budget=budget)
     slot, units = _discretise(chain, max_slots)
     b = min(int(budget // slot), _peak_units(units))
     table = _Table(units)
     if b < units.x[0] or table.opt(1, units.n, b - units.x[0])[0] == _INF:
         minimum = minimum_budget(chain, max_slots=max_slots)
-        raise ValueError(f"remat.solve: budget {budget} is below the minimum feasible budget "
-                         f"{minimum} for this {chain.n}-stage chain (memory model in "
-                         f"cfx/_src/remat/solver.py); raise the budget to at least {minimum}.")
+        raise ValueError(f"remat.solve: budget {budget} bytes ({budget / 2**20:.2f} MiB) is below the "
+                         f"minimum feasible budget {minimum} bytes ({minimum / 2**20:.2f} MiB) for this "
+                         f"{chain.n}-stage chain (memory model in cfx/_src/remat/solver.py); raise the "
+                         f"budget to at least {minimum}.")
     ops = table.ops(1, units.n, b - units.x[0])
     sched = _schedule(chain, ops, "rotor", budget=budget)
     assert sched.peak <= budget, (sched.peak, budget)
     return sched
 
 
-def minimum_budget(chain: Chain, *, max_slots: int = 500) -> int:
+def minimum_budget(chain: Chain, *, max_slots: int = 4000) -> int:
     """The smallest budget for which :func:`solve` finds a schedule."""
     slot, units = _discretise(chain, max_slots)
     table = _Table(units)
@@ -213,7 +219,9 @@ class _Table:
 def _discretise(chain: Chain, max_slots: int) -> tuple:
     if not isinstance(max_slots, int) or max_slots < 1:
         raise ValueError(f"remat: max_slots must be a positive int, got {max_slots!r}.")
-    slot = max(1, math.ceil(_run(chain, _no_remat_ops(chain))[1] / max_slots))
+    peak = _run(chain, _no_remat_ops(chain))[1]
+    common = math.gcd(*chain.x, *chain.xbar, *chain.bw_tmp)  # exact when sizes share a large factor
+    slot = common if common and peak / common <= max_slots else max(1, math.ceil(peak / max_slots))
     up = lambda seq: tuple(-(-v // slot) for v in seq)  # noqa: E731
     return slot, Chain(fw=chain.fw, bw=chain.bw, x=up(chain.x), xbar=up(chain.xbar),
                        bw_tmp=up(chain.bw_tmp))

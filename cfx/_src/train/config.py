@@ -28,7 +28,8 @@ class TrainConfig:
     resume: str | None = None      # checkpoint to continue from
     stop_after: int = 0            # stop (and save) after N steps of this run; 0 runs to --steps
     sample_bytes: int = 200        # bytes of text to sample from the trained model at the end
-    remat: str = "none"            # none | blocks (nothing_saveable per block) | dots (dots_saveable)
+    remat: str = "none"            # none | blocks (nothing_saveable per block) | dots (dots_saveable) | auto
+    remat_budget: str = "512MiB"   # activation budget of --remat auto (the Rotor solver's schedule)
     mesh: str | None = None        # e.g. "data=2,model=2": DP x Megatron TP on a cfx.Mesh
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
@@ -60,9 +61,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
                    help="stop and save after N steps of this run (resume later with --resume)")
     p.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
                    help="sample this many bytes of text at the end (0: none)")
-    p.add_argument("--remat", choices=["none", "blocks", "dots"], default=d.remat,
+    p.add_argument("--remat", choices=["none", "blocks", "dots", "auto"], default=d.remat,
                    help="activation checkpointing per block: blocks keeps only each block's input, "
-                        "dots also keeps matmul outputs")
+                        "dots also keeps matmul outputs, auto solves the fastest schedule whose "
+                        "activations fit --remat-budget (Rotor)")
+    p.add_argument("--remat-budget", default=d.remat_budget,
+                   help="activation memory budget for --remat auto, e.g. 512MiB, 1.5GB")
     p.add_argument("--mesh", default=d.mesh,
                    help="train on a mesh, e.g. data=2,model=2 (local threads, or one process per rank "
                         "under torchrun)")

@@ -18,7 +18,7 @@ from cfx._src import random as jr
 from cfx._src import tree as tree_util
 from cfx._src.table import format_table
 from cfx._src.mesh.mesh import Mesh
-from cfx._src.remat.engine import remat
+from cfx._src.remat import remat
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.sharded import make_sharded_train_step, parse_mesh
 from cfx._src.train.sample import sample_bytes
@@ -39,12 +39,26 @@ def build_model(cfg: TrainConfig):
     return model
 
 
-def with_remat(model, mode: str):
-    """Activation checkpointing per block (applied after tensor parallelism, outermost)."""
+def with_remat(model, mode: str, *, plan=None):
+    """Activation checkpointing per block (applied after tensor parallelism, outermost), or the
+    blocks run as one chain under ``plan`` (``--remat auto``, from :func:`solve_remat`)."""
     if mode == "none":
         return model
+    if mode == "auto":
+        return dataclasses.replace(model, remat_plan=plan)
     policy = {"blocks": cp.nothing_saveable, "dots": cp.dots_saveable}[mode]
     return model.map_blocks(lambda b: remat(b, policy=policy))
+
+
+def solve_remat(cfg: TrainConfig, model, params, tokens: torch.Tensor, key, *, quiet: bool):
+    """The Rotor plan for ``--remat auto``: the fastest schedule under ``--remat-budget``, solved on
+    one rank's batch of the unsharded model (tensor-parallel blocks then hold less than planned)."""
+    if cfg.remat != "auto":
+        return None
+    _, plan = remat.solve(model, params, tokens, budget=cfg.remat_budget, key=key)  # key: dropout too
+    if not quiet:
+        tqdm.write(str(format_table(plan.summary(), ["remat plan", "value"])))
+    return plan
 
 
 def decay_mask(params: Any) -> Any:
@@ -111,12 +125,16 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]
     mesh = None
+    data_size = parse_mesh(cfg.mesh).get("data", 1) if cfg.mesh else 1
+    plan = solve_remat(cfg, model, params, val_batches[0][0][:max(cfg.batch // data_size, 1)],
+                       k_drop, quiet=not cfg.progress)
     if cfg.mesh:
         mesh = stack.enter_context(Mesh(parse_mesh(cfg.mesh)))
         step_fn = make_sharded_train_step(model, tx, policy, mesh, params, opt_state, batch=cfg.batch,
-                                          grad_clip=cfg.grad_clip, wrap=lambda m: with_remat(m, cfg.remat))
+                                          grad_clip=cfg.grad_clip,
+                                          wrap=lambda m: with_remat(m, cfg.remat, plan=plan))
     else:
-        step_fn = make_train_step(with_remat(model, cfg.remat), tx, policy)
+        step_fn = make_train_step(with_remat(model, cfg.remat, plan=plan), tx, policy)
     is_main = mesh is None or 0 in mesh.local_ranks  # under torchrun only rank 0 reports and saves
     n_params = tree_util.tree_size(params)
 
