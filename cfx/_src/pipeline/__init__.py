@@ -1,0 +1,1 @@
+"""Pipeline-parallel schedules as data: generators, a validator, a simulator and renderers."""
