@@ -1,0 +1,203 @@
+"""Tier stores: where chunk payloads live (device memory, host memory, files on NVMe).
+
+All three share one small interface: ``put(key, tensor, kind=...)`` stores a copy the store owns,
+``get(key)`` hands it back, ``delete(key)`` drops it, ``nbytes`` is what the store holds. Device
+and host stores return the stored tensor itself from ``get`` (writes into it stick); the NVMe
+store returns a fresh CPU tensor read from disk, checked against the checksum taken at ``put``.
+
+Each store reports what it holds to ``cfx.memory`` under its tier (kind ``"chunk"`` unless the
+caller names another). A store belongs to one rank and is not thread-safe.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import urllib.parse
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from cfx._src import memory
+
+
+class ChecksumMismatch(OSError):
+    """A chunk file read back from NVMe is not the bytes that were written."""
+
+
+class _Store:
+    tier: str
+
+    def __init__(self):
+        self._data: dict[Any, Any] = {}
+        self._tokens: dict[Any, Any] = {}
+        self._nbytes: dict[Any, int] = {}
+
+    def _book(self, key, nbytes: int, kind: str) -> None:
+        self._tokens[key] = memory.record_alloc(nbytes, tier=self.tier, kind=kind, key=key)
+        self._nbytes[key] = nbytes
+
+    def _unbook(self, key) -> None:
+        memory.record_free(self._tokens.pop(key))
+        del self._nbytes[key]
+
+    def _missing(self, key) -> KeyError:
+        return KeyError(f"{type(self).__name__} holds no entry {key!r}; "
+                        f"it holds {sorted(map(str, self._data))}.")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._nbytes.values())
+
+    def keys(self) -> list:
+        return list(self._data)
+
+    def __contains__(self, key) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        for key in list(self._data):
+            self.delete(key)
+
+
+class _MemoryStore(_Store):
+    def _alloc(self, like: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def put(self, key, tensor: torch.Tensor, *, kind: str = "chunk") -> torch.Tensor:
+        """Store a contiguous copy of ``tensor`` under ``key`` (replacing any); returns the copy."""
+        if key in self._data:
+            self.delete(key)
+        copy = self._alloc(tensor)
+        copy.copy_(tensor.detach())
+        self._data[key] = copy
+        self._book(key, copy.numel() * copy.element_size(), kind)
+        return copy
+
+    def get(self, key) -> torch.Tensor:
+        if key not in self._data:
+            raise self._missing(key)
+        return self._data[key]
+
+    def delete(self, key) -> None:
+        if key not in self._data:
+            raise self._missing(key)
+        del self._data[key]
+        self._unbook(key)
+
+
+class DeviceStore(_MemoryStore):
+    """Payloads in memory of ``device`` (on a CPU-only machine: ``"cpu"``, an emulated device)."""
+
+    tier = "device"
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.device = torch.device(device)
+
+    def _alloc(self, like):
+        return torch.empty(like.shape, dtype=like.dtype, device=self.device)
+
+
+class HostStore(_MemoryStore):
+    """Payloads in host RAM, page-locked when ``pin_memory`` (needs an accelerator backend)."""
+
+    tier = "host"
+
+    def __init__(self, *, pin_memory: bool = False):
+        super().__init__()
+        if pin_memory:
+            try:
+                torch.empty(1, pin_memory=True)
+            except RuntimeError as e:
+                raise ValueError(f"HostStore(pin_memory=True): this machine cannot pin memory ({e}); "
+                                 "use pin_memory=False.") from None
+        self.pin_memory = pin_memory
+
+    def _alloc(self, like):
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_memory)
+
+
+class NvmeStore(_Store):
+    """Payloads as raw bytes, one file per key in ``directory``, verified by CRC-32 on read.
+
+    A write goes to a temporary file that is flushed, fsync'ed and renamed over the final name,
+    so a crash leaves either the old file or the new one. dtype, shape and checksum are kept in
+    this object. The constructor proves the directory writable (creating it if needed, then
+    writing and removing a probe file) before anything else happens.
+    """
+
+    tier = "nvme"
+
+    def __init__(self, directory: str | os.PathLike):
+        super().__init__()
+        self.directory = os.fspath(directory)
+        probe = os.path.join(self.directory, f".cfx-probe-{os.getpid()}-{threading.get_ident()}")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"\0")
+            os.remove(probe)
+        except OSError as e:
+            raise ValueError(f"NvmeStore: directory {self.directory!r} is not writable ({e.strerror or e}); "
+                             "pass a directory this user can create files in (e.g. on a local NVMe "
+                             "drive) or fix its permissions.") from None
+
+    def _path(self, key) -> str:
+        return os.path.join(self.directory, urllib.parse.quote(str(key), safe="") + ".chunk")
+
+    def put(self, key, tensor: torch.Tensor, *, kind: str = "chunk") -> None:
+        """Write ``tensor``'s bytes to ``key``'s file (replacing any)."""
+        t = tensor.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        path = self._path(key)
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(memoryview(raw))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if key in self._data:
+            self._unbook(key)
+        self._data[key] = (path, t.dtype, tuple(t.shape), raw.nbytes, zlib.crc32(memoryview(raw)))
+        self._book(key, raw.nbytes, kind)
+
+    def get(self, key) -> torch.Tensor:
+        """A fresh CPU tensor with the bytes of ``key``; raises ``ChecksumMismatch`` if corrupted."""
+        if key not in self._data:
+            raise self._missing(key)
+        path, dtype, shape, nbytes, crc = self._data[key]
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = np.empty(nbytes, dtype=np.uint8)
+        with open(path, "rb") as f:
+            got = f.readinto(memoryview(raw))
+            extra = f.read(1)
+        if got != nbytes or extra:
+            raise ChecksumMismatch(f"NvmeStore: {path} for key {key!r} has the wrong size (expected "
+                                   f"{nbytes} bytes); the file was truncated or overwritten.")
+        found = zlib.crc32(memoryview(raw))
+        if found != crc:
+            raise ChecksumMismatch(f"NvmeStore: {path} for key {key!r} is corrupted (crc32 {found:#010x}, "
+                                   f"written {crc:#010x}).")
+        return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+    def delete(self, key) -> None:
+        if key not in self._data:
+            raise self._missing(key)
+        path = self._data.pop(key)[0]
+        os.remove(path)
+        self._unbook(key)
+
+
+def make_stores(device: str | torch.device = "cpu", *, pin_memory: bool = False,
+                nvme_dir: str | os.PathLike | None = None) -> dict[str, _Store]:
+    """``{"device": ..., "host": ..., "nvme": ...}`` (no ``"nvme"`` entry without ``nvme_dir``)."""
+    stores: dict[str, _Store] = {"device": DeviceStore(device), "host": HostStore(pin_memory=pin_memory)}
+    if nvme_dir is not None:
+        stores["nvme"] = NvmeStore(nvme_dir)
+    return stores

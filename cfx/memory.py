@@ -1,0 +1,13 @@
+"""Memory accounting per rank and tier (device / host / nvme): ``with cfx.memory.track() as mem:``."""
+from cfx._src.memory import (
+    TIERS,
+    MemoryTracker,
+    OpWatcher,
+    Token,
+    record_alloc,
+    record_free,
+    track,
+    watch,
+)
+
+__all__ = ["TIERS", "MemoryTracker", "OpWatcher", "Token", "record_alloc", "record_free", "track", "watch"]
