@@ -126,3 +126,15 @@ def test_saved_bytes_of_a_gpt2_block_match_the_derived_textbook_count(b, s, h, a
         cfx.remat(block.apply, policy=cp.everything_saveable)(params, x)
     expected = s * b * h * (60 + 4 * a / h + 16 / h)
     assert abs(stats.bytes() - expected) <= 0.05 * expected
+
+
+def test_dots_saveable_on_a_gpt2_block_keeps_the_matmul_outputs_seen_through_views():
+    # Linear returns a view of its addmm output and attention splits q, k, v off the QKV matmul:
+    # the saved views count as matmul outputs. Kept: q, k, v (3 x 4sbh) and the fc output (16sbh).
+    b, s, h = 2, 16, 128
+    block = cfx.models.gpt2("tiny", n_embd=h, n_head=4).blocks[0]
+    params = cfx.tree.map(lambda t: t.requires_grad_(), block.init(cfx.random.key(0)))
+    x = torch.randn(b, s, h, requires_grad=True)
+    with cfx.activation_stats() as stats:
+        cfx.remat(block.apply, policy=cp.dots_saveable)(params, x)
+    assert stats.bytes(tier="device") == 4 * b * s * h * (3 + 4)

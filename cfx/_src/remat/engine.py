@@ -187,7 +187,8 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
             if id(storage) in input_storages:
                 return ("keep", t)  # f's inputs (and views of them, e.g. a transposed weight)
             nbytes = t.numel() * t.element_size()
-            info = pol.Saved(tuple(t.shape), t.dtype, nbytes, t in dots, _names.get(t))
+            is_dot = t in dots or (t._base is not None and t._base in dots)  # a view of a matmul output
+            info = pol.Saved(tuple(t.shape), t.dtype, nbytes, is_dot, _names.get(t))
             seen = counted.get(id(storage))
             if seen is not None and seen() is storage:  # saved again (q, k, v share an input): count once
                 nbytes = 0
