@@ -155,7 +155,7 @@ def _profile(f, args, mask, key):
 
 
 def solve(f: Any, *args: Any, budget: int | str, mask: torch.Tensor | None = None,
-          key: torch.Tensor | None = None, max_slots: int = 4000):
+          key: torch.Tensor | None = None, max_slots: int = 20000):
     """The fastest schedule (Rotor) whose peak activation memory fits ``budget`` bytes.
 
     Returns ``(runnable, plan)``: for a model, a copy that runs its blocks under the plan. Raises
@@ -177,7 +177,7 @@ def chen(f: Any, *args: Any, segment: int | None = None, mask: torch.Tensor | No
 
 
 def minimum_budget(f: Any, *args: Any, mask: torch.Tensor | None = None,
-                   key: torch.Tensor | None = None, max_slots: int = 4000) -> int:
+                   key: torch.Tensor | None = None, max_slots: int = 20000) -> int:
     """The smallest budget :func:`solve` accepts for this chain (bytes)."""
     chain, _ = _profile(f, args, mask, key)
     return solver.minimum_budget(chain, max_slots=max_slots)

@@ -121,7 +121,7 @@ def chen(chain: Chain, *, segment: int | None = None) -> Schedule:
     return _schedule(chain, ops, f"chen, segment {k}")
 
 
-def solve(chain: Chain, budget: int, *, max_slots: int = 4000) -> Schedule:
+def solve(chain: Chain, budget: int, *, max_slots: int = 20000) -> Schedule:
     """The fastest persistent schedule whose peak memory (see module docstring) is <= budget.
 
     Raises ValueError, stating the minimum, when no schedule fits in ``budget``.
@@ -144,7 +144,7 @@ def solve(chain: Chain, budget: int, *, max_slots: int = 4000) -> Schedule:
     return sched
 
 
-def minimum_budget(chain: Chain, *, max_slots: int = 4000) -> int:
+def minimum_budget(chain: Chain, *, max_slots: int = 20000) -> int:
     """The smallest budget for which :func:`solve` finds a schedule."""
     slot, units = _discretise(chain, max_slots)
     table = _Table(units)
