@@ -9,6 +9,7 @@ from cfx._src.lax.stats import CommStats, comm_stats
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.mesh.spec import P
 from cfx._src.parallel.rules import Rules
+from cfx._src.pipeline.api import pipeline
 from cfx._src.remat import remat
 from cfx._src.remat.engine import ActivationStats, activation_stats, checkpoint_name
 from cfx._src.reshard import Plan as ReshardPlan, reshard, reshard_plan
@@ -20,6 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationStats", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShardedArray", "activation_stats", "amp", "checkpoint", "checkpoint_name", "checkpoint_policies",
-    "comm_stats", "device_put", "gemini", "grad", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "quant",
+    "comm_stats", "device_put", "gemini", "grad", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
     "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap",
 ]

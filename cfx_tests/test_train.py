@@ -84,14 +84,29 @@ def test_mesh_training_tracks_single_device(model, text_file):
 
 
 def test_mesh_flag_errors(text_file, capsys):
-    assert main(["--mesh", "data=2,pipe=2", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
+    assert main(["--mesh", "data=2,expert=2", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
     assert "AXIS=SIZE" in capsys.readouterr().err
+    assert main(["--mesh", "pipe=2", "--microbatches", "3", "--steps", "1", "--data", text_file,
+                 "--no-progress"]) == 2
+    assert "microbatches" in capsys.readouterr().err
     assert main(["--mesh", "data=3", "--batch", "4", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
     assert "not divisible by the data axis size 3" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("remat,mesh", [("blocks", None), ("dots", None), ("blocks", "data=2,model=2")])
+@pytest.mark.parametrize("mesh,schedule", [("pipe=2,data=2", "1f1b"), ("pipe=2,model=2", "zb-h1"),
+                                           ("pipe=2", "interleaved")])
+def test_pipeline_training_tracks_single_device(mesh, schedule, text_file):
+    base = dict(SMALL, steps=3, data=text_file)
+    single = train(TrainConfig(**base))
+    piped = train(TrainConfig(**base, mesh=mesh, schedule=schedule, microbatches=2))
+    torch.testing.assert_close(torch.tensor([l for _, l in piped["history"]["train"]]),
+                               torch.tensor([l for _, l in single["history"]["train"]]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("remat,mesh", [("blocks", None), ("dots", None), ("blocks", "data=2,model=2"),
+                                        ("auto", None)])
 def test_remat_flag_keeps_the_loss_trajectory(remat, mesh, text_file):
     base = dict(SMALL, steps=3, data=text_file)
     ref = train(TrainConfig(**base))

@@ -5,9 +5,9 @@ import argparse
 import sys
 
 from cfx._src.runtime import keep_host_memory
-from cfx.bench import kernels, overhead, remat, spmd
+from cfx.bench import kernels, overhead, pipeline, remat, spmd
 
-BENCHES = {"kernels": kernels.run, "overhead": overhead.run, "remat": remat.run, "spmd": spmd.run}
+BENCHES = {"kernels": kernels.run, "overhead": overhead.run, "pipeline": pipeline.run, "remat": remat.run, "spmd": spmd.run}
 
 
 def main(argv=None) -> int:

@@ -207,3 +207,35 @@ def ppermute(x: torch.Tensor, axis: Axis, perm: Sequence[tuple[int, int]]) -> to
         raise ValueError(f"{where}: perm {perm} must pair unique sources with unique destinations in "
                          f"[0, {ax.size}) for axis {ax.names}.")
     return _PPermute.apply(x, ax, tuple(perm))
+
+
+def _check_peer(ax: comm.Axes, peer: int, tag: int, where: str, name: str) -> None:
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < ax.size or peer == ax.index:
+        raise ValueError(f"{where}: {name}={peer!r} must be another position of axis {ax.names}, an "
+                         f"int in [0, {ax.size}) other than this rank's {ax.index}.")
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2 ** 31:
+        raise ValueError(f"{where}: tag must be an int in [0, 2**31), got {tag!r}.")
+
+
+def send(x: torch.Tensor, axis: Axis, *, dst: int, tag: int = 0) -> comm.Pending:
+    """Point-to-point, not differentiable: start sending ``x`` to position ``dst`` of ``axis``.
+
+    Returns a handle; call its ``wait()`` before the end of the step (the send never waits for
+    the receiver, so two ranks may each send before they receive). Only ``dst`` takes part: it
+    calls ``recv(axis, src=<this position>, tag=tag, ...)``. Callers that need gradients across
+    the message send them back explicitly (as ``cfx.pipeline`` does).
+    """
+    where = "cfx.lax.send"
+    ax = _ax(axis, where)
+    _check_peer(ax, dst, tag, where, "dst")
+    return comm.send(x, ax, dst, tag)
+
+
+def recv(axis: Axis, *, src: int, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+         device: torch.device | str = "cpu", tag: int = 0) -> torch.Tensor:
+    """Point-to-point, not differentiable: the tensor position ``src`` of ``axis`` sent with
+    ``tag`` (of the given ``shape`` and ``dtype``); blocks until it arrives."""
+    where = "cfx.lax.recv"
+    ax = _ax(axis, where)
+    _check_peer(ax, src, tag, where, "src")
+    return comm.recv(shape, dtype, device, ax, src, tag)

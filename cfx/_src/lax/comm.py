@@ -128,3 +128,53 @@ def permute(x: torch.Tensor, ax: Axes, perm: Sequence[tuple[int, int]]) -> torch
     for w in works:
         _wait(w)
     return out
+
+
+# -- point-to-point -----------------------------------------------------------------------------
+# Unlike the collectives above, only the two ranks of a message take part. A send never waits
+# for its receiver (it returns a handle to wait on later), so schedules whose ranks send before
+# they receive (1F1B's steady state) cannot deadlock; a recv blocks until its message arrived.
+# Messages between one pair are matched by ``tag``, so give each in-flight message its own tag.
+
+
+class Pending:
+    """An issued ``send``: ``wait()`` blocks until the payload has left; holds it until then."""
+
+    __slots__ = ("_work", "_payload")
+
+    def __init__(self, work, payload: torch.Tensor):
+        self._work, self._payload = work, payload
+
+    def wait(self) -> None:
+        if self._work is not None:
+            _wait(self._work)
+        self._work = self._payload = None
+
+    def done(self) -> bool:
+        """True once the send completed (never blocks); the payload is released then."""
+        if self._work is not None and self._work.is_completed():
+            self.wait()
+        return self._work is None
+
+
+def _group_rank(ax: Axes, position: int) -> int:
+    return position if ax.order is None else ax.order[position]
+
+
+def send(x: torch.Tensor, ax: Axes, dst: int, tag: int = 0) -> Pending:
+    """Start sending ``x`` to requested position ``dst``; the caller must ``wait()`` the handle."""
+    assert dst != ax.index and ax.size > 1, "a rank never sends to itself"
+    x = x.detach().contiguous()
+    ax.record("send", x)
+    return Pending(ax.group.get().send([x], _group_rank(ax, dst), tag), x)
+
+
+def recv(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, ax: Axes, src: int,
+         tag: int = 0) -> torch.Tensor:
+    """A fresh tensor of ``shape``/``dtype`` holding what requested position ``src`` sent with
+    ``tag``; blocks until it arrived."""
+    assert src != ax.index and ax.size > 1, "a rank never receives from itself"
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    ax.record("recv", out)
+    _wait(ax.group.get().recv([out], _group_rank(ax, src), tag))
+    return out

@@ -30,7 +30,10 @@ class TrainConfig:
     sample_bytes: int = 200        # bytes of text to sample from the trained model at the end
     remat: str = "none"            # none | blocks (nothing_saveable per block) | dots (dots_saveable) | auto
     remat_budget: str = "512MiB"   # activation budget of --remat auto (the Rotor solver's schedule)
-    mesh: str | None = None        # e.g. "data=2,model=2": DP x Megatron TP on a cfx.Mesh
+    mesh: str | None = None        # e.g. "data=2,model=2": DP x Megatron TP on a cfx.Mesh; pipe=N adds stages
+    schedule: str = "1f1b"         # pipeline schedule with a pipe axis: gpipe | 1f1b | interleaved | zb-h1
+    microbatches: int = 4          # micro-batches per step with a pipe axis
+    chunks: int = 2                # virtual stages per rank for --schedule interleaved
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
     json: str | None = None        # write the summary as JSON here
@@ -70,6 +73,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--mesh", default=d.mesh,
                    help="train on a mesh, e.g. data=2,model=2 (local threads, or one process per rank "
                         "under torchrun)")
+    p.add_argument("--schedule", default=d.schedule, choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
+                   help="pipeline schedule when --mesh has a pipe axis")
+    p.add_argument("--microbatches", type=int, default=d.microbatches,
+                   help="micro-batches per step when --mesh has a pipe axis")
+    p.add_argument("--chunks", type=int, default=d.chunks,
+                   help="virtual stages per pipe rank for --schedule interleaved")
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")

@@ -20,7 +20,7 @@ from cfx._src.table import format_table
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.remat import remat
 from cfx._src.train.config import TrainConfig
-from cfx._src.train.sharded import make_sharded_train_step, parse_mesh
+from cfx._src.train.sharded import make_schedule, make_sharded_train_step, parse_mesh
 from cfx._src.train.sample import sample_bytes
 from cfx._src.train.step import scaled_loss_grad
 
@@ -130,8 +130,10 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
                        k_drop, quiet=not cfg.progress)
     if cfg.mesh:
         mesh = stack.enter_context(Mesh(parse_mesh(cfg.mesh)))
+        schedule = (make_schedule(cfg.schedule, mesh.shape["pipe"], cfg.microbatches, cfg.chunks)
+                    if "pipe" in mesh.shape else None)
         step_fn = make_sharded_train_step(model, tx, policy, mesh, params, opt_state, batch=cfg.batch,
-                                          grad_clip=cfg.grad_clip,
+                                          grad_clip=cfg.grad_clip, schedule=schedule,
                                           wrap=lambda m: with_remat(m, cfg.remat, plan=plan))
     else:
         step_fn = make_train_step(with_remat(model, cfg.remat, plan=plan), tx, policy)

@@ -1,4 +1,5 @@
-"""The training step on a mesh: data parallel over ``data``, Megatron tensor parallel over ``model``.
+"""The training step on a mesh: data parallel over ``data``, Megatron tensor parallel over ``model``,
+pipeline stages over ``pipe``.
 
 Parallelism is applied in one readable order (torchtitan's habit): rules turn the model's
 logical axes into specs, the blocks become tensor-parallel, and the step averages gradients
@@ -18,10 +19,11 @@ from cfx._src.mesh.spec import P
 from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
 from cfx._src.parallel.rules import Rules
 from cfx._src.parallel.state import sharded_global_norm, state_specs, tree_pmean
+from cfx._src.pipeline.api import pipeline
 from cfx._src.shard_map import shard_map
 from cfx._src.train.step import scaled_loss_grad
 
-KNOWN_AXES = ("data", "model")
+KNOWN_AXES = ("pipe", "data", "model")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -37,14 +39,46 @@ def parse_mesh(text: str) -> dict[str, int]:
     return shape
 
 
+def make_schedule(name: str, pipe: int, microbatches: int, chunks: int):
+    """The ``--schedule`` for ``pipe`` ranks (ValueErrors name the fix)."""
+    if name == "gpipe":
+        return pipeline.gpipe(pipe, microbatches)
+    if name == "1f1b":
+        return pipeline.one_f_one_b(pipe, microbatches)
+    if name == "interleaved":
+        return pipeline.interleaved_1f1b(pipe, microbatches, chunks)
+    if name == "zb-h1":
+        return pipeline.zb_h1(pipe, microbatches)
+    raise ValueError(f"--schedule {name!r}: expected gpipe, 1f1b, interleaved or zb-h1.")
+
+
+def _pipelined_grad_fn(local_model, policy, schedule):
+    """The pipeline's ``(loss, grads)`` in the shape of ``scaled_loss_grad`` (no loss scaling)."""
+    run = pipeline(local_model, schedule)
+
+    def grad_fn(params, tokens, targets, key, scale):
+        del key, scale  # dropout is refused and fp16 scaling is refused up front
+        loss, grads = run(policy.cast_to_compute(params), tokens, targets)
+        grads = tree_util.map(lambda g, p: g.to(p.dtype), grads, params)
+        return (loss, loss), grads
+    return grad_fn
+
+
 def make_sharded_train_step(model, tx, policy, mesh: Mesh, params: Any, opt_state: Any, *,
-                            batch: int, grad_clip: float, wrap=lambda m: m):
+                            batch: int, grad_clip: float, wrap=lambda m: m, schedule=None):
     """A ``step(params, opt_state, tokens, targets, key)`` with the signature of the
-    single-device one; params and optimizer state stay global between steps."""
-    if policy.needs_loss_scaling and mesh.shape.get("model", 1) > 1:
-        raise ValueError("--precision fp16 with a model axis: the loss scaler's inf/nan check would "
-                         "see only this rank's shard; use --precision bf16 (or fp32) with tensor "
-                         "parallelism for now.")
+    single-device one; params and optimizer state stay global between steps. With a ``pipe``
+    axis, ``schedule`` (cfx.pipeline data) runs the blocks as stages over it."""
+    if policy.needs_loss_scaling and (mesh.shape.get("model", 1) > 1 or "pipe" in mesh.shape):
+        raise ValueError("--precision fp16 with a model or pipe axis: the loss scaler's inf/nan check "
+                         "would see only this rank's part; use --precision bf16 (or fp32) with tensor "
+                         "or pipeline parallelism for now.")
+    if "pipe" in mesh.shape:
+        if schedule is None:
+            raise ValueError(f"{mesh!r} has a pipe axis: pass a schedule (--schedule, --microbatches).")
+        if getattr(model.config, "dropout", 0.0) > 0:
+            raise ValueError("--mesh with a pipe axis: pipeline stages run without dropout; use a "
+                             "model preset with dropout 0.")
     data = mesh.shape.get("data", 1)
     if batch % data:
         raise ValueError(f"--batch {batch} is not divisible by the data axis size {data} of {mesh!r}; "
@@ -58,7 +92,8 @@ def make_sharded_train_step(model, tx, policy, mesh: Mesh, params: Any, opt_stat
     # 2. then per-block strategies that wrap the tensor-parallel blocks (activation checkpointing)
     local_model = wrap(local_model)
 
-    grad_fn = scaled_loss_grad(local_model, policy)
+    grad_fn = (_pipelined_grad_fn(local_model, policy, schedule) if "pipe" in mesh.shape
+               else scaled_loss_grad(local_model, policy))
 
     def step(params, opt_state, tokens, targets, key):
         scale = optim.loss_scale(opt_state) if policy.needs_loss_scaling else 1.0

@@ -1,0 +1,301 @@
+"""``cfx.pipeline(model, schedule)``: run a schedule's actions on the ranks of a ``pipe`` axis.
+
+``step = cfx.pipeline(model, schedule, axis="pipe")`` is a drop-in for
+``cfx.value_and_grad(model.loss)`` inside ``cfx.shard_map``: ``loss, grads = step(params,
+tokens, targets)``. Every rank gets the same (already data-sharded) batch and the whole params
+tree (``P()`` over the pipe axis; tensor-parallel shards over ``model`` as usual). It splits the
+batch into ``m = schedule.n_microbatches`` microbatches of ``b = B / m`` rows and runs *its*
+action list in order, holding the stages ``partition`` gave it (virtual stage s on rank s % p):
+
+  F       forward of stage s on microbatch j: embeddings (s = 0), its blocks, and for the last
+          stage the head and the loss, scaled by j's share of the valid targets (1/m without
+          ignored targets), so the losses add up to ``model.loss`` of the whole batch. The stage
+          input is a fresh leaf; the output is sent and only its ``GradientEdge`` kept.
+  B       backward of (s, j) given the received output gradient: input gradient (sent on) and
+          parameter gradients (accumulated). I / W: the zero-bubble split (``backward.py``).
+  SEND_*  point-to-point ``lax.collectives.send`` of an activation (b, T, C) or its gradient,
+          tagged (family, stage, microbatch); never waits for the peer.
+  RECV_*  ``lax.collectives.recv`` into a fresh (b, T, C) buffer; blocks until it arrived.
+
+Returned values. ``loss``: the full-batch mean loss on every pipe rank (the last stage's sum,
+all-reduced over the axis). ``grads``: shaped like ``params``. With ``sum_grads=True`` (default)
+they are the full gradients on every pipe rank, equal to ``value_and_grad(model.loss)``: each
+rank's contribution - its stages' gradients, zeros elsewhere, the tied head's two halves on the
+first and the last stage's ranks - summed in one flat all-reduce over the axis (with the loss).
+With ``sum_grads=False`` you get the contributions themselves (``psum`` over the axis completes
+them) and save that all-reduce, e.g. to fuse it with your own reductions.
+
+Composes with DP (``tree_pmean`` the grads over ``data``), Megatron TP (pass
+``tensor_parallel(model)``; activations between stages are replicated over ``model``) and remat
+(``model.map_blocks(cfx.remat)``). Params and grads are whole trees on every pipe rank: the
+pipeline splits compute and activations, not parameter memory. Dropout is off (no key).
+
+Memory and time. While a ``cfx.memory`` tracker is active, the tensors autograd saves for a
+pending backward (outside ``cfx.remat`` regions, whose hooks take precedence) and the stage
+inputs are watched as kind ``"activation"``: freed by B, or by W for a split backward (I keeps
+what W needs). Every action's start and end go to active ``cfx.pipeline.trace()`` collectors.
+All checks (schedule, stages vs blocks, the axis and its size, batch divisibility, inputs) run
+on every rank before any message.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+
+from cfx._src import memory
+from cfx._src import tree as tree_util
+from cfx._src.lax import collectives as lax
+from cfx._src.mesh import context as ctx_lib
+from cfx._src.models.common import IGNORE_INDEX, check_params
+from cfx._src.pipeline import trace as trace_lib
+from cfx._src.pipeline.backward import SplitBackward, full_backward
+from cfx._src.pipeline.partition import ModelParts, StagePlan, model_parts, partition
+from cfx._src.pipeline.schedule import Schedule
+from cfx._src.pipeline.validate import validate
+
+WHERE = "cfx.pipeline"
+
+
+def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StagePlan | None = None,
+             sum_grads: bool = True) -> "PipelineStep":
+    """A ``step(params, tokens, targets) -> (loss, grads)`` running ``schedule`` over ``axis``.
+
+    ``plan`` (default ``partition(model, schedule.n_stages)``) says which blocks each stage runs.
+    Raises ``ValueError`` / ``ScheduleError`` here for a bad schedule or plan; the mesh-dependent
+    checks run in the step, on every rank, before any communication.
+    """
+    if not isinstance(schedule, Schedule):
+        raise ValueError(f"{WHERE}: schedule must be a Schedule (e.g. cfx.pipeline.one_f_one_b(p, "
+                         f"m)), got {type(schedule).__name__}.")
+    validate(schedule)
+    parts = model_parts(model)
+    plan = partition(model, schedule.n_stages) if plan is None else plan
+    if plan.n_stages != schedule.n_stages or plan.bounds[-1] != len(model.blocks):
+        raise ValueError(f"{WHERE}: the plan has {plan.n_stages} stages over {plan.bounds[-1]} "
+                         f"blocks; the schedule needs {schedule.n_stages} stages (p*v) over the "
+                         f"model's {len(model.blocks)}. Make it with partition(model, "
+                         f"{schedule.n_stages}).")
+    return PipelineStep(model, schedule, axis, plan, parts, bool(sum_grads))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStep:
+    """The step ``pipeline`` returns; ``schedule`` and ``plan`` say what it runs."""
+
+    model: Any
+    schedule: Schedule
+    axis: str
+    plan: StagePlan
+    parts: ModelParts
+    sum_grads: bool
+
+    def __call__(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor):
+        ctx = self._check(params, tokens, targets)
+        run = _Run(self, params, tokens, targets, ctx.coords[self.axis])
+        run.execute(ctx)
+        return run.results()
+
+    def _check(self, params, tokens, targets) -> ctx_lib.RankContext:
+        ctx = ctx_lib.current_or_none()
+        p, m = self.schedule.n_ranks, self.schedule.n_microbatches
+        if ctx is None:
+            raise ValueError(f"{WHERE}: the step must run inside cfx.shard_map over a mesh with a "
+                             f"{self.axis!r} axis of size {p}; it was called outside any mesh.")
+        if self.axis not in ctx.mesh.shape:
+            raise ValueError(f"{WHERE}: {ctx.mesh!r} has no {self.axis!r} axis (axes "
+                             f"{list(ctx.mesh.axis_names)}); add {self.axis!r}: {p} to the mesh or "
+                             f"pass axis= one of its axes.")
+        if ctx.mesh.shape[self.axis] != p:
+            raise ValueError(f"{WHERE}: schedule {self.schedule.name!r} is for {p} ranks but axis "
+                             f"{self.axis!r} of {ctx.mesh!r} has {ctx.mesh.shape[self.axis]}; build "
+                             f"the schedule with p={ctx.mesh.shape[self.axis]}.")
+        self.parts.check(tokens, targets)
+        if tokens.shape[0] % m:
+            raise ValueError(f"{WHERE}: this rank's batch of {tokens.shape[0]} rows does not split "
+                             f"into the schedule's {m} microbatches; use a per-rank batch that is a "
+                             f"multiple of {m} or a schedule with a divisor of it.")
+        check_params(WHERE, self.model, params)
+        return ctx
+
+
+class _Run:
+    """One step on one rank: the state that lives from a microbatch's F to its B / W."""
+
+    def __init__(self, step: PipelineStep, params, tokens, targets, rank: int):
+        self.step, self.params, self.rank = step, params, rank
+        sched, plan = step.schedule, step.plan
+        m = sched.n_microbatches
+        self.tokens, self.targets = tokens.chunk(m), targets.chunk(m)  # m x (b, T)
+        self.valid = [int((t != IGNORE_INDEX).sum()) for t in self.targets]
+        total = max(sum(self.valid), 1)
+        self.weights = [v / total for v in self.valid]  # microbatch shares of the mean loss
+        w = tree_util.leaves(params)[0]
+        b, T = self.tokens[0].shape
+        self.msg = dict(shape=(b, T, step.parts.width), dtype=w.dtype, device=w.device)
+        # this rank's params as fresh leaves, and each stage's list of them
+        mine = sched.stages_of(rank)
+        held = {k for s in mine for k in plan.extras(s)}
+        self.local = {k: _leaves_of(params[k]) for k in held}
+        self.local["blocks"] = {i: _leaves_of(params["blocks"][i]) for s in mine for i in plan.blocks(s)}
+        self.stage_leaves = {s: tree_util.leaves([self.local["blocks"][i] for i in plan.blocks(s)]
+                                                 + [self.local[k] for k in plan.extras(s)])
+                             for s in mine}
+        # saved tensors are watched only while a cfx.memory tracker is active (the hook costs time)
+        self.tracked = bool(memory._active.get())
+        self.param_storages = {t.untyped_storage()._cdata for t in tree_util.leaves(params)}
+        self.acc: dict[int, torch.Tensor] = {}    # id(leaf) -> accumulated gradient
+        self.inputs: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> stage input
+        self.outputs: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> output to send
+        self.out_grads: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> gradient of its output
+        self.in_grads: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> gradient of its input, to send
+        self.live: dict[tuple, tuple] = {}        # (stage, mb) -> (root, x) awaiting B / I
+        self.split: dict[tuple, SplitBackward] = {}  # (stage, mb) -> awaiting W
+        self.sends: list = []
+        self.loss = torch.zeros((), dtype=torch.float32, device=w.device)
+
+    # -- the action loop ------------------------------------------------------------------------
+    def execute(self, ctx) -> None:
+        step = self.step
+        collectors = trace_lib.active()
+        events = []
+        for a in step.schedule.actions[self.rank]:
+            t0 = time.perf_counter()
+            getattr(self, "_" + a.kind)(a.stage, a.microbatch, a.peer)
+            events.append((a, t0, time.perf_counter()))
+            self.sends = [s for s in self.sends if not s.done()]
+        for s in self.sends:
+            s.wait()
+        self.sends = []
+        assert not (self.inputs or self.outputs or self.out_grads or self.in_grads or self.live
+                    or self.split), "a validated schedule consumes everything it produces"
+        group = tuple((n, c) for n, c in ctx.coords.items() if n != step.axis)
+        for c in collectors:
+            c._add(ctx.rank, self.rank, group, step.schedule, events)
+
+    def _tag(self, family: int, stage: int, mb: int) -> int:
+        sched = self.step.schedule
+        return 1 + (family * sched.n_stages + stage) * sched.n_microbatches + mb
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.untyped_storage()._cdata not in self.param_storages:
+            memory.watch(t, tier="device", kind="activation")
+        # detached: a saved output holding its own grad_fn would be a reference cycle that
+        # outlives the graph once I's retain_graph=True has kept the graph's buffers
+        return t.detach()
+
+    def _F(self, s: int, mb: int, peer) -> None:
+        step, last = self.step, self.step.schedule.n_stages - 1
+        x = None
+        if s > 0:
+            x = self.inputs.pop((s, mb)).detach().requires_grad_(True)  # (b, T, C)
+            memory.watch(x, tier="device", kind="activation")
+        with saved_tensors_hooks(self._pack, _same) if self.tracked else contextlib.nullcontext():
+            h = step.parts.embed(self.local, self.tokens[mb]) if s == 0 else x  # (b, T, C)
+            for i in step.plan.blocks(s):
+                h = step.model.blocks[i].apply(self.local["blocks"][i], h, mask=None, key=None)
+            if s == last and self.valid[mb] == 0:  # nothing to predict: a zero that still
+                h = h.float().sum() * 0.0              # routes (zero) gradients back
+            elif s == last:
+                h = step.parts.head_loss(self.local, h, self.targets[mb]) * self.weights[mb]
+        if s == last:
+            self.loss = self.loss + h.detach().float()
+            self.live[s, mb] = (h, x)
+            return
+        self.live[s, mb] = (get_gradient_edge(h), x)
+        if step.schedule.stage_rank(s + 1) == self.rank:
+            self.inputs[s + 1, mb] = h.detach()
+        else:
+            self.outputs[s, mb] = h.detach()
+
+    def _backward_inputs(self, s: int, mb: int) -> tuple:
+        root, x = self.live.pop((s, mb))
+        last = s == self.step.schedule.n_stages - 1
+        grad = torch.ones_like(root) if last else self.out_grads.pop((s, mb))
+        return root, grad, x
+
+    def _hand_back(self, s: int, mb: int, gx: torch.Tensor | None) -> None:
+        if s == 0:
+            return
+        if self.step.schedule.stage_rank(s - 1) == self.rank:
+            self.out_grads[s - 1, mb] = gx
+        else:
+            self.in_grads[s, mb] = gx
+
+    def _accumulate(self, s: int, grads: list) -> None:
+        for leaf, g in zip(self.stage_leaves[s], grads):
+            if g is not None:
+                k = id(leaf)
+                self.acc[k] = self.acc[k] + g if k in self.acc else g
+
+    def _B(self, s: int, mb: int, peer) -> None:
+        root, grad, x = self._backward_inputs(s, mb)
+        gx, grads = full_backward(root, grad, x, self.stage_leaves[s])
+        self._accumulate(s, grads)
+        self._hand_back(s, mb, gx)
+
+    def _I(self, s: int, mb: int, peer) -> None:
+        root, grad, x = self._backward_inputs(s, mb)
+        sb = self.split[s, mb] = SplitBackward(root, grad, x, self.stage_leaves[s])
+        self._hand_back(s, mb, sb.input_grad())
+
+    def _W(self, s: int, mb: int, peer) -> None:
+        self._accumulate(s, self.split.pop((s, mb)).weight_grads())
+
+    def _send(self, t: torch.Tensor, family: int, s: int, mb: int, peer: int) -> None:
+        want = self.msg
+        if tuple(t.shape) != want["shape"] or t.dtype != want["dtype"]:
+            raise ValueError(f"{WHERE}: stage {s} produced a {t.dtype} tensor of shape "
+                             f"{tuple(t.shape)} for rank {peer}, which expects {want['dtype']} "
+                             f"{want['shape']} (microbatch, T, C in the params' dtype); keep "
+                             f"blocks shape- and dtype-preserving.")
+        self.sends.append(lax.send(t, self.step.axis, dst=peer, tag=self._tag(family, s, mb)))
+
+    def _SEND_F(self, s: int, mb: int, peer: int) -> None:
+        self._send(self.outputs.pop((s, mb)), 0, s, mb, peer)
+
+    def _RECV_F(self, s: int, mb: int, peer: int) -> None:
+        self.inputs[s + 1, mb] = lax.recv(self.step.axis, src=peer, tag=self._tag(0, s, mb), **self.msg)
+
+    def _SEND_B(self, s: int, mb: int, peer: int) -> None:
+        self._send(self.in_grads.pop((s, mb)), 1, s, mb, peer)
+
+    def _RECV_B(self, s: int, mb: int, peer: int) -> None:
+        self.out_grads[s - 1, mb] = lax.recv(self.step.axis, src=peer, tag=self._tag(1, s, mb),
+                                             **self.msg)
+
+    # -- results ----------------------------------------------------------------------------------
+    def results(self) -> tuple[torch.Tensor, Any]:
+        def held(tree):
+            return tree_util.map(lambda t: self.acc.get(id(t), torch.zeros_like(t)), tree)
+
+        grads = {}
+        for k, v in self.params.items():
+            if k == "blocks":
+                grads[k] = [held(self.local["blocks"][i]) if i in self.local["blocks"]
+                            else tree_util.map(torch.zeros_like, b) for i, b in enumerate(v)]
+            else:
+                grads[k] = held(self.local[k]) if k in self.local else tree_util.map(torch.zeros_like, v)
+        axis = self.step.axis
+        if not self.step.sum_grads:
+            return lax.psum(self.loss, axis), grads
+        leaves, treedef = tree_util.flatten(grads)
+        flat = lax.psum(torch.cat([g.reshape(-1).float() for g in leaves] + [self.loss[None]]), axis)
+        out, offset = [], 0
+        for g in leaves:
+            out.append(flat[offset:offset + g.numel()].view_as(g).to(g.dtype))
+            offset += g.numel()
+        return flat[-1], tree_util.unflatten(treedef, out)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _leaves_of(tree: Any) -> Any:
+    """``tree`` with every tensor a fresh leaf that requires grad (sharing storage)."""
+    return tree_util.map(lambda t: t.detach().requires_grad_(True), tree)
