@@ -16,11 +16,12 @@ from cfx._src.reshard import Plan as ReshardPlan, reshard, reshard_plan
 from cfx._src.shard_map import shard_map
 from cfx._src.sharded import ShardedArray, device_put
 from cfx._src.transforms import grad, jvp, value_and_grad, vmap
+from cfx._src.zero.api import zero
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ActivationStats", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShardedArray", "activation_stats", "amp", "checkpoint", "checkpoint_name", "checkpoint_policies",
     "comm_stats", "device_put", "gemini", "grad", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
-    "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap",
+    "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap", "zero",
 ]

@@ -3,6 +3,7 @@ from cfx._src.memory import (
     TIERS,
     MemoryTracker,
     OpWatcher,
+    ops_unwatched,
     Token,
     record_alloc,
     record_free,
@@ -10,4 +11,4 @@ from cfx._src.memory import (
     watch,
 )
 
-__all__ = ["TIERS", "MemoryTracker", "OpWatcher", "Token", "record_alloc", "record_free", "track", "watch"]
+__all__ = ["TIERS", "MemoryTracker", "OpWatcher", "Token", "ops_unwatched", "record_alloc", "record_free", "track", "watch"]

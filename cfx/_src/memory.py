@@ -24,6 +24,7 @@ seen; code that frees payloads by resizing reports with ``record_alloc``/``recor
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import itertools
 import threading
@@ -39,6 +40,18 @@ from cfx._src.table import format_table
 
 TIERS = ("device", "host", "nvme")
 _active: contextvars.ContextVar[tuple] = contextvars.ContextVar("cfx_memory_trackers", default=())
+_ops_unwatched: contextvars.ContextVar[bool] = contextvars.ContextVar("cfx_memory_ops_unwatched", default=False)
+
+
+@contextlib.contextmanager
+def ops_unwatched():
+    """Inside, ``track_ops`` does not watch op outputs: for code that books its buffers itself
+    (``record_alloc`` in tier stores, ``watch`` under a kind), so they are not counted twice."""
+    token = _ops_unwatched.set(True)
+    try:
+        yield
+    finally:
+        _ops_unwatched.reset(token)
 
 
 def _check_tier(tier: str) -> None:
@@ -275,6 +288,8 @@ class OpWatcher(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if _ops_unwatched.get():
+            return out
         seen = {_cdata(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and _cdata(t) not in seen:

@@ -5,9 +5,9 @@ import argparse
 import sys
 
 from cfx._src.runtime import keep_host_memory
-from cfx.bench import kernels, overhead, pipeline, remat, spmd
+from cfx.bench import gemini, kernels, overhead, pipeline, remat, spmd, zero
 
-BENCHES = {"kernels": kernels.run, "overhead": overhead.run, "pipeline": pipeline.run, "remat": remat.run, "spmd": spmd.run}
+BENCHES = {"gemini": gemini.run, "kernels": kernels.run, "overhead": overhead.run, "pipeline": pipeline.run, "remat": remat.run, "spmd": spmd.run, "zero": zero.run}
 
 
 def main(argv=None) -> int:

@@ -72,7 +72,8 @@ class _MemoryStore(_Store):
         """Store a contiguous copy of ``tensor`` under ``key`` (replacing any); returns the copy."""
         if key in self._data:
             self.delete(key)
-        copy = self._alloc(tensor)
+        with memory.ops_unwatched():  # booked below as this store's, not as an op output
+            copy = self._alloc(tensor)
         copy.copy_(tensor.detach())
         self._data[key] = copy
         self._book(key, copy.numel() * copy.element_size(), kind)

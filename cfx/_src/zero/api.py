@@ -1,0 +1,46 @@
+"""``cfx.zero``: the public entry point, a callable with the ZeRO helpers as attributes.
+
+    ztx = cfx.zero(cfx.optim.adamw(1e-3), stage=2, axis="data")     # stages 0-3
+    zmodel = cfx.zero.gathered(model.map_blocks(lambda b: cfx.zero.gathered(b, axis="data")),
+                               axis="data")                          # stage 3's layers
+    zparams = cfx.zero.shard_params(params, axis="data")             # stage 3's stored params
+    params = cfx.zero.gather_params(zparams, axis="data")
+    engine = cfx.zero.GeminiEngine(zmodel, zparams, tx, axis="data",
+                                   offload=cfx.zero.offload(cfx.gemini.auto(512 << 20)))
+
+See ``optimizer``, ``gathered``, ``params`` and ``offload`` for the contracts.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from cfx._src.zero.engine import GeminiEngine
+from cfx._src.zero.gathered import Gathered, gathered
+from cfx._src.zero.offload import Offload, offload
+from cfx._src.zero.optimizer import ShardGrads, ZeroState, ZeroTransformation
+from cfx._src.zero.params import ShardedLeaf, ZeroParams, gather_params, param_specs, shard_params
+
+
+def zero(tx: Any, *, stage: int, axis: str = "data", param_specs: Any = None,
+         bucket_numel: int = 1 << 22) -> ZeroTransformation:
+    """``tx`` as a ZeRO stage-``stage`` optimizer over mesh axis ``axis`` (used inside shard_map).
+
+    ``param_specs``: the params' specs on the mesh's other axes (tensor parallelism), so global
+    norms and inf checks cover every shard; ``bucket_numel``: elements per gradient bucket.
+    """
+    return ZeroTransformation(tx, stage, axis, param_specs, bucket_numel)
+
+
+zero.gathered = gathered
+zero.shard_params = shard_params
+zero.gather_params = gather_params
+zero.param_specs = param_specs
+zero.Gathered = Gathered
+zero.ZeroParams = ZeroParams
+zero.ShardedLeaf = ShardedLeaf
+zero.ZeroState = ZeroState
+zero.ShardGrads = ShardGrads
+zero.ZeroTransformation = ZeroTransformation
+zero.GeminiEngine = GeminiEngine
+zero.offload = offload
+zero.Offload = Offload

@@ -1,0 +1,299 @@
+"""``GeminiEngine``: ZeRO-3 training on one rank with chunks placed by a Gemini policy.
+
+Built inside ``shard_map`` (one per rank: it owns that rank's stores), from the gathered model,
+this rank's ``ZeroParams``, an optimizer and an ``Offload`` (``offload``)::
+
+    engine = cfx.zero.GeminiEngine(zmodel, zparams, tx, axis="data", offload=cfx.zero.offload(
+        cfx.gemini.auto(512 << 20)))
+    loss = engine.step(lambda p: zmodel.loss(p, tokens, targets))   # backward() + update()
+    zparams = engine.params()
+
+It is the one stateful object of ZeRO: params, gradients and optimizer state live in its tier
+stores, not in pytrees. ``backward(fn)`` runs ``fn`` on a params tree whose leaves point at the
+chunks: each gathered layer asks the engine for its chunk (an *access*), which first applies the
+policy's evictions and fetches, then gathers; the backward's reduce-scatter hands the gradient
+shard to the engine (accumulated over calls: micro-batches). ``update()`` runs ``tx`` chunk by
+chunk where the optimizer state lives (one chunk's state resident at a time), with the
+``ghost`` leaf of ``optimizer`` (global norm, inf/nan across ranks) per chunk. Each chunk's
+gradient state follows Gemini's checked transitions (``cfx.gemini.states``).
+
+With elementwise optimizers (sgd, adam, adamw; no global-norm clipping) the result is bit for bit
+that of ``cfx.zero(tx, stage=3)`` on fp32 params, whatever the policy.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+
+import torch
+
+from cfx._src import tree as tree_util
+from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, WarmupRecord
+from cfx._src.gemini.states import TensorState as S, transition
+from cfx._src.gemini.store import make_stores
+from cfx._src.lax import collectives as lax
+from cfx._src.zero.flat import GroupLayout
+from cfx._src.zero.offload import ChunkRef, Offload, gather_groups
+from cfx._src.zero.optimizer import chunk_ghosts
+from cfx._src.zero.params import ShardedLeaf, ZeroParams, check_axis_size
+from cfx._src.zero.warmup import Recorder
+
+
+class GeminiEngine:
+    """See the module doc."""
+
+    def __init__(self, model, zparams: ZeroParams, tx, *, axis: str, offload: Offload):
+        if not isinstance(zparams, ZeroParams):
+            raise ValueError(f"GeminiEngine: params must be ZeroParams, got {type(zparams).__name__}; make "
+                             f"them with cfx.zero.shard_params(params, axis={axis!r}) inside shard_map.")
+        if not isinstance(offload, Offload):
+            raise ValueError("GeminiEngine: pass offload=cfx.zero.offload(cfx.gemini.host(), ...).")
+        check_axis_size(zparams, axis, "GeminiEngine")
+        self.tx, self.axis, self.cfg, self.n = tx, axis, offload, zparams.n
+        items, self.treedef = tree_util.flatten_with_path(zparams.pieces)
+        self.paths, self.shapes = [p for p, _ in items], zparams.shapes
+        self.groups = gather_groups(model, self.paths)
+        self.layouts = [GroupLayout(tuple(self.paths[i] for i in g), tuple(self.shapes[i] for i in g), self.n)
+                        for g in self.groups]
+        self.dtypes = [items[g[0]][1].dtype for g in self.groups]
+        self.chunk_bytes = [lay.size * dt.itemsize for lay, dt in zip(self.layouts, self.dtypes)]
+        self._check_budget()  # before any store is made or any collective issued, on every rank
+        nvme = offload.nvme_dir and os.path.join(offload.nvme_dir, f"rank{lax.axis_index(axis)}-{id(self):x}")
+        self.stores = make_stores(nvme_dir=nvme)
+        self.refs = [ChunkRef(self, c) for c in range(len(self.groups))]
+        self.states = {c: S.FREE for c in range(len(self.groups))}
+        self.resident: set[int] = set()
+        self.traffic: collections.Counter = collections.Counter()  # bytes by "src->dst"
+        self.record: WarmupRecord | None = None
+        self.anchor: torch.Tensor | None = None
+        self._position, self._recorder, self._inner_defs = 0, None, {}
+        pieces = [x for _, x in items]
+        with torch.no_grad():
+            for c, g in enumerate(self.groups):
+                shard = torch.cat([pieces[i].detach().reshape(-1) for i in g])
+                self._put(self.cfg.param_home, ("param", c), shard, "param")
+                master = shard.to(torch.float32, copy=True)
+                if self.dtypes[c] != torch.float32:
+                    self._put(self.cfg.optim_home, ("master", c), master, "optim")
+                self._store_inner(c, self.tx.init(((master,), torch.zeros(1))))
+        if isinstance(offload.policy, DevicePolicy):
+            for c in range(len(self.groups)):
+                self._fetch(c)
+
+    # -- stores --------------------------------------------------------------------------------
+    def _put(self, tier, key, x, kind):
+        self.stores[tier].put(key, x, kind=kind)
+
+    def _get(self, tier, key) -> torch.Tensor:
+        x = self.stores[tier].get(key)
+        if tier == "nvme":
+            self.traffic["nvme->host"] += x.numel() * x.element_size()
+        return x
+
+    def _write(self, tier, key, x, kind):
+        if tier == "nvme":
+            self.traffic["host->nvme"] += x.numel() * x.element_size()
+            self._put(tier, key, x, kind)
+        else:
+            self.stores[tier].get(key).copy_(x)
+
+    def _store_inner(self, c, inner):
+        leaves, self._inner_defs[c] = tree_util.flatten(inner)
+        for j, x in enumerate(leaves):
+            self._put(self.cfg.optim_home, ("optim", c, j), x, "optim")
+
+    def _load_inner(self, c):
+        td = self._inner_defs[c]
+        return tree_util.unflatten(td, [self._get(self.cfg.optim_home, ("optim", c, j))
+                                        for j in range(td.num_leaves)])
+
+    # -- placement -----------------------------------------------------------------------------
+    def _check_budget(self) -> None:
+        if not isinstance(self.cfg.policy, AutoPolicy):
+            return
+        need = [b * (1 + self.n) for b in self.chunk_bytes]  # the shard + its gathered payload
+        budget = self.cfg.policy.device_budget_bytes
+        if max(need) > budget:
+            c = max(range(len(need)), key=need.__getitem__)
+            raise ValueError(f"GeminiEngine: auto placement needs at least {max(need)} bytes of device "
+                             f"memory for the largest layer (chunk {c}: {self.paths[self.groups[c][0]]!r}...: "
+                             f"its shard of {self.chunk_bytes[c]} B plus its gathered payload of "
+                             f"{self.chunk_bytes[c] * self.n} B) before any activation, but the budget is "
+                             f"{budget} bytes. Raise device_budget_bytes to well above {max(need)}, split the "
+                             "layer, or use cfx.gemini.host().")
+
+    def _device_shard(self, c) -> torch.Tensor:
+        if self.cfg.param_home == "device":
+            return self.stores["device"].get(("param", c))
+        return self.stores["device"].get(("copy", c))
+
+    def _fetch(self, c) -> None:
+        if c in self.resident or self.cfg.param_home == "device":
+            self.resident.add(c)
+            return
+        home = self.cfg.param_home
+        x = self._get(home, ("param", c))
+        self._put("device", ("copy", c), x, "chunk")
+        self.traffic["host->device"] += self.chunk_bytes[c]
+        self.resident.add(c)
+
+    def _evict(self, c) -> None:
+        if self.cfg.param_home != "device" and c in self.resident:
+            self.stores["device"].delete(("copy", c))  # a clean cache copy: nothing to write back
+        self.resident.discard(c)
+
+    def _place(self, c: int) -> None:
+        """The policy's moves before access ``self._position`` (which needs chunk ``c``)."""
+        t, policy, rec = self._position, self.cfg.policy, self.record
+        if isinstance(policy, DevicePolicy):
+            evict, fetch = (), (c,)
+        elif isinstance(policy, AutoPolicy) and rec is not None and t < len(rec.accesses) \
+                and rec.accesses[t] == (c,):
+            step = policy.decide(rec, t, sorted(self.resident))
+            evict, fetch = step.evict, step.fetch
+        else:  # host, the warm-up step, or an access pattern the warm-up did not see
+            evict, fetch = tuple(self.resident - {c}), (c,)
+        for e in evict:
+            self._evict(e)
+        for f in fetch:
+            self._fetch(f)
+        self._fetch(c)
+
+    # -- called by the gathered layers (through ChunkSource) ------------------------------------
+    def check_layout(self, c, layout: GroupLayout, axis: str) -> None:
+        ref = self.layouts[c]
+        if axis != self.axis or layout.shapes != ref.shapes or layout.n != ref.n:
+            raise ValueError(f"GeminiEngine: gathered layer over {axis!r} with leaf shapes {layout.shapes[:3]}... "
+                             f"does not match chunk {c} ({ref.paths[:3]}...) of this engine over {self.axis!r}; "
+                             "build the engine from the same gathered model.")
+
+    def _move(self, c, *targets) -> None:
+        for s in targets:
+            self.states[c] = transition(self.states[c], s, what=f"chunk {c} ({self.layouts[c].paths[0]}...)")
+
+    def acquire(self, c: int, *, backward: bool) -> torch.Tensor:
+        if self._recorder is not None:
+            self._recorder.end_access()
+        self._place(c)
+        if self._recorder is not None:
+            self._recorder.begin_access(c, sum(self.chunk_bytes[r] for r in self.resident))
+        self._position += 1
+        if backward and self.states[c] is S.HOLD_AFTER_FWD:
+            self._move(c, S.FREE)
+        self._move(c, S.HOLD)
+        return self._device_shard(c)
+
+    def computing(self, c: int) -> None:
+        self._move(c, S.COMPUTE)
+
+    def forward_done(self, c: int) -> None:
+        self._move(c, S.HOLD_AFTER_FWD, S.FREE)
+
+    def add_grad(self, c: int, grad: torch.Tensor) -> None:
+        if self.states[c] is S.COMPUTE:  # re-gathered in backward
+            self._move(c, S.HOLD_AFTER_BWD, S.HOLD, S.FREE)
+        home, key = self.cfg.grad_home, ("grad", c)
+        if home == "host":
+            self.traffic["device->host"] += grad.numel() * grad.element_size()
+        if key in self.stores[home]:
+            self.stores[home].get(key).add_(grad)
+        else:
+            self._put(home, key, grad, "grad")
+
+    # -- training ------------------------------------------------------------------------------
+    def tree(self):
+        """The params-shaped tree of ``ShardedLeaf``s pointing at the chunks (what ``fn`` gets)."""
+        leaves = [None] * len(self.paths)
+        for c, g in enumerate(self.groups):
+            for i in g:
+                leaves[i] = ShardedLeaf(None, self.shapes[i], self.n, self.refs[c])
+        return tree_util.unflatten(self.treedef, leaves)
+
+    def backward(self, fn, *args, **kwargs) -> torch.Tensor:
+        """``fn(params_tree, *args, **kwargs)`` (a scalar loss) and its backward; accumulates grads."""
+        warm = isinstance(self.cfg.policy, AutoPolicy) and self.record is None
+        self._position, self.anchor = 0, torch.zeros((), requires_grad=True)
+        self._recorder = Recorder() if warm else None
+        try:
+            with (self._recorder.tracking() if warm else contextlib.nullcontext()):
+                loss = fn(self.tree(), *args, **kwargs)
+                torch.autograd.backward(loss, inputs=[self.anchor])
+                if warm:
+                    self._recorder.end_access()
+        finally:
+            self.anchor = None
+        if warm:
+            rec = self._recorder.record(self.chunk_bytes)
+            # the same record on every rank (frees are timed by the garbage collector): the max
+            worst = lax.pmax(torch.tensor(rec.non_model_bytes, dtype=torch.float64), self.axis)
+            self.record = WarmupRecord(rec.accesses, tuple(int(v) for v in worst.tolist()), rec.chunk_bytes)
+            self._recorder = None
+            self.cfg.policy.plan(self.record)  # ValueError with the bytes needed if B is too small
+        return loss.detach()
+
+    def update(self) -> None:
+        """One optimizer step over every chunk, then drop the gradients."""
+        with torch.no_grad():
+            grads = [self._grad(c) for c in range(len(self.groups))]
+            ghosts = chunk_ghosts(grads, self.axis, self.n)
+            for c, (g, ghost) in enumerate(zip(grads, ghosts)):
+                self._update_chunk(c, g, ghost)
+        for c in sorted(self.resident):
+            if isinstance(self.cfg.policy, DevicePolicy):
+                if self.cfg.param_home != "device":
+                    self.stores["device"].get(("copy", c)).copy_(self._get(self.cfg.param_home, ("param", c)))
+                    self.traffic["host->device"] += self.chunk_bytes[c]
+            else:
+                self._evict(c)
+
+    def _grad(self, c) -> torch.Tensor:
+        key = ("grad", c)
+        store = self.stores[self.cfg.grad_home]
+        g = store.get(key).to(torch.float32) / self.n if key in store else \
+            torch.zeros(self.layouts[c].size, dtype=torch.float32)
+        if key in store:
+            store.delete(key)
+        return g
+
+    def _update_chunk(self, c, g, ghost) -> None:
+        home, ohome = self.cfg.param_home, self.cfg.optim_home
+        p = self._get(home, ("param", c))
+        low = self.dtypes[c] != torch.float32
+        master = self._get(ohome, ("master", c)) if low else p
+        (us, _), inner = self.tx.update(((g,), ghost), self._load_inner(c), ((master,), torch.zeros(1)))
+        if low:
+            new_master = master + us[0]
+            self._write(ohome, ("master", c), new_master, "optim")
+            new_p = new_master.to(self.dtypes[c])
+        else:
+            new_p = p + us[0]
+        self._write(home, ("param", c), new_p, "param")
+        leaves = tree_util.leaves(inner)
+        for j, x in enumerate(leaves):
+            self._write(ohome, ("optim", c, j), x, "optim")
+
+    def step(self, fn, *args, **kwargs) -> torch.Tensor:
+        loss = self.backward(fn, *args, **kwargs)
+        self.update()
+        return loss
+
+    def params(self) -> ZeroParams:
+        """This rank's pieces (fresh tensors), as ``ZeroParams``."""
+        leaves = [None] * len(self.paths)
+        for c, g in enumerate(self.groups):
+            shard = self._get(self.cfg.param_home, ("param", c)).clone()
+            for i, piece in zip(g, self.layouts[c].split_shard(shard)):
+                leaves[i] = piece.clone()
+        return ZeroParams(tree_util.unflatten(self.treedef, leaves), self.shapes, self.n)
+
+    def close(self) -> None:
+        """Drop every chunk, gradient and optimizer state from the stores (NVMe files included)."""
+        for store in self.stores.values():
+            store.clear()
+        self.resident.clear()
+
+    def inner_state(self, c: int = 0):
+        """The optimizer state of chunk ``c`` (e.g. to read a loss scale: every chunk's is the same)."""
+        return self._load_inner(c)
+

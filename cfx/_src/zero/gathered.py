@@ -1,0 +1,233 @@
+"""``cfx.zero.gathered(layer, axis=...)``: ZeRO-3 as a layer transform.
+
+Same ``init`` / ``axes`` as ``layer``; ``apply`` (and ``loss``, for a model) takes the layer's
+params as stored by ZeRO-3 -- ``ZeroParams``, or the ``ShardedLeaf`` tree a gathered parent
+passes down -- and:
+
+1. *gathers just before the layer runs*: its own pieces, packed as one shard (S,), are
+   all-gathered in one collective and copied into a padded leaf-major buffer whose slices are
+   the leaves (``flat``);
+2. *frees after*: while the layer runs, a saved-tensor hook replaces every tensor autograd saves
+   that lives in that buffer (a weight kept for the input gradient, its transpose, ...) by a
+   small ``_Ref(offset, size, stride)``, so when ``apply`` returns nothing holds the buffer;
+3. *re-gathers in backward*: the first ``_Ref`` unpacked in backward all-gathers the shard
+   again and every ``_Ref`` of the layer is served from that one buffer;
+4. *reduce-scatters the gradient*: the gather is an autograd function whose backward packs the
+   leaves' gradients into rows (n, S) and reduce-scatters them; it runs after every use of the
+   layer's params in backward, and drops the re-gathered buffer.
+
+So at any moment only the layers being computed are gathered, never the whole model. Wrap the
+blocks first, then the model for what is left (embeddings, final norm), as FSDP does::
+
+    zmodel = cfx.zero.gathered(model.map_blocks(lambda b: cfx.zero.gathered(b, axis="data")),
+                               axis="data")
+
+A gathered layer skips the params of the sub-layers that are themselves gathered: the entries
+``params[f]`` / ``params[f][i]`` of its dataclass fields ``f`` holding (a tuple of) gathered
+layers (``blocks`` for the cfx models). Plain tensors pass through untouched, so the same
+model runs unsharded. Composes with remat as ``cfx.remat(cfx.zero.gathered(b))``: tensors the
+hook does not own go to the enclosing hooks (remat re-gathers while recomputing).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from cfx._src import memory
+from cfx._src import tree as tree_util
+from cfx._src.lax import collectives as lax
+from cfx._src.lax import comm
+from cfx._src.zero.flat import GroupLayout
+from cfx._src.zero.params import ShardedLeaf, ZeroParams
+
+
+class ShardSource:
+    """Where a gathered group's shard comes from. This one: the pieces in the params tree."""
+
+    def __init__(self, layout: GroupLayout, axis: str, pieces: list[torch.Tensor], dtype: torch.dtype):
+        self.layout, self.axis, self.pieces, self.dtype = layout, axis, pieces, dtype
+        self.regathered: torch.Tensor | None = None
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.pieces)
+
+    def shard(self, *, backward: bool) -> torch.Tensor:
+        del backward
+        return torch.cat([p.detach() for p in self.pieces])
+
+    def deliver(self, grad: torch.Tensor) -> tuple:
+        return tuple(grad.split(self.layout.pieces))
+
+    def after_forward(self) -> None:
+        pass
+
+    def gather(self, *, backward: bool) -> torch.Tensor:
+        """The padded leaf-major buffer (n * S,) of the group, all-gathered now."""
+        shard = self.shard(backward=backward)
+        ax = comm.Axes((self.axis,), "cfx.zero.gathered")
+        blocks = comm.all_gather_blocks(shard, ax)  # n shards (S,)
+        del shard
+        self.after_gather(backward=backward)
+        with memory.ops_unwatched():  # booked as "gathered", not as an op output
+            full = self.layout.full_from_blocks(blocks)
+        memory.watch(full, tier="device", kind="gathered")
+        return full
+
+    def after_gather(self, *, backward: bool) -> None:
+        pass
+
+    def get_regathered(self) -> torch.Tensor:
+        if self.regathered is None:
+            self.regathered = self.gather(backward=True)
+        return self.regathered
+
+
+class _GatherFn(torch.autograd.Function):
+    """Forward: the leaves, as views of one gathered buffer. Backward: their gradients packed
+    into rows (n, S) and reduce-scattered (each leaf's gradient arrives alone: no buffer of the
+    gathered size per leaf, as slicing one differentiable buffer would allocate)."""
+
+    @staticmethod
+    def forward(ctx, src, *inputs):
+        ctx.src = src
+        ctx.set_materialize_grads(False)
+        return tuple(src.layout.leaves_of_full(src.gather(backward=False)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        src = ctx.src
+        src.regathered = None  # every use of the params in backward is done
+        rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
+        grad = comm.reduce_scatter_blocks(list(rows.unbind(0)), comm.Axes((src.axis,), "cfx.zero.gathered"))
+        return (None,) + src.deliver(grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    src: ShardSource
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _RegatherHooks:
+    """Saved-tensor hooks: tensors in ``full`` become ``_Ref``s; others go to the outer hooks."""
+
+    def __init__(self, src: ShardSource, full: torch.Tensor):
+        self.src, self.ptr, self.device = src, full.untyped_storage().data_ptr(), full.device
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.ctx = None
+
+    def pack(self, t: torch.Tensor):
+        if t.device == self.device and t.untyped_storage().data_ptr() == self.ptr:
+            return _Ref(self.src, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        return self.outer[0](t) if self.outer is not None else t
+
+    def unpack(self, h):
+        if isinstance(h, _Ref):
+            return h.src.get_regathered().as_strided(h.size, h.stride, h.offset)
+        return self.outer[1](h) if self.outer is not None else h
+
+    def __enter__(self):
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        ctx, self.ctx = self.ctx, None  # no cycle through the bound methods: pieces die on time
+        return ctx.__exit__(*exc)
+
+
+def _contains_gathered(obj: Any, depth: int = 0) -> bool:
+    if isinstance(obj, Gathered):
+        return True
+    if depth > 3 or isinstance(obj, type) or not dataclasses.is_dataclass(obj):
+        return False
+    return any(_contains_gathered(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj))
+
+
+def gathered_children(layer: Any) -> list[str]:
+    """Param path prefixes owned by gathered sub-layers (see the module doc)."""
+    out = []
+    for f in dataclasses.fields(layer) if dataclasses.is_dataclass(layer) else ():
+        v = getattr(layer, f.name)
+        if isinstance(v, (tuple, list)):
+            out += [f"{f.name}.{i}" for i, item in enumerate(v) if _contains_gathered(item)]
+        elif _contains_gathered(v):
+            out.append(f.name)
+    return out
+
+
+def _under(path: str, prefixes: list[str]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """``layer`` whose own params are gathered around each use (see the module doc)."""
+
+    layer: Any
+    axis: str = "data"
+
+    def init(self, key: torch.Tensor) -> Any:
+        return self.layer.init(key)
+
+    def axes(self) -> Any:
+        return self.layer.axes()
+
+    def apply(self, params: Any, *args, **kwargs) -> Any:
+        return self._call(self.layer.apply, params, args, kwargs)
+
+    def loss(self, params: Any, *args, **kwargs) -> Any:
+        """``layer.loss`` (a model's) with this layer's own params gathered."""
+        return self._call(self.layer.loss, params, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # config, blocks, ... of the wrapped layer
+        if name.startswith("__") or name == "layer":
+            raise AttributeError(name)
+        return getattr(self.layer, name)
+
+    def _call(self, fn, params, args, kwargs):
+        tree = params.sharded_leaves() if isinstance(params, ZeroParams) else params
+        items, treedef = tree_util.flatten_with_path(tree)
+        children = gathered_children(self.layer)
+        own = [i for i, (p, x) in enumerate(items) if isinstance(x, ShardedLeaf) and not _under(p, children)]
+        if not own:
+            return fn(tree, *args, **kwargs)
+        src = self._source([items[i] for i in own])
+        views = _GatherFn.apply(src, *src.inputs())
+        leaves = [x for _, x in items]
+        for i, view in zip(own, views):
+            leaves[i] = view
+        with _RegatherHooks(src, views[0]):
+            out = fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
+        src.after_forward()
+        return out
+
+    def _source(self, own: list[tuple[str, ShardedLeaf]]) -> ShardSource:
+        n = lax.axis_size(self.axis)
+        layout = GroupLayout(tuple(p for p, _ in own), tuple(x.shape for _, x in own), n)
+        sources = {id(x.source) for _, x in own}
+        if len(sources) != 1:
+            raise ValueError(f"cfx.zero.gathered: the params of one gathered layer come from "
+                             f"{len(sources)} places (pieces and Gemini chunks mixed); pass params "
+                             "made one way.")
+        first = own[0][1]
+        if first.source is not None:
+            return first.source.for_layout(layout, self.axis)
+        for (path, x), k in zip(own, layout.pieces):
+            if x.n != n or x.piece.numel() != k:
+                raise ValueError(f"cfx.zero.gathered: param {path!r} was sharded over {x.n} ranks "
+                                 f"(piece of {x.piece.numel()} elements) but axis {self.axis!r} has {n} "
+                                 f"ranks here (pieces of {k}); re-shard with cfx.zero.shard_params on "
+                                 "this mesh.")
+        return ShardSource(layout, self.axis, [x.piece for _, x in own], own[0][1].piece.dtype)
+
+
+def gathered(layer: Any, *, axis: str = "data") -> Gathered:
+    """``layer`` as a ZeRO-3 layer over mesh axis ``axis`` (see the module doc)."""
+    if not all(callable(getattr(layer, a, None)) for a in ("init", "apply", "axes")):
+        raise ValueError(f"cfx.zero.gathered: {type(layer).__name__} is not a layer (needs init, apply "
+                         "and axes); wrap a block or a model.")
+    return Gathered(layer, axis)

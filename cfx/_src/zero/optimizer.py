@@ -1,0 +1,296 @@
+"""``cfx.zero(tx, stage=..., axis=...)``: ZeRO stages 0-3 around any ``cfx.optim`` transformation.
+
+Used inside ``shard_map``; every rank calls the same methods::
+
+    ztx = cfx.zero(cfx.optim.adamw(1e-3), stage=2, axis="data")
+    state = ztx.init(params)
+    loss, grads = ztx.value_and_grad(loss_fn)(params, batch)   # this rank's un-averaged grads
+    updates, state = ztx.update(grads, state, params)
+    params = cfx.optim.apply_updates(params, updates)
+
+The leaves are cut into optimizer *groups* (consecutive leaves, at most ``bucket_numel``
+elements, one dtype; ``flat.make_groups``). Per group, stage by stage:
+
+- 0 (plain data parallel): all-reduce the flat gradient; the optimizer runs on every whole group.
+- 1: reduce-scatter the gradient into this rank's shard; the optimizer state covers the shard
+  only; the updated shard is all-gathered back.
+- 2: as 1, but ``value_and_grad`` reduce-scatters each group (bucket) *during* backward, as soon
+  as all its gradients exist, and returns ``ShardGrads``: the full gradient never persists.
+- 3: params are ``ZeroParams`` (pieces, see ``params``) run through ``cfx.zero.gathered`` layers,
+  whose backward already reduce-scatters; the update is local, nothing is gathered.
+
+The wrapped ``tx`` sees ``((shard per group, ...), ghost)``: flat fp32 shards, plus one *ghost*
+leaf of shape (1,) that carries the rest of the world: ``ghost = sqrt(global sum of squares -
+this rank's)``, so any norm over all leaves (``clip_by_global_norm``) is the true global norm, and
+``ghost = nan`` when any rank of the mesh found an inf/nan, so ``dynamic_loss_scale`` skips the
+step on every rank. One all-reduce of 2 numbers per step (per set of tensor-parallel axes).
+Transformations that look at single leaves (``lamb``/``lars`` trust ratios, weight-decay masks)
+see flat shards, not parameters, and are not supported under ZeRO.
+
+Mixed precision is the ZeRO paper's: params (and grads) in fp16/bf16, an fp32 master shard in
+the state (``ZeroState.master``); fp32 params are their own master (no copy).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from cfx._src import memory
+from cfx._src import tree as tree_util
+from cfx._src.lax import collectives as lax
+from cfx._src.mesh.spec import is_spec
+from cfx._src.transforms import value_and_grad as _value_and_grad
+from cfx._src.zero.flat import GroupLayout, make_groups
+from cfx._src.zero.params import ZeroParams, check_axis_size
+
+
+class ZeroState(NamedTuple):
+    master: tuple   # per group: fp32 master shard for fp16/bf16 params, None for fp32 params
+    inner: Any      # the wrapped transformation's state over ((shards...), ghost)
+
+
+class ShardGrads(NamedTuple):
+    shards: tuple   # per group: this rank's shard of the gradient summed over the ZeRO axis
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    n: int                                   # ranks the shards are cut for (1 at stage 0)
+    paths: tuple[str, ...]
+    axes: tuple[tuple[str, ...], ...]        # per leaf: the axes a piece's sum of squares sums over
+    groups: tuple[tuple[tuple[int, ...], GroupLayout, torch.dtype], ...]
+
+
+def _watch(tree: Any, kind: str) -> None:
+    for x in tree_util.leaves(tree):
+        if isinstance(x, torch.Tensor):
+            memory.watch(x, tier="device", kind=kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroTransformation:
+    """See the module doc. ``param_specs``: the params' specs on other mesh axes (tensor
+    parallelism), so norms and inf checks sum over them too; None: replicated there."""
+
+    tx: Any
+    stage: int
+    axis: str
+    param_specs: Any = None
+    bucket_numel: int = 1 << 22
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"cfx.zero: stage={self.stage!r}; use 0 (plain data parallel), 1 (shard the "
+                             "optimizer state), 2 (+ gradients) or 3 (+ parameters).")
+        if not (callable(getattr(self.tx, "init", None)) and callable(getattr(self.tx, "update", None))):
+            raise ValueError(f"cfx.zero: tx is a {type(self.tx).__name__}, not a GradientTransformation; "
+                             "pass e.g. cfx.optim.adamw(1e-3).")
+        if not isinstance(self.axis, str):
+            raise ValueError(f"cfx.zero: axis must be one mesh axis name, got {self.axis!r}.")
+        if self.bucket_numel < 1:
+            raise ValueError(f"cfx.zero: bucket_numel={self.bucket_numel} must be >= 1 elements.")
+
+    # -- layout -------------------------------------------------------------------------------
+    def plan(self, params: Any) -> Plan:
+        """The groups for ``params`` (pieces when ``stage == 3``) on this rank's mesh."""
+        n = lax.axis_size(self.axis)  # unknown axis: ValueError on every rank, before any comm
+        if self.stage == 3:
+            if not isinstance(params, ZeroParams):
+                raise ValueError(f"cfx.zero(stage=3): params must be ZeroParams (this rank's pieces); got "
+                                 f"{type(params).__name__}. Make them with cfx.zero.shard_params(params, "
+                                 f"axis={self.axis!r}) inside shard_map.")
+            check_axis_size(params, self.axis, "cfx.zero(stage=3)")
+            items, _ = tree_util.flatten_with_path(params.pieces)
+            shapes = params.shapes
+        else:
+            items, _ = tree_util.flatten_with_path(params)
+            shapes = [tuple(x.shape) for _, x in items]
+            n = n if self.stage else 1
+        for path, x in items:
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise ValueError(f"cfx.zero: params leaf {path or '<root>'!r} is not a floating-point tensor; "
+                                 "ZeRO shards floating-point params only.")
+        paths = tuple(p for p, _ in items)
+        extra = self._extra_axes(len(paths))
+        own = (self.axis,) if self.stage else ()
+        groups = make_groups(paths, shapes, [x.dtype for _, x in items], n, max_numel=self.bucket_numel)
+        return Plan(n, paths, tuple(own + e for e in extra),
+                    tuple((tuple(idx), lay, items[idx[0]][1].dtype) for idx, lay in groups))
+
+    def _extra_axes(self, n_leaves: int) -> list[tuple[str, ...]]:
+        if self.param_specs is None:
+            return [()] * n_leaves
+        specs = tree_util.leaves(self.param_specs, is_leaf=is_spec)
+        if len(specs) != n_leaves:
+            raise ValueError(f"cfx.zero: param_specs has {len(specs)} specs for {n_leaves} params; give "
+                             "one P per params leaf (e.g. rules.specs(model.axes())).")
+        return [tuple(sorted(a for a in set(s.all_axes()) if a != self.axis)) for s in specs]
+
+    @staticmethod
+    def _param_leaves(params: Any) -> list[torch.Tensor]:
+        return tree_util.leaves(params.pieces if isinstance(params, ZeroParams) else params)
+
+    def _masters(self, leaves: list, plan: Plan) -> list[torch.Tensor]:
+        """This rank's fp32 shard per group, cut from the params."""
+        r = lax.axis_index(self.axis) if self.stage in (1, 2) else 0
+        out = []
+        for idx, lay, _ in plan.groups:
+            xs = [leaves[i] for i in idx]
+            shard = lay.shard_of(xs, r) if self.stage in (1, 2) else torch.cat([x.reshape(-1) for x in xs])
+            out.append(shard.detach().to(torch.float32))
+        return out
+
+    # -- the transformation -------------------------------------------------------------------
+    def init(self, params: Any) -> ZeroState:
+        plan = self.plan(params)
+        with torch.no_grad():
+            masters = self._masters(self._param_leaves(params), plan)
+            inner = self.tx.init((tuple(masters), torch.zeros(1)))
+        keep = tuple(m if dt != torch.float32 else None for m, (_, _, dt) in zip(masters, plan.groups))
+        state = ZeroState(keep, inner)
+        _watch(params.pieces if isinstance(params, ZeroParams) else params, "param")
+        _watch(state, "optim")
+        return state
+
+    def update(self, grads: Any, state: ZeroState, params: Any) -> tuple[Any, ZeroState]:
+        """Updates for ``params`` from this rank's grads (``value_and_grad``'s, un-averaged)."""
+        if params is None:
+            raise ValueError("cfx.zero: update needs the params; call ztx.update(grads, state, params).")
+        plan = self.plan(params)
+        if not isinstance(state, ZeroState) or len(state.master) != len(plan.groups):
+            raise ValueError(f"cfx.zero: state is not this transformation's ZeroState for these params "
+                             f"({len(plan.groups)} groups); pass the state from ztx.init / ztx.update.")
+        with torch.no_grad():
+            leaves = self._param_leaves(params)
+            shards = self._reduce(grads, plan)
+            derived = self._masters(leaves, plan) if any(m is None for m in state.master) else None
+            masters = [m if m is not None else derived[g] for g, m in enumerate(state.master)]
+            ghost = ghost_leaf(shards, plan)
+            (us, _), inner = self.tx.update((tuple(shards), ghost), state.inner, (tuple(masters), torch.zeros(1)))
+            new_master = tuple(None if m is None else masters[g] + us[g] for g, m in enumerate(state.master))
+            updates = self._expand(us, new_master, plan, leaves, params)
+        new_state = ZeroState(new_master, inner)
+        _watch(new_state, "optim")
+        return updates, new_state
+
+    def _reduce(self, grads: Any, plan: Plan) -> list[torch.Tensor]:
+        """Per group, this rank's fp32 shard of the gradient averaged over the axis."""
+        n_axis = lax.axis_size(self.axis)
+        if isinstance(grads, ShardGrads):
+            if self.stage != 2 or len(grads.shards) != len(plan.groups):
+                raise ValueError(f"cfx.zero(stage={self.stage}): got ShardGrads of {len(grads.shards)} groups; "
+                                 "they come from the same stage-2 ztx.value_and_grad on these params.")
+            return [s.to(torch.float32) / n_axis for s in grads.shards]
+        g_leaves = self._param_leaves(grads) if self.stage == 3 else tree_util.leaves(grads)
+        if self.stage == 3 and not isinstance(grads, ZeroParams) or len(g_leaves) != len(plan.paths):
+            raise ValueError(f"cfx.zero(stage={self.stage}): grads do not match the params "
+                             f"({len(g_leaves)} vs {len(plan.paths)} leaves); pass the gradient of the loss "
+                             "w.r.t. these params (ztx.value_and_grad).")
+        out = []
+        for idx, lay, dt in plan.groups:
+            gs = [g_leaves[i] for i in idx]
+            if self.stage == 3:    # already reduce-scattered by the gathered layers' backward
+                flat = torch.cat([g.reshape(-1) for g in gs])
+            elif self.stage == 0:
+                flat = lax.psum(torch.cat([g.reshape(-1).to(dt) for g in gs]), self.axis)
+            else:
+                flat = lax.psum_scatter(lay.rows_from_leaves(gs, dtype=dt), self.axis, dim=0, tiled=False)
+            out.append(flat.to(torch.float32) / n_axis)
+        return out
+
+    def _expand(self, us, new_master, plan: Plan, leaves, params) -> Any:
+        """Per-leaf updates from per-group update shards (gathered at stages 1 and 2)."""
+        out: list = [None] * len(leaves)
+        for (idx, lay, dt), u, m in zip(plan.groups, us, new_master):
+            x = u if m is None else m.to(dt)   # fp32: gather the update; else: the new params
+            if self.stage in (1, 2):
+                full = lay.full_from_rows(lax.all_gather(x, self.axis))
+                parts = lay.leaves_of_full(full)
+            else:
+                parts = list(x.split(lay.numels if self.stage == 0 else lay.pieces))
+            for i, part in zip(idx, parts):
+                part = part.view(leaves[i].shape)
+                out[i] = part if m is None else part - leaves[i].detach()
+        if isinstance(params, ZeroParams):
+            return ZeroParams(tree_util.unflatten(tree_util.structure(params.pieces), out), params.shapes, params.n)
+        return tree_util.unflatten(tree_util.structure(params), out)
+
+    def state_specs(self, params: Any, *, mesh) -> ZeroState:
+        """Specs of the ``ZeroState`` that ``init`` makes from ``params`` (the global, unsharded
+        params, even at stage 3) on ``mesh``, for ``shard_map`` in/out specs across steps: 1-D
+        leaves are this rank's shards (split over the params' other axes, then ``axis``; at
+        stage 0 over the other axes only), 0-d leaves (counts, scales) are replicated."""
+        from cfx._src.mesh.spec import P
+        from cfx._src.zero.params import param_specs as zero_param_specs
+        if self.axis not in mesh.shape:
+            raise ValueError(f"cfx.zero: axis {self.axis!r} is not an axis of {mesh!r}.")
+        n = mesh.shape[self.axis] if self.stage else 1
+        zp = zero_param_specs(self.param_specs, params, axis=self.axis, mesh=mesh)  # local shapes
+        items = tree_util.leaves(params)
+        paths = tuple(tree_util.leaf_paths(params))
+        groups = make_groups(paths, zp.shapes, [x.dtype for x in items], n, max_numel=self.bucket_numel)
+        with torch.device("meta"):
+            masters = [torch.empty(lay.size) for _, lay in groups]
+            inner = self.tx.init((tuple(masters), torch.empty(1)))
+        extra = sorted({a for e in self._extra_axes(len(items)) for a in e})
+        axes = tuple(extra) + ((self.axis,) if self.stage else ())
+        spec = lambda x: P(axes) if x.dim() == 1 and axes else P()  # noqa: E731
+        keep = tuple(P(axes) if items[idx[0]].dtype != torch.float32 else None for idx, _ in groups)
+        return ZeroState(keep, tree_util.map(spec, inner))
+
+    def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+        """``cfx.value_and_grad(fun)`` w.r.t. the first argument (the params), stage-aware:
+        stage 2 returns ``ShardGrads`` reduce-scattered bucket by bucket during backward."""
+
+        @functools.wraps(fun)
+        def wrapped(params, *args, **kwargs):
+            _watch(params.pieces if isinstance(params, ZeroParams) else params, "param")
+            if self.stage == 2:
+                from cfx._src.zero.buckets import bucketed_value_and_grad
+                out, grads = bucketed_value_and_grad(fun, self.plan(params), self.axis, params, args,
+                                                     kwargs, has_aux=has_aux)
+            else:
+                out, grads = _value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
+            _watch(grads, "grad")
+            return out, grads
+
+        return wrapped
+
+
+def ghost_leaf(shards: list[torch.Tensor], plan: Plan) -> torch.Tensor:
+    """(1,) fp32: ``sqrt(global sum of squares - this rank's)``, or nan if any rank has inf/nan."""
+    sums: dict[tuple[str, ...], torch.Tensor] = {}
+    for (idx, lay, _), s in zip(plan.groups, shards):
+        axes = {plan.axes[i] for i in idx}
+        if len(axes) == 1:
+            key = axes.pop()
+            sums[key] = sums.get(key, 0.0) + s.pow(2).sum()
+            continue
+        for i, piece in zip(idx, s.split(lay.pieces if plan.n > 1 else lay.numels)):
+            sums[plan.axes[i]] = sums.get(plan.axes[i], 0.0) + piece.pow(2).sum()
+    local = sum(sums.values(), torch.zeros(()))
+    bad = sum((~torch.isfinite(s)).sum() for s in shards).to(torch.float32) if shards else torch.zeros(())
+    union = tuple(sorted({a for axes in plan.axes for a in axes}))
+    sums.setdefault(union, torch.zeros(()))
+    total, flag = torch.zeros(()), torch.zeros(())
+    for axes, s in sorted(sums.items()):
+        v = torch.stack([torch.as_tensor(s, dtype=torch.float32), bad if axes == union else torch.zeros(())])
+        if axes:
+            v = lax.psum(v, axes)
+        total, flag = total + v[0], flag + v[1]
+    ghost = (total - local).clamp_min(0.0).sqrt()
+    return torch.where(flag > 0, torch.full((), float("nan")), ghost).reshape(1)
+
+
+def chunk_ghosts(shards: list[torch.Tensor], axis: str, n: int) -> list[torch.Tensor]:
+    """``ghost_leaf`` for each shard seen alone (``GeminiEngine`` steps one chunk at a time): the
+    rest of the world's sum of squares for that chunk; nan everywhere if any rank has inf/nan."""
+    del n
+    sums = [s.pow(2).sum() for s in shards]
+    bad = sum((~torch.isfinite(s)).sum() for s in shards).to(torch.float32) if shards else torch.zeros(())
+    v = lax.psum(torch.stack([sum(sums, torch.zeros(())), bad]), axis)
+    nan = torch.full((), float("nan"))
+    return [torch.where(v[1] > 0, nan, (v[0] - s).clamp_min(0.0).sqrt()).reshape(1) for s in sums]
