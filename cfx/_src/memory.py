@@ -54,6 +54,11 @@ def ops_unwatched():
         _ops_unwatched.reset(token)
 
 
+def is_tracking() -> bool:
+    """True while a ``cfx.memory.track()`` tracker is active here (a cheap ContextVar read)."""
+    return bool(_active.get())
+
+
 def _check_tier(tier: str) -> None:
     if tier not in TIERS:
         raise ValueError(f"unknown memory tier {tier!r}; use one of {TIERS}.")

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from cfx._src import memory
 from cfx._src.mesh import context as ctx_lib
 
 _collectors: contextvars.ContextVar[tuple] = contextvars.ContextVar("cfx_comm_stats", default=())
@@ -51,6 +52,27 @@ def _wait(work) -> None:
     work.wait()
 
 
+def _backend_buffers(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The buffers handed to the backend: the tensors themselves, or private copies while a
+    ``cfx.memory`` tracker is active.
+
+    Gloo signals completion before its worker thread drops its references to the tensors it
+    moved, so a buffer (and any storage it shares with the caller) can outlive the call by a
+    thread switch. Tracked memory must not depend on thread timing, so under a tracker the
+    backend only ever sees untracked copies, and results are copied into tracked tensors.
+    """
+    if not memory.is_tracking():
+        return list(tensors)
+    with memory.ops_unwatched():
+        return [t.clone() for t in tensors]
+
+
+def _copy_back(outs: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> None:
+    for o, b in zip(outs, bufs):
+        if o is not b:
+            o.copy_(b)
+
+
 def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
     out = x.detach().clone(memory_format=torch.contiguous_format)
     ax.record("all_reduce", out)
@@ -58,7 +80,9 @@ def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
         return out
     opts = dist.AllreduceOptions()
     opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    _wait(ax.group.get().allreduce([out], opts))
+    buf = _backend_buffers(out)
+    _wait(ax.group.get().allreduce(buf, opts))
+    _copy_back([out], buf)
     return out
 
 
@@ -69,7 +93,9 @@ def all_gather_blocks(x: torch.Tensor, ax: Axes) -> list[torch.Tensor]:
     if ax.size == 1:
         return [x.clone()]
     outs = [torch.empty_like(x) for _ in range(ax.size)]
-    _wait(ax.group.get().allgather([outs], [x]))
+    buf_in, *buf_outs = _backend_buffers(x, *outs)
+    _wait(ax.group.get().allgather([buf_outs], [buf_in]))
+    _copy_back(outs, buf_outs)
     return outs if ax.order is None else [outs[j] for j in ax.order]
 
 
@@ -85,7 +111,9 @@ def reduce_scatter_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> torch.Ten
             inv[j] = i
         blocks = [blocks[inv[j]] for j in range(ax.size)]
     out = torch.empty_like(blocks[0])
-    _wait(ax.group.get().reduce_scatter([out], [list(blocks)]))
+    buf_out, *buf_blocks = _backend_buffers(out, *blocks)
+    _wait(ax.group.get().reduce_scatter([buf_out], [buf_blocks]))
+    _copy_back([out], [buf_out])
     return out
 
 
@@ -105,7 +133,9 @@ def all_to_all_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> list[torch.Te
         raise AssertionError("all_to_all blocks must have equal shapes")
     inp = torch.stack(blocks)  # (N, ...) by destination
     out = torch.empty_like(inp)
-    _wait(ax.group.get().alltoall_base(out, inp, [], []))
+    buf_out, buf_in = _backend_buffers(out, inp)
+    _wait(ax.group.get().alltoall_base(buf_out, buf_in, [], []))
+    _copy_back([out], [buf_out])
     received = list(out.unbind(0))  # by source group rank
     return received if ax.order is None else [received[j] for j in ax.order]
 
@@ -118,15 +148,18 @@ def permute(x: torch.Tensor, ax: Axes, perm: Sequence[tuple[int, int]]) -> torch
     to_group = (lambda i: i) if ax.order is None else (lambda i: ax.order[i])
     works = []
     pg = ax.group.get() if ax.size > 1 else None
+    buf_x, buf_out = _backend_buffers(x, out)
     for src, dst in perm:
         if src == ax.index and dst == ax.index:
             out.copy_(x)
         elif src == ax.index:
-            works.append(pg.send([x], to_group(dst), 0))
+            works.append(pg.send([buf_x], to_group(dst), 0))
         elif dst == ax.index:
-            works.append(pg.recv([out], to_group(src), 0))
+            works.append(pg.recv([buf_out], to_group(src), 0))
     for w in works:
         _wait(w)
+    if any(dst == ax.index and src != ax.index for src, dst in perm):
+        _copy_back([out], [buf_out])
     return out
 
 
@@ -166,7 +199,8 @@ def send(x: torch.Tensor, ax: Axes, dst: int, tag: int = 0) -> Pending:
     assert dst != ax.index and ax.size > 1, "a rank never sends to itself"
     x = x.detach().contiguous()
     ax.record("send", x)
-    return Pending(ax.group.get().send([x], _group_rank(ax, dst), tag), x)
+    buf, = _backend_buffers(x)
+    return Pending(ax.group.get().send([buf], _group_rank(ax, dst), tag), buf)
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, ax: Axes, src: int,
@@ -176,5 +210,7 @@ def recv(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, a
     assert src != ax.index and ax.size > 1, "a rank never receives from itself"
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
     ax.record("recv", out)
-    _wait(ax.group.get().recv([out], _group_rank(ax, src), tag))
+    buf, = _backend_buffers(out)
+    _wait(ax.group.get().recv([buf], _group_rank(ax, src), tag))
+    _copy_back([out], [buf])
     return out
