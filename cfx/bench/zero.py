@@ -45,7 +45,8 @@ def _gathered(model):
     return zero.gathered(model.map_blocks(lambda b: zero.gathered(b, axis="data")), axis="data")
 
 
-def measure(model, stage: int, n: int, *, dtype=torch.bfloat16, steps: int = 2, batch: int = 8):
+def measure(model, stage: int, n: int, *, dtype=torch.bfloat16, steps: int = 2, batch: int = 8,
+            backend: str = "local"):
     """(comm records of rank 0's last step, rank 0's model-state bytes, median step seconds)."""
     net = _gathered(model) if stage == 3 else model
     ztx = zero(cfx.optim.adamw(1e-3), stage=stage, axis="data", bucket_numel=1 << 18)
@@ -67,7 +68,7 @@ def measure(model, stage: int, n: int, *, dtype=torch.bfloat16, steps: int = 2, 
         return stats.records, state_bytes, torch.tensor([statistics.median(times[1:] or times)])
 
     params = cfx.tree.map(lambda x: x.to(dtype), model.init(cfx.random.key(0)))
-    with cfx.memory.track() as mem, cfx.Mesh({"data": n}) as mesh:
+    with cfx.memory.track() as mem, cfx.Mesh({"data": n}, backend=backend) as mesh:
         records, nbytes, t = cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")),
                                            out_specs=(P(), P(), P("data")))(params, tokens)
     return [r for r in records if r.rank == 0 and r.axes == ("data",)], nbytes, float(t.max())
@@ -104,14 +105,27 @@ def _fsdp_worker(rank, n, init_file, out_file, cfg, steps, batch):
     dist.destroy_process_group()
 
 
-def fsdp2_step_time(cfg: dict, n: int, steps: int, batch: int) -> tuple[float | None, str]:
-    """Median FSDP2 step seconds, or (None, why) if it cannot run here."""
+def _cfx_worker(rank, n, init_file, out_file, cfg, steps, batch):
+    """cfx ZeRO-3 in one gloo process per rank (the ``dist`` mesh backend), like FSDP2 runs."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=120))
+    model = cfx.models.gpt2("tiny", **cfg)
+    _, _, t = measure(model, 3, n, dtype=torch.float32, steps=steps, batch=batch, backend="dist")
+    if rank == 0:
+        with open(out_file, "w") as f:
+            f.write(str(t))
+    dist.destroy_process_group()
+
+
+def fsdp2_step_time(cfg: dict, n: int, steps: int, batch: int, *, worker=_fsdp_worker) -> tuple[float | None, str]:
+    """Median step seconds of ``worker`` (FSDP2 by default) in n gloo processes, or (None, why)."""
     fd, init_file = tempfile.mkstemp(prefix="cfx-bench-fsdp-")
     os.close(fd)
     os.remove(init_file)
     out_file = init_file + ".out"
     try:
-        mp.start_processes(_fsdp_worker, args=(n, init_file, out_file, cfg, steps, batch), nprocs=n,
+        mp.start_processes(worker, args=(n, init_file, out_file, cfg, steps, batch), nprocs=n,
                            start_method="spawn", join=True)
         with open(out_file) as f:
             return float(f.read()), ""
@@ -147,13 +161,19 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
                             "x", f"1 +- {chunk / want:.4f} (one chunk)", abs(nbytes - want) <= chunk))
     steps, batch = (4, 8) if quick else (6, 8)
     for n in ((2,) if quick else (2, 4)):
-        _, _, t_cfx = measure(model, 3, n, dtype=torch.float32, steps=steps, batch=batch)
-        rows.append(Row(f"ZeRO-3 step time, N={n}, local mesh (threads)", t_cfx, "s"))
+        _, _, t_local = measure(model, 3, n, dtype=torch.float32, steps=steps, batch=batch)
+        rows.append(Row(f"ZeRO-3 step time, N={n}, local mesh (threads)", t_local, "s"))
+        t_cfx, why = fsdp2_step_time(cfg, n, steps, batch, worker=_cfx_worker)
+        if t_cfx is None:
+            rows.append(Row(f"ZeRO-3 step time, N={n}, gloo processes: could not run ({why})", float("nan"),
+                            "s", "runs", False))
+            continue
+        rows.append(Row(f"ZeRO-3 step time, N={n}, gloo processes", t_cfx, "s"))
         t_fsdp, why = fsdp2_step_time(cfg, n, steps, batch)
         if t_fsdp is None:
             rows.append(Row(f"FSDP2 fully_shard step time, N={n}: could not run ({why})", float("nan"), "s",
                             "runs", False))
         else:
             rows.append(Row(f"FSDP2 fully_shard step time, N={n}, gloo processes", t_fsdp, "s"))
-            rows.append(Row(f"ZeRO-3 / FSDP2 step time, N={n}", t_cfx / t_fsdp, "x"))
+            rows.append(Row(f"ZeRO-3 / FSDP2 step time, N={n}, both gloo processes", t_cfx / t_fsdp, "x"))
     return report("zero", rows, json_path)
