@@ -120,14 +120,53 @@ def test_budget_below_one_layer_raises_on_every_rank_before_any_collective():
                                   offload=zero.offload(cfx.gemini.auto(10_000)))
             except ValueError as e:
                 msg = str(e)
-        return torch.tensor([float("needs at least" in msg and "bytes" in msg and not stats.records)])
+        ok = "needs at least" in msg and "bytes" in msg and "for chunk" in msg and not stats.records
+        return torch.tensor([float(ok)])
 
     with cfx.Mesh({"data": 2}) as mesh:
         assert cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(params).tolist() == [1.0, 1.0]
-        with pytest.raises(ValueError, match=r"needs at least \d+ bytes"):
+        with pytest.raises(ValueError, match=r"needs at least \d+ bytes of device memory for chunk \d+ \(groups"):
             cfx.shard_map(lambda p: zero.GeminiEngine(model, zero.shard_params(p, axis="data"), cfx.optim.sgd(0.1),
                                                       axis="data", offload=zero.offload(cfx.gemini.auto(10_000))),
                           mesh=mesh, in_specs=P(), out_specs=P())(params)
+
+
+def _waste(numels, size):
+    chunks, used = 1, 0
+    for n in numels:
+        if used + n > size:
+            chunks, used = chunks + 1, 0
+        used += n
+    return chunks * size - sum(numels)
+
+
+@pytest.mark.timeout(60)
+def test_chunk_size_is_the_least_waste_size_and_chunks_are_equal(tmp_path):
+    model, params = gathered_model(gpt2()), gpt2().init(cfx.random.key(0))
+
+    def body(params, max_chunk_size=None):
+        eng = zero.GeminiEngine(model, zero.shard_params(params, axis="data"), cfx.optim.adamw(1e-3), axis="data",
+                                offload=zero.offload(cfx.gemini.host(), nvme_dir=tmp_path), max_chunk_size=max_chunk_size)
+        sizes = [lay.size for lay in eng.layouts]
+        best = min(range(max(sizes), 2 * max(sizes) + 1), key=lambda s: (_waste(sizes, s), s))  # brute force
+        search = eng.chunk_search
+        assert (search.size, search.waste) == (best, _waste(sizes, best))
+        assert search.n_chunks == len(eng.chunks.groups) > 1 and 0 <= search.waste_fraction < 1
+        nvme = eng.stores["nvme"]  # params and optimizer state (moments; not the step count): one per chunk
+        assert {nvme.get(("param", c)).numel() for c in range(search.n_chunks)} == {search.size}
+        assert {nvme.get(k).numel() for k in nvme.keys() if k[0] == "optim"} == {1, search.size}
+        # execution order, no group split: each chunk holds consecutive groups, within its size
+        assert [g for gs in eng.chunks.groups for g in gs] == list(range(len(sizes)))
+        for gs in eng.chunks.groups:
+            assert eng.chunks.offset[gs[0]] == 0 and sum(sizes[g] for g in gs) <= search.size
+        one = zero.GeminiEngine(model, zero.shard_params(params, axis="data"), cfx.optim.sgd(0.1), axis="data",
+                                offload=zero.offload(cfx.gemini.host()), max_chunk_size=max(sizes))
+        assert one.chunk_search.size == max(sizes) and one.chunk_search.n_chunks == len(sizes)
+        eng.close()
+        return torch.ones(1)
+
+    with cfx.Mesh({"data": 2}) as mesh:
+        assert cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(params).tolist() == [1.0, 1.0]
 
 
 def test_unwritable_nvme_dir_raises_before_training():

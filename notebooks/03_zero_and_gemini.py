@@ -85,8 +85,9 @@ plt.show()
 # that on `{"data": 4}` and `{"data": 2, "model": 2}`.
 #
 # ## Gemini: chunks placed under a device budget
-# Behind stage 3, `cfx.zero.GeminiEngine` keeps each gathered layer's shard as a chunk in a tier
-# store (device, host or a file-backed NVMe store). With `cfx.gemini.auto(budget)` a warm-up
+# Behind stage 3, `cfx.zero.GeminiEngine` packs the gathered layers' shards, in execution order,
+# into equal-size chunks (the size chosen by a search that minimises padding) kept in a tier store
+# (device, host or a file-backed NVMe store). With `cfx.gemini.auto(budget)` a warm-up
 # step records how much non-model memory (activations) is live at each chunk access; afterwards
 # the engine evicts the chunk needed furthest in the future (Belady) so that chunks plus
 # activations stay under the budget. The plot shows device bytes over one step.
@@ -126,6 +127,8 @@ print(f"one layer at a time needs {least:,} B, everything resident {everything:,
 with cfx.memory.track() as mem:
     losses, eng = train(cfx.zero.offload(cfx.gemini.auto(budget)), track=mem)
 print(f"tracked device peak {mem.peak('device', rank=0):,} B <= budget; host->device {eng.traffic['host->device']:,} B")
+cs = eng.chunk_search  # equal-size chunks, the size searched to minimise padding
+print(f"{cs.n_chunks} chunks of {cs.size:,} elements per rank; waste {cs.waste:,} elements ({cs.waste_fraction:.1%})")
 steps, live = zip(*mem.timeline("device", rank=0))
 fig, ax = plt.subplots(figsize=(7, 3))
 ax.plot(steps, [b / 2**10 for b in live], lw=0.8, label="device bytes (rank 0)")

@@ -38,7 +38,7 @@ class ChunkSearch:
 
 def search_chunk_size(numels: Sequence[int], *, n_shards: int = 1, min_size: int = 1,
                       max_size: int | None = None, align: int = 1, step: int | None = None,
-                      max_candidates: int = 4096) -> ChunkSearch:
+                      max_candidates: int = 4096, exact: bool = False) -> ChunkSearch:
     """The chunk size with the least padding for tensors of ``numels`` packed in this order.
 
     Candidates are multiples of ``n_shards * align`` (so every chunk splits into equal aligned
@@ -46,6 +46,11 @@ def search_chunk_size(numels: Sequence[int], *, n_shards: int = 1, min_size: int
     the total rounded up; larger sizes only waste more), spaced ``step`` apart. Without ``step``
     the spacing is the smallest multiple of the unit giving at most ``max_candidates`` sizes.
     Ties go to the smaller size (finer-grained placement).
+
+    ``exact=True`` (for a few tensors, e.g. one per layer) tries instead only the sizes where the
+    waste can be least: ``lo`` and each run of consecutive tensors' total, rounded up to the unit.
+    That is the minimum over *every* multiple of the unit in range: if no chunk is filled to
+    within one unit of a size, the next smaller multiple packs the same way with less padding.
     """
     numels = [int(n) for n in numels]
     if not numels or any(n < 0 for n in numels):
@@ -67,6 +72,16 @@ def search_chunk_size(numels: Sequence[int], *, n_shards: int = 1, min_size: int
         raise ValueError(f"step={step} must be a positive multiple of n_shards*align={unit}.")
     best = None
     candidates = range(lo, hi + 1, step)
+    if exact:
+        step, runs = unit, {lo}
+        for i in range(len(numels)):
+            acc = 0
+            for n in numels[i:]:
+                acc += n
+                if _round_up(acc, unit) > hi:
+                    break
+                runs.add(max(lo, _round_up(acc, unit)))
+        candidates = sorted(runs)
     for size in candidates:
         n_chunks = 1 + max((c for c, _ in _pack(numels, size)), default=0)
         waste = n_chunks * size - total

@@ -75,6 +75,19 @@ class AutoPolicy:
         return plan_auto(record.accesses, record.chunk_bytes, record.non_model_bytes,
                          self.device_budget_bytes, prefetch=self.prefetch, resident=resident)
 
+    def plan_from(self, record: WarmupRecord, position: int, resident, *,
+                  reserve: int = 0) -> list[tuple[frozenset, Step]]:
+        """From access ``position`` on, with ``resident`` chunks on the device: per access, the
+        chunks on the device before it if the plan is followed, and its step; ``reserve`` bytes of
+        the budget are left free (for memory the record does not show)."""
+        out, live = [], frozenset(resident)
+        for a, step in zip(record.accesses[position:], plan_auto(
+                record.accesses[position:], record.chunk_bytes, record.non_model_bytes[position:],
+                self.device_budget_bytes - reserve, prefetch=self.prefetch, resident=resident)):
+            out.append((live, step))
+            live = (live - set(step.evict)) | set(step.fetch) | set(a)
+        return out
+
     def decide(self, record: WarmupRecord, position: int, resident) -> Step:
         return plan_auto(record.accesses[position:], record.chunk_bytes, record.non_model_bytes[position:],
                          self.device_budget_bytes, prefetch=self.prefetch, resident=resident)[0]

@@ -9,13 +9,18 @@ this rank's ``ZeroParams``, an optimizer and an ``Offload`` (``offload``)::
     zparams = engine.params()
 
 It is the one stateful object of ZeRO: params, gradients and optimizer state live in its tier
-stores, not in pytrees. ``backward(fn)`` runs ``fn`` on a params tree whose leaves point at the
-chunks: each gathered layer asks the engine for its chunk (an *access*), which first applies the
-policy's evictions and fetches, then gathers; the backward's reduce-scatter hands the gradient
-shard to the engine (accumulated over calls: micro-batches). ``update()`` runs ``tx`` chunk by
-chunk where the optimizer state lives (one chunk's state resident at a time), with the
-``ghost`` leaf of ``optimizer`` (global norm, inf/nan across ranks) per chunk. Each chunk's
-gradient state follows Gemini's checked transitions (``cfx.gemini.states``).
+stores, not in pytrees. The gathered layers' shards are packed in execution order into
+equal-size flat *chunks* (``chunking``; the size search, over sizes up to ``max_chunk_size``
+elements, default twice the largest layer shard, is ``engine.chunk_search``): the unit of
+placement, fetch/evict and optimizer step; grads and optimizer state are chunked alike.
+``backward(fn)`` runs ``fn`` on a params tree whose leaves point at the chunks: each gathered
+layer asks for its group's shard (an *access* of its chunk), which applies the policy's evictions
+and fetches (``auto``: its plan, prefetches at their planned accesses, 0.1% of the budget held
+back), then gathers that slice
+of the chunk; the backward's reduce-scatter adds the gradient shard into the chunk's gradient
+(accumulated over calls: micro-batches). ``update()`` runs ``tx`` chunk by chunk where the
+optimizer state lives, with the ``ghost`` leaf of ``optimizer`` (global norm, inf/nan across
+ranks) per chunk. Each group's tensor state follows ``cfx.gemini.states``' checked transitions.
 
 With elementwise optimizers (sgd, adam, adamw; no global-norm clipping) the result is bit for bit
 that of ``cfx.zero(tx, stage=3)`` on fp32 params, whatever the policy.
@@ -28,11 +33,12 @@ import os
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src import memory, tree as tree_util
 from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, WarmupRecord
 from cfx._src.gemini.states import TensorState as S, transition
 from cfx._src.gemini.store import make_stores
 from cfx._src.lax import collectives as lax
+from cfx._src.zero.chunking import check_budget, pack_groups
 from cfx._src.zero.flat import GroupLayout
 from cfx._src.zero.offload import ChunkRef, Offload, gather_groups
 from cfx._src.zero.optimizer import chunk_ghosts
@@ -43,7 +49,8 @@ from cfx._src.zero.warmup import Recorder
 class GeminiEngine:
     """See the module doc."""
 
-    def __init__(self, model, zparams: ZeroParams, tx, *, axis: str, offload: Offload):
+    def __init__(self, model, zparams: ZeroParams, tx, *, axis: str, offload: Offload,
+                 max_chunk_size: int | None = None):
         if not isinstance(zparams, ZeroParams):
             raise ValueError(f"GeminiEngine: params must be ZeroParams, got {type(zparams).__name__}; make "
                              f"them with cfx.zero.shard_params(params, axis={axis!r}) inside shard_map.")
@@ -56,29 +63,39 @@ class GeminiEngine:
         self.groups = gather_groups(model, self.paths)
         self.layouts = [GroupLayout(tuple(self.paths[i] for i in g), tuple(self.shapes[i] for i in g), self.n)
                         for g in self.groups]
-        self.dtypes = [items[g[0]][1].dtype for g in self.groups]
-        self.chunk_bytes = [lay.size * dt.itemsize for lay, dt in zip(self.layouts, self.dtypes)]
-        self._check_budget()  # before any store is made or any collective issued, on every rank
+        dtypes = {items[g[0]][1].dtype for g in self.groups}
+        if len(dtypes) > 1:
+            raise ValueError(f"GeminiEngine: chunks are flat buffers of one dtype; the params mix {sorted(map(str, dtypes))}.")
+        self.dtype = dtypes.pop()
+        self.chunks = pack_groups([lay.size for lay in self.layouts], max_size=max_chunk_size)
+        self.chunk_search = self.chunks.search
+        self.chunk_bytes = [self.chunks.size * self.dtype.itemsize] * self.chunks.n_chunks
+        if isinstance(offload.policy, AutoPolicy):  # before any store or collective, on every rank
+            check_budget(self.chunks, self.dtype.itemsize, self.n, offload.policy.device_budget_bytes,
+                         [self.paths[self.groups[gs[0]][0]] for gs in self.chunks.groups])
         nvme = offload.nvme_dir and os.path.join(offload.nvme_dir, f"rank{lax.axis_index(axis)}-{id(self):x}")
         self.stores = make_stores(nvme_dir=nvme)
-        self.refs = [ChunkRef(self, c) for c in range(len(self.groups))]
-        self.states = {c: S.FREE for c in range(len(self.groups))}
-        self.resident: set[int] = set()
+        self.refs = [ChunkRef(self, g) for g in range(len(self.groups))]
+        self.states = {g: S.FREE for g in range(len(self.groups))}  # per group (layer)
+        self.resident: set[int] = set()  # chunks on the device
         self.traffic: collections.Counter = collections.Counter()  # bytes by "src->dst"
         self.record: WarmupRecord | None = None
         self.anchor: torch.Tensor | None = None
         self._position, self._recorder, self._inner_defs = 0, None, {}
+        self._plan = None  # auto: per access, (the chunks on the device before it, its step)
         pieces = [x for _, x in items]
         with torch.no_grad():
-            for c, g in enumerate(self.groups):
-                shard = torch.cat([pieces[i].detach().reshape(-1) for i in g])
-                self._put(self.cfg.param_home, ("param", c), shard, "param")
-                master = shard.to(torch.float32, copy=True)
-                if self.dtypes[c] != torch.float32:
+            shards = [torch.cat([pieces[i].detach().reshape(-1) for i in g]) for g in self.groups]
+            for c in range(self.chunks.n_chunks):
+                chunk = self.chunks.pack(shards, c)
+                self._put(self.cfg.param_home, ("param", c), chunk, "param")
+                master = chunk.to(torch.float32, copy=True)
+                if self.dtype != torch.float32:
                     self._put(self.cfg.optim_home, ("master", c), master, "optim")
                 self._store_inner(c, self.tx.init(((master,), torch.zeros(1))))
+            del shards
         if isinstance(offload.policy, DevicePolicy):
-            for c in range(len(self.groups)):
+            for c in range(self.chunks.n_chunks):
                 self._fetch(c)
 
     # -- stores --------------------------------------------------------------------------------
@@ -109,24 +126,11 @@ class GeminiEngine:
                                         for j in range(td.num_leaves)])
 
     # -- placement -----------------------------------------------------------------------------
-    def _check_budget(self) -> None:
-        if not isinstance(self.cfg.policy, AutoPolicy):
-            return
-        need = [b * (1 + self.n) for b in self.chunk_bytes]  # the shard + its gathered payload
-        budget = self.cfg.policy.device_budget_bytes
-        if max(need) > budget:
-            c = max(range(len(need)), key=need.__getitem__)
-            raise ValueError(f"GeminiEngine: auto placement needs at least {max(need)} bytes of device "
-                             f"memory for the largest layer (chunk {c}: {self.paths[self.groups[c][0]]!r}...: "
-                             f"its shard of {self.chunk_bytes[c]} B plus its gathered payload of "
-                             f"{self.chunk_bytes[c] * self.n} B) before any activation, but the budget is "
-                             f"{budget} bytes. Raise device_budget_bytes to well above {max(need)}, split the "
-                             "layer, or use cfx.gemini.host().")
-
-    def _device_shard(self, c) -> torch.Tensor:
-        if self.cfg.param_home == "device":
-            return self.stores["device"].get(("param", c))
-        return self.stores["device"].get(("copy", c))
+    def _device_shard(self, g) -> torch.Tensor:
+        """Group ``g``'s shard: a view into the device copy of its chunk."""
+        c = self.chunks.chunk_of[g]
+        key = ("param", c) if self.cfg.param_home == "device" else ("copy", c)
+        return self.chunks.view(self.stores["device"].get(key), g)
 
     def _fetch(self, c) -> None:
         if c in self.resident or self.cfg.param_home == "device":
@@ -143,6 +147,19 @@ class GeminiEngine:
             self.stores["device"].delete(("copy", c))  # a clean cache copy: nothing to write back
         self.resident.discard(c)
 
+    def _auto_step(self, t: int):
+        """Access ``t``'s planned step (prefetches included); re-planned from ``t`` when the resident
+        chunks are not the plan's (the first step after the warm-up, a micro-batch, ...)."""
+        planned = self._plan[t] if self._plan else None
+        if planned is None or planned[0] != frozenset(self.resident):
+            self._plan = [None] * t + self.cfg.policy.plan_from(self.record, t, sorted(self.resident),
+                                                                 reserve=self._reserve())
+        return self._plan[t][1]
+
+    def _reserve(self) -> int:
+        """0.1% of the budget, left out of the plan: for what the warm-up cannot see (losses kept)."""
+        return self.cfg.policy.device_budget_bytes // 1000
+
     def _place(self, c: int) -> None:
         """The policy's moves before access ``self._position`` (which needs chunk ``c``)."""
         t, policy, rec = self._position, self.cfg.policy, self.record
@@ -150,7 +167,7 @@ class GeminiEngine:
             evict, fetch = (), (c,)
         elif isinstance(policy, AutoPolicy) and rec is not None and t < len(rec.accesses) \
                 and rec.accesses[t] == (c,):
-            step = policy.decide(rec, t, sorted(self.resident))
+            step = self._auto_step(t)
             evict, fetch = step.evict, step.fetch
         else:  # host, the warm-up step, or an access pattern the warm-up did not see
             evict, fetch = tuple(self.resident - {c}), (c,)
@@ -161,53 +178,58 @@ class GeminiEngine:
         self._fetch(c)
 
     # -- called by the gathered layers (through ChunkSource) ------------------------------------
-    def check_layout(self, c, layout: GroupLayout, axis: str) -> None:
-        ref = self.layouts[c]
+    def check_layout(self, g, layout: GroupLayout, axis: str) -> None:
+        ref = self.layouts[g]
         if axis != self.axis or layout.shapes != ref.shapes or layout.n != ref.n:
             raise ValueError(f"GeminiEngine: gathered layer over {axis!r} with leaf shapes {layout.shapes[:3]}... "
-                             f"does not match chunk {c} ({ref.paths[:3]}...) of this engine over {self.axis!r}; "
+                             f"does not match group {g} ({ref.paths[:3]}...) of this engine over {self.axis!r}; "
                              "build the engine from the same gathered model.")
 
-    def _move(self, c, *targets) -> None:
+    def _move(self, g, *targets) -> None:
         for s in targets:
-            self.states[c] = transition(self.states[c], s, what=f"chunk {c} ({self.layouts[c].paths[0]}...)")
+            self.states[g] = transition(self.states[g], s, what=f"group {g} ({self.layouts[g].paths[0]}...)")
 
-    def acquire(self, c: int, *, backward: bool) -> torch.Tensor:
+    def acquire(self, g: int, *, backward: bool) -> torch.Tensor:
+        """Group ``g``'s shard on the device, after the policy's moves for this access of its chunk."""
+        c = self.chunks.chunk_of[g]
         if self._recorder is not None:
             self._recorder.end_access()
         self._place(c)
         if self._recorder is not None:
             self._recorder.begin_access(c, sum(self.chunk_bytes[r] for r in self.resident))
         self._position += 1
-        if backward and self.states[c] is S.HOLD_AFTER_FWD:
-            self._move(c, S.FREE)
-        self._move(c, S.HOLD)
-        return self._device_shard(c)
+        if backward and self.states[g] is S.HOLD_AFTER_FWD:
+            self._move(g, S.FREE)
+        self._move(g, S.HOLD)
+        return self._device_shard(g)
 
-    def computing(self, c: int) -> None:
-        self._move(c, S.COMPUTE)
+    def computing(self, g: int) -> None:
+        self._move(g, S.COMPUTE)
 
-    def forward_done(self, c: int) -> None:
-        self._move(c, S.HOLD_AFTER_FWD, S.FREE)
+    def forward_done(self, g: int) -> None:
+        self._move(g, S.HOLD_AFTER_FWD, S.FREE)
 
-    def add_grad(self, c: int, grad: torch.Tensor) -> None:
-        if self.states[c] is S.COMPUTE:  # re-gathered in backward
-            self._move(c, S.HOLD_AFTER_BWD, S.HOLD, S.FREE)
-        home, key = self.cfg.grad_home, ("grad", c)
+    def add_grad(self, g: int, grad: torch.Tensor) -> None:
+        """Add group ``g``'s reduce-scattered gradient shard into its slice of its chunk's gradient."""
+        if self.states[g] is S.COMPUTE:  # re-gathered in backward
+            self._move(g, S.HOLD_AFTER_BWD, S.HOLD, S.FREE)
+        home, key = self.cfg.grad_home, ("grad", self.chunks.chunk_of[g])
         if home == "host":
             self.traffic["device->host"] += grad.numel() * grad.element_size()
-        if key in self.stores[home]:
-            self.stores[home].get(key).add_(grad)
-        else:
-            self._put(home, key, grad, "grad")
+        if key not in self.stores[home]:
+            with memory.ops_unwatched():  # booked by the store as "grad", not as an op output
+                zeros = torch.zeros(self.chunks.size, dtype=grad.dtype)
+            self._put(home, key, zeros, "grad")
+            del zeros
+        self.chunks.view(self.stores[home].get(key), g).add_(grad)
 
     # -- training ------------------------------------------------------------------------------
     def tree(self):
         """The params-shaped tree of ``ShardedLeaf``s pointing at the chunks (what ``fn`` gets)."""
         leaves = [None] * len(self.paths)
-        for c, g in enumerate(self.groups):
-            for i in g:
-                leaves[i] = ShardedLeaf(None, self.shapes[i], self.n, self.refs[c])
+        for g, idx in enumerate(self.groups):
+            for i in idx:
+                leaves[i] = ShardedLeaf(None, self.shapes[i], self.n, self.refs[g])
         return tree_util.unflatten(self.treedef, leaves)
 
     def backward(self, fn, *args, **kwargs) -> torch.Tensor:
@@ -229,13 +251,13 @@ class GeminiEngine:
             worst = lax.pmax(torch.tensor(rec.non_model_bytes, dtype=torch.float64), self.axis)
             self.record = WarmupRecord(rec.accesses, tuple(int(v) for v in worst.tolist()), rec.chunk_bytes)
             self._recorder = None
-            self.cfg.policy.plan(self.record)  # ValueError with the bytes needed if B is too small
+            self.cfg.policy.plan_from(self.record, 0, (), reserve=self._reserve())  # ValueError if B is too small
         return loss.detach()
 
     def update(self) -> None:
         """One optimizer step over every chunk, then drop the gradients."""
         with torch.no_grad():
-            grads = [self._grad(c) for c in range(len(self.groups))]
+            grads = [self._grad(c) for c in range(self.chunks.n_chunks)]
             ghosts = chunk_ghosts(grads, self.axis, self.n)
             for c, (g, ghost) in enumerate(zip(grads, ghosts)):
                 self._update_chunk(c, g, ghost)
@@ -251,7 +273,7 @@ class GeminiEngine:
         key = ("grad", c)
         store = self.stores[self.cfg.grad_home]
         g = store.get(key).to(torch.float32) / self.n if key in store else \
-            torch.zeros(self.layouts[c].size, dtype=torch.float32)
+            torch.zeros(self.chunks.size, dtype=torch.float32)
         if key in store:
             store.delete(key)
         return g
@@ -259,13 +281,13 @@ class GeminiEngine:
     def _update_chunk(self, c, g, ghost) -> None:
         home, ohome = self.cfg.param_home, self.cfg.optim_home
         p = self._get(home, ("param", c))
-        low = self.dtypes[c] != torch.float32
+        low = self.dtype != torch.float32
         master = self._get(ohome, ("master", c)) if low else p
         (us, _), inner = self.tx.update(((g,), ghost), self._load_inner(c), ((master,), torch.zeros(1)))
         if low:
             new_master = master + us[0]
             self._write(ohome, ("master", c), new_master, "optim")
-            new_p = new_master.to(self.dtypes[c])
+            new_p = new_master.to(self.dtype)
         else:
             new_p = p + us[0]
         self._write(home, ("param", c), new_p, "param")
@@ -281,10 +303,11 @@ class GeminiEngine:
     def params(self) -> ZeroParams:
         """This rank's pieces (fresh tensors), as ``ZeroParams``."""
         leaves = [None] * len(self.paths)
-        for c, g in enumerate(self.groups):
-            shard = self._get(self.cfg.param_home, ("param", c)).clone()
-            for i, piece in zip(g, self.layouts[c].split_shard(shard)):
-                leaves[i] = piece.clone()
+        for c, gs in enumerate(self.chunks.groups):
+            chunk = self._get(self.cfg.param_home, ("param", c))
+            for g in gs:
+                for i, piece in zip(self.groups[g], self.layouts[g].split_shard(self.chunks.view(chunk, g))):
+                    leaves[i] = piece.clone()
         return ZeroParams(tree_util.unflatten(self.treedef, leaves), self.shapes, self.n)
 
     def close(self) -> None:

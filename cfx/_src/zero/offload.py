@@ -1,8 +1,10 @@
-"""Gemini placement for ZeRO-3: the configuration, the chunks, and the gathered layers' source.
+"""Gemini placement for ZeRO-3: the configuration, the layer groups, and the gathered layers' source.
 
-A *chunk* is one gathered layer's shard (S,) on this rank (``flat``): the unit that is fetched to
-the device, all-gathered, reduce-scattered and moved between tiers. ``offload(policy, nvme_dir=)``
-says where chunks live and where the optimizer step runs:
+A *group* is one gathered layer's params; this rank's shard of it (S,) (``flat``) is what the
+layer all-gathers and reduce-scatters. A *chunk* is a flat buffer of equal-size packing of group
+shards in execution order (``chunking``): the unit that is fetched to the device, evicted, moved
+between tiers and stepped. ``offload(policy, nvme_dir=)`` says where chunks live and where the
+optimizer step runs:
 
 =========  ====================  =====================  ==========================
 policy     param chunks (home)   on the device          grads, optimizer state/step
@@ -116,37 +118,37 @@ def gather_groups(layer: Any, paths: list[str]) -> list[list[int]]:
 
 
 class ChunkSource(ShardSource):
-    """A gathered layer's shard served by a ``GeminiEngine`` chunk instead of params pieces."""
+    """A gathered layer's shard served by its slice of a ``GeminiEngine`` chunk, not params pieces."""
 
-    def __init__(self, engine: Any, chunk: int, layout, axis: str):
-        super().__init__(layout, axis, [], engine.dtypes[chunk])
-        self.engine, self.chunk = engine, chunk
+    def __init__(self, engine: Any, group: int, layout, axis: str):
+        super().__init__(layout, axis, [], engine.dtype)
+        self.engine, self.group = engine, group
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         return (self.engine.anchor,)
 
     def shard(self, *, backward: bool) -> torch.Tensor:
-        return self.engine.acquire(self.chunk, backward=backward)
+        return self.engine.acquire(self.group, backward=backward)
 
     def after_gather(self, *, backward: bool) -> None:
-        self.engine.computing(self.chunk)
+        self.engine.computing(self.group)
 
     def after_forward(self) -> None:
-        self.engine.forward_done(self.chunk)
+        self.engine.forward_done(self.group)
 
     def deliver(self, grad: torch.Tensor) -> tuple:
-        self.engine.add_grad(self.chunk, grad)
+        self.engine.add_grad(self.group, grad)
         return (None,)
 
 
 class ChunkRef:
-    """What the engine puts in each ``ShardedLeaf.source``: one per chunk, shared by its leaves."""
+    """What the engine puts in each ``ShardedLeaf.source``: one per group, shared by its leaves."""
 
-    def __init__(self, engine: Any, chunk: int):
+    def __init__(self, engine: Any, group: int):
         # a proxy: the engine holds its refs, so a strong reference back would be a cycle that
         # keeps every chunk's tensors alive until the garbage collector happens to run
-        self.engine, self.chunk = weakref.proxy(engine), chunk
+        self.engine, self.group = weakref.proxy(engine), group
 
     def for_layout(self, layout, axis: str) -> ChunkSource:
-        self.engine.check_layout(self.chunk, layout, axis)
-        return ChunkSource(self.engine, self.chunk, layout, axis)
+        self.engine.check_layout(self.group, layout, axis)
+        return ChunkSource(self.engine, self.group, layout, axis)
