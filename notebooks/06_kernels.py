@@ -104,8 +104,8 @@ with torch.no_grad():
     qlogits = model.apply(qparams, tokens)
 
 
-def nbytes(tree):
-    return sum(t.numel() * t.element_size() for t in cfx.tree.leaves(cfx._src.quant.quantized_as_leaves(tree)))
+def nbytes(tree):  # int8 weights and their scales count as leaves
+    return cfx.tree.tree_bytes(cfx._src.quant.quantized_as_leaves(tree))
 
 
 agree = (logits.argmax(-1) == qlogits.argmax(-1)).float().mean().item()

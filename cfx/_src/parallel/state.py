@@ -30,12 +30,21 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
 
 def tree_pmean(tree: Any, axis: str) -> Any:
     """``pmean`` of every floating leaf over ``axis`` as ONE flat all-reduce (bucketed DP sync)."""
+    return _flat_reduce(tree, axis, lax.pmean)
+
+
+def tree_psum(tree: Any, axis: str) -> Any:
+    """``psum`` of every floating leaf over ``axis`` as ONE flat all-reduce."""
+    return _flat_reduce(tree, axis, lax.psum)
+
+
+def _flat_reduce(tree: Any, axis: str, reduce) -> Any:
     items, treedef = tree_util.flatten(tree)
     floats = [i for i, x in enumerate(items) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not floats:
         return tree
     flat = torch.cat([items[i].reshape(-1).to(torch.float32) for i in floats])
-    flat = lax.pmean(flat, axis)
+    flat = reduce(flat, axis)
     out, offset = list(items), 0
     for i in floats:
         n = items[i].numel()

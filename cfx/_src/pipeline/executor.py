@@ -52,6 +52,7 @@ from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.models.common import IGNORE_INDEX, check_params
+from cfx._src.parallel.state import tree_psum
 from cfx._src.pipeline import trace as trace_lib
 from cfx._src.pipeline.backward import SplitBackward, full_backward
 from cfx._src.pipeline.partition import ModelParts, StagePlan, model_parts, partition
@@ -283,13 +284,7 @@ class _Run:
         axis = self.step.axis
         if not self.step.sum_grads:
             return lax.psum(self.loss, axis), grads
-        leaves, treedef = tree_util.flatten(grads)
-        flat = lax.psum(torch.cat([g.reshape(-1).float() for g in leaves] + [self.loss[None]]), axis)
-        out, offset = [], 0
-        for g in leaves:
-            out.append(flat[offset:offset + g.numel()].view_as(g).to(g.dtype))
-            offset += g.numel()
-        return flat[-1], tree_util.unflatten(treedef, out)
+        return tree_psum((self.loss, grads), axis)  # one flat all-reduce, the loss riding along
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
