@@ -13,15 +13,18 @@ from cfx._src.pipeline.api import pipeline
 from cfx._src.remat import remat
 from cfx._src.remat.engine import ActivationStats, activation_stats, checkpoint_name
 from cfx._src.reshard import Plan as ReshardPlan, reshard, reshard_plan
+from cfx._src.init_sharded import init_sharded
+from cfx._src.shapes import ShapeDtype, eval_shape
 from cfx._src.shard_map import shard_map
-from cfx._src.sharded import ShardedArray, device_put
+from cfx._src.sharded import ShardedArray, device_get, device_put
 from cfx._src.transforms import grad, jvp, value_and_grad, vmap
 from cfx._src.zero.api import zero
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ActivationStats", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShardedArray", "activation_stats", "amp", "checkpoint", "checkpoint_name", "checkpoint_policies",
-    "comm_stats", "device_put", "gemini", "grad", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
+    "ActivationStats", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShapeDtype", "ShardedArray", "activation_stats", "amp",
+    "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put", "eval_shape",
+    "gemini", "grad", "init_sharded", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
     "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap", "zero",
 ]

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from cfx._src import tree as tree_util
 from cfx._src.mesh.spec import P
 from cfx._src.shard_map import shard_map
+from cfx._src.sharded import device_get
 
 AXIS_NAMES = ("data", "model", "pipe")
 
@@ -82,6 +83,6 @@ def assert_matches_reference(per_rank_fn: Callable[..., Any], reference_fn: Call
     To check gradients, have both functions return them (e.g. ``cfx.grad`` inside the per-rank
     body with the collectives' transposes, ``cfx.grad`` of the single-device loss outside).
     """
-    sharded = shard_map(per_rank_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+    sharded = device_get(shard_map(per_rank_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args))
     expected = reference_fn(*args)
     tree_util.assert_tree_close(sharded, expected, rtol=rtol, atol=atol)

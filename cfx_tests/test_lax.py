@@ -52,7 +52,7 @@ def run(shape, fn, blocks):
             rank = mesh.rank_of({a: cfx.lax.axis_index(a) for a in all_axes})
             outs = fn(xb[0], rank)
             return tuple(o[None] for o in outs)
-        outs = cfx.shard_map(body, mesh=mesh, in_specs=P(all_axes), out_specs=P(all_axes))(x)
+        outs = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=P(all_axes), out_specs=P(all_axes))(x))
     return [tuple(o[r] for o in outs) for r in range(n)]
 
 
@@ -182,7 +182,7 @@ def test_axis_index_and_size_follow_requested_order():
         f = cfx.shard_map(lambda x: torch.tensor([[cfx.lax.axis_index(("b", "a")), cfx.lax.axis_size(("b", "a")),
                                                    cfx.lax.axis_index("a"), cfx.lax.axis_index("b")]]),
                           mesh=mesh, in_specs=P(), out_specs=P(("a", "b")))
-        out = f(torch.zeros(1))
+        out = cfx.device_get(f(torch.zeros(1)))
     for rank, (ba, size, a, b) in enumerate(out.tolist()):
         assert (a, b) == divmod(rank, 3) and size == 6 and ba == b * 2 + a
 
@@ -195,6 +195,6 @@ def test_bad_collective_arguments_raise_value_errors():
             (lambda x: cfx.lax.ppermute(x, "a", [(0, 1), (1, 1)]), "unique"),
         ]:
             with pytest.raises(ValueError, match=match):
-                cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(torch.zeros(3))
+                cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(torch.zeros(3)))
     with pytest.raises(ValueError, match="inside cfx.shard_map"):
         cfx.lax.psum(torch.zeros(1), "a")

@@ -52,9 +52,9 @@ def dp_tp(model, tx, mesh):
                                out_specs=(pspecs, sspecs, P()), check_rep=True)
     losses = []
     for t in data():
-        params, state, loss = train_step(params, state, t)
-        losses.append(loss)
-    return torch.stack(losses), params
+        params, state, loss = train_step(params, state, t)  # ShardedArrays: they stay sharded
+        losses.append(cfx.device_get(loss))
+    return torch.stack(losses), cfx.device_get(params)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -82,8 +82,8 @@ def test_tp_block_issues_megatrons_two_all_reduces_each_way():
         _, g = cfx.value_and_grad(lambda p, x: block.apply(p, x).pow(2).mean(), argnums=(0, 1))(p, x)
         return g[1]
     with cfx.Mesh({"model": 2}) as mesh, cfx.comm_stats() as stats:
-        gx = cfx.shard_map(body, mesh=mesh, in_specs=(rules.specs(model.axes()["blocks"][0]), P()),
-                           out_specs=P())(params["blocks"][0], x)
+        gx = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(rules.specs(model.axes()["blocks"][0]), P()),
+                           out_specs=P())(params["blocks"][0], x))
     for backward in (False, True):
         recs = stats.select(rank=0, backward=backward)
         assert [r.op for r in recs] == ["all_reduce", "all_reduce"]
@@ -97,7 +97,7 @@ def test_dp_gradient_sync_is_one_all_reduce_of_all_params():
     params = model.init(cfx.random.key(0))
     n_params = cfx.tree.tree_size(params)
     with cfx.Mesh({"data": 4}) as mesh, cfx.comm_stats() as stats:
-        cfx.shard_map(lambda p: tree_pmean(p, "data"), mesh=mesh, in_specs=P(), out_specs=P())(params)
+        cfx.device_get(cfx.shard_map(lambda p: tree_pmean(p, "data"), mesh=mesh, in_specs=P(), out_specs=P())(params))
     recs = stats.select(rank=0)
     assert len(recs) == 1 and recs[0].op == "all_reduce" and recs[0].nbytes == 4 * n_params
     # ring all-reduce moves 2 (N-1)/N of the payload per rank: 2 * Psi * (N-1)/N
@@ -121,8 +121,8 @@ def test_vocab_parallel_logits_are_shards_of_the_full_logits():
     tokens = cfx.random.randint(cfx.random.key(4), (2, T), 0, 64)
     rules = cfx.Rules(MEGATRON_RULES)
     with cfx.Mesh({"model": 2}) as mesh:
-        logits = cfx.shard_map(lambda p, t: tensor_parallel(model).apply(p, t), mesh=mesh,
-                               in_specs=(rules.specs(model.axes()), P()), out_specs=P(None, None, "model"))(params, tokens)
+        logits = cfx.device_get(cfx.shard_map(lambda p, t: tensor_parallel(model).apply(p, t), mesh=mesh,
+                               in_specs=(rules.specs(model.axes()), P()), out_specs=P(None, None, "model"))(params, tokens))
     torch.testing.assert_close(logits, model.apply(params, tokens))
 
 

@@ -31,8 +31,8 @@ def batch(seed=1, rows=B):
 
 
 def pipelined(step, mesh, params, x, y):
-    return cfx.shard_map(step, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
-                         check_rep=True)(params, x, y)
+    return cfx.device_get(cfx.shard_map(step, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
+                         check_rep=True)(params, x, y))
 
 
 def check_against_single_device(model, schedules, *, x, y, params=None):
@@ -73,8 +73,8 @@ def test_remat_blocks_and_contributions_psum_to_the_full_gradient():
     ref_loss, ref_grads = cfx.value_and_grad(lambda p: model.loss(p, x, y))(params)
     step = pipeline(model, pipeline.one_f_one_b(2, 2), sum_grads=False)
     with cfx.Mesh({"pipe": 2}) as mesh:
-        per_rank = cfx.shard_map(lambda *a: step(*a)[1], mesh=mesh, in_specs=(P(), P(), P()),
-                                 out_specs=P("pipe"))(params, x, y)  # dim 0 concatenated by rank
+        per_rank = cfx.device_get(cfx.shard_map(lambda *a: step(*a)[1], mesh=mesh, in_specs=(P(), P(), P()),
+                                 out_specs=P("pipe"))(params, x, y))  # dim 0 concatenated by rank
     halves = [cfx.tree.map(lambda g, r=r: g.chunk(2)[r] if g.dim() else g, per_rank) for r in (0, 1)]
     assert all(float(g.abs().sum()) == 0 for g in cfx.tree.leaves(halves[0]["blocks"][2:]))
     assert float(halves[1]["wpe"]["w"].abs().sum()) == 0  # rank 1 holds no position embedding
@@ -108,7 +108,8 @@ def test_dp_pp_tp_training_equals_single_device(name):
         p, s, losses = params, tx.init(params), []
         for d in data:
             p, s, loss = f(p, s, d)
-            losses.append(loss)
+            losses.append(cfx.device_get(loss))
+        p = cfx.device_get(p)
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
     cfx.tree.assert_tree_close(p, ref_p)
 
@@ -136,6 +137,7 @@ def test_five_adamw_steps_match_single_device():
         p, s = params, tx.init(params)
         for d in data:
             p, s = f(p, s, d)
+        p = cfx.device_get(p)
     cfx.tree.assert_tree_close(p, ref_p)
 
 
@@ -203,13 +205,13 @@ def test_bad_input_raises_on_every_rank_before_any_message():
                     return torch.ones(1)
                 return torch.zeros(1)
             with cfx.comm_stats() as stats:
-                flags = cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()),
-                                      out_specs=P(tuple(mesh.axis_names)))(params, x, y)
+                flags = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()),
+                                      out_specs=P(tuple(mesh.axis_names)))(params, x, y))
             assert flags.tolist() == [1.0] * mesh.size, message  # every rank raised
             assert stats.count() == 0, stats.table()              # before any message
             with pytest.raises(ValueError, match=message):        # and it surfaces as is
-                cfx.shard_map(lambda p, x, y: factory()(p, x, y), mesh=mesh,
-                              in_specs=(P(), P(), P()), out_specs=(P(), P()))(params, x, y)
+                cfx.device_get(cfx.shard_map(lambda p, x, y: factory()(p, x, y), mesh=mesh,
+                              in_specs=(P(), P(), P()), out_specs=(P(), P()))(params, x, y))
     with pytest.raises(ValueError, match="outside any mesh"):
         pipeline(model, pipeline.gpipe(1, 2))(params, x[:2], y[:2])
     with pytest.raises(pipeline.ScheduleError):

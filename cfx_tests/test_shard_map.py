@@ -48,10 +48,10 @@ def test_identity_round_trip_and_block_placement(data):
         sizes.append(n * data.draw(st.integers(1, 2)))
     x = torch.randn(sizes, generator=torch.Generator().manual_seed(0))
     with cfx.Mesh(shape) as mesh:
-        out = cfx.shard_map(lambda b: b * 1, mesh=mesh, in_specs=spec, out_specs=spec, check_rep=True)(x)
+        out = cfx.device_get(cfx.shard_map(lambda b: b * 1, mesh=mesh, in_specs=spec, out_specs=spec, check_rep=True)(x))
         # each rank sees exactly its block: sum of block sums over non-replica ranks equals the total
-        sums = cfx.shard_map(lambda b: b.sum()[None], mesh=mesh, in_specs=spec,
-                             out_specs=P(tuple(mesh.axis_names)))(x)
+        sums = cfx.device_get(cfx.shard_map(lambda b: b.sum()[None], mesh=mesh, in_specs=spec,
+                             out_specs=P(tuple(mesh.axis_names)))(x))
     torch.testing.assert_close(out, x)
     replicas = 1
     for a in shape:
@@ -67,8 +67,8 @@ def test_pytrees_of_specs_and_prefixes():
 
         def f(p, x):
             return {"y": x @ p["w"] + p["b"], "n": cfx.lax.psum(torch.tensor(x.shape[0]), "data")}
-        out = cfx.shard_map(f, mesh=mesh, in_specs=({"w": P(None, "model"), "b": P("model")}, P("data")),
-                            out_specs={"y": P("data", "model"), "n": P()}, check_rep=True)(params, batch)
+        out = cfx.device_get(cfx.shard_map(f, mesh=mesh, in_specs=({"w": P(None, "model"), "b": P("model")}, P("data")),
+                            out_specs={"y": P("data", "model"), "n": P()}, check_rep=True)(params, batch))
     torch.testing.assert_close(out["y"], batch @ params["w"] + params["b"])
     assert int(out["n"]) == 8
 
@@ -105,7 +105,7 @@ def test_structure_mismatch_names_the_path():
         with pytest.raises(ValueError, match="in_specs"):
             f({"w": torch.zeros(2), "bias": torch.zeros(2)})
         with pytest.raises(ValueError, match="2 arguments but 1 in_specs"):
-            cfx.shard_map(lambda a, b: a, mesh=mesh, in_specs=P(), out_specs=P())(torch.zeros(2), torch.zeros(2))
+            cfx.device_get(cfx.shard_map(lambda a, b: a, mesh=mesh, in_specs=P(), out_specs=P())(torch.zeros(2), torch.zeros(2)))
 
 
 def test_a_failing_rank_raises_its_traceback_fast_and_the_mesh_stays_usable():
@@ -116,11 +116,11 @@ def test_a_failing_rank_raises_its_traceback_fast_and_the_mesh_stays_usable():
             return cfx.lax.psum(x, "data")
         t0 = time.perf_counter()
         with pytest.raises(KeyError, match="bad batch") as e:
-            cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(3))
+            cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(3)))
         assert time.perf_counter() - t0 < 10  # far below the 30 s collective timeout
         notes = "\n".join(getattr(e.value, "__notes__", []))
         assert "rank 2 {'data': 2}" in notes and "in body" in notes
-        out = cfx.shard_map(lambda x: cfx.lax.psum(x, "data"), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(3))
+        out = cfx.device_get(cfx.shard_map(lambda x: cfx.lax.psum(x, "data"), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(3)))
         torch.testing.assert_close(out, torch.full((3,), 4.0))
 
 
@@ -129,13 +129,13 @@ def test_startup_is_fast_and_close_leaks_no_threads():
     t0 = time.perf_counter()
     mesh = cfx.Mesh({"data": 2, "model": 4})
     startup = time.perf_counter() - t0
-    out = cfx.shard_map(lambda x: cfx.lax.psum(x, ("data", "model")), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(1))
+    out = cfx.device_get(cfx.shard_map(lambda x: cfx.lax.psum(x, ("data", "model")), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(1)))
     assert float(out) == 8.0
     mesh.close()
     assert startup < 1.0
     assert threading.active_count() == before
     with pytest.raises(ValueError, match="closed"):
-        cfx.shard_map(lambda x: x, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(1))
+        cfx.device_get(cfx.shard_map(lambda x: x, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(1)))
 
 
 def test_comm_stats_counts_ops_bytes_and_phase():
@@ -146,7 +146,7 @@ def test_comm_stats_counts_ops_bytes_and_phase():
             (g,) = torch.autograd.grad(y.sum(), x)
             return g
         with cfx.comm_stats() as stats:
-            cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(5))
+            cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(5)))
     assert stats.count(op="all_reduce", axes="model", backward=False) == 4  # one per rank
     assert stats.count(op="all_reduce", axes="model", backward=True) == 4   # pvary's transpose
     assert stats.bytes(rank=0) == 2 * 5 * 4
@@ -158,6 +158,6 @@ def test_results_of_an_abandoned_call_are_discarded():
     with cfx.Mesh({"data": 2}) as mesh:
         for q in mesh.backend._inbox:
             q.put((-1, lambda rank: "stale"))
-        out = cfx.shard_map(lambda x: x + cfx.lax.axis_index("data"), mesh=mesh, in_specs=P(),
-                            out_specs=P("data"))(torch.zeros(1))
+        out = cfx.device_get(cfx.shard_map(lambda x: x + cfx.lax.axis_index("data"), mesh=mesh, in_specs=P(),
+                            out_specs=P("data"))(torch.zeros(1)))
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))

@@ -80,8 +80,8 @@ def zero_run(model, tx, batches, mesh, stage, *, micro=1, dtype=torch.float32, b
         return torch.stack(losses), p
 
     params = cast(model.init(cfx.random.key(0)), dtype)
-    return cfx.shard_map(body, mesh=mesh, in_specs=(pspecs, P(None, "data")),
-                         out_specs=(P(), pspecs))(params, batches)
+    return cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(pspecs, P(None, "data")),
+                         out_specs=(P(), pspecs))(params, batches))
 
 
 @pytest.mark.timeout(240)
@@ -205,7 +205,7 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(stage):
         return torch.tensor([float(kept)]), state.inner.scale.reshape(1)
 
     with cfx.Mesh({"data": 4}) as mesh:
-        kept, scales = cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=(P("data"), P("data")))(params)
+        kept, scales = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=(P("data"), P("data")))(params))
     assert kept.tolist() == [1.0] * 4  # the step was skipped on every rank
     assert scales.tolist() == [4.0] * 4  # and every rank backed the scale off
 
@@ -221,23 +221,23 @@ def test_errors_name_the_fix():
     params = {"w": torch.ones(4)}
     with cfx.Mesh({"data": 2}) as mesh:
         with pytest.raises(ValueError, match="batch"):
-            cfx.shard_map(lambda p: zero(cfx.optim.sgd(0.1), stage=1, axis="batch").init(p),
-                          mesh=mesh, in_specs=P(), out_specs=P())(params)
+            cfx.device_get(cfx.shard_map(lambda p: zero(cfx.optim.sgd(0.1), stage=1, axis="batch").init(p),
+                          mesh=mesh, in_specs=P(), out_specs=P())(params))
         with pytest.raises(ValueError, match="must be ZeroParams"):
-            cfx.shard_map(lambda p: zero(cfx.optim.sgd(0.1), stage=3, axis="data").init(p),
-                          mesh=mesh, in_specs=P(), out_specs=P())(params)
+            cfx.device_get(cfx.shard_map(lambda p: zero(cfx.optim.sgd(0.1), stage=3, axis="data").init(p),
+                          mesh=mesh, in_specs=P(), out_specs=P())(params))
     with cfx.Mesh({"data": 4}) as mesh4:
-        zp = cfx.shard_map(lambda p: zero.shard_params(p, axis="data"), mesh=mesh4, in_specs=P(),
-                           out_specs=P())(params)
+        zp = cfx.device_get(cfx.shard_map(lambda p: zero.shard_params(p, axis="data"), mesh=mesh4, in_specs=P(),
+                           out_specs=P())(params))
     with cfx.Mesh({"data": 2}) as mesh:
         with pytest.raises(ValueError, match="sharded over 4 ranks"):
-            cfx.shard_map(lambda p: zero(cfx.optim.sgd(0.1), stage=3, axis="data").init(p),
-                          mesh=mesh, in_specs=P(), out_specs=P())(zp)
+            cfx.device_get(cfx.shard_map(lambda p: zero(cfx.optim.sgd(0.1), stage=3, axis="data").init(p),
+                          mesh=mesh, in_specs=P(), out_specs=P())(zp))
 
 
 @pytest.mark.timeout(120)
 def test_state_specs_let_each_step_be_its_own_shard_map():
-    # the CLI's shape: params and ZeRO state leave shard_map between steps as global arrays
+    # the CLI's shape: params and ZeRO state stay ShardedArrays between steps
     model, batches = gpt2(), data(3)
     tx = cfx.optim.chain(cfx.optim.clip_by_global_norm(0.1), cfx.optim.sgd(0.3, momentum=0.9))
     ref_losses, ref_params = single_device(model, tx, batches)
@@ -265,10 +265,11 @@ def test_state_specs_let_each_step_be_its_own_shard_map():
             losses = []
             for t in batches:
                 params, state, loss = train_step(params, state, t)
-                losses.append(loss)
+                losses.append(cfx.device_get(loss))
             if stage == 3:
                 params = cfx.shard_map(lambda p: zero.gather_params(p, axis="data"), mesh=mesh,
                                        in_specs=(zspecs,), out_specs=pspecs)(params)
+            params = cfx.device_get(params)
             torch.testing.assert_close(torch.stack(losses), ref_losses)
             cfx.tree.assert_tree_close(params, ref_params)
 
@@ -295,8 +296,8 @@ def test_gathered_inside_remat():
         return torch.stack(losses), zero.gather_params(p, axis="data"), stats.count(op="all_gather", backward=True)
 
     with cfx.Mesh({"data": 2}) as mesh:
-        losses, params, regathers = cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")),
-                                                  out_specs=(P(), P(), P()))(model.init(cfx.random.key(0)), batches)
+        losses, params, regathers = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")),
+                                                  out_specs=(P(), P(), P()))(model.init(cfx.random.key(0)), batches))
     torch.testing.assert_close(losses, ref_losses)
     cfx.tree.assert_tree_close(params, ref_params)
     assert regathers == 1 + 2 * 2  # the root once; each block for the recomputation and its saved weights

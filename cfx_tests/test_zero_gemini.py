@@ -56,12 +56,12 @@ def test_every_policy_gives_stage3_params_bit_for_bit(tmp_path):
                   "auto": zero.offload(cfx.gemini.auto(1 << 30)),
                   "nvme": zero.offload(cfx.gemini.host(), nvme_dir=tmp_path / "nvme")}
     with cfx.Mesh({"data": 2}) as mesh:
-        ref_losses, ref_params = cfx.shard_map(functional(model, tx), mesh=mesh, in_specs=(P(), P(None, "data")),
-                                               out_specs=(P("data"), P()))(params, batches)
+        ref_losses, ref_params = cfx.device_get(cfx.shard_map(functional(model, tx), mesh=mesh, in_specs=(P(), P(None, "data")),
+                                               out_specs=(P("data"), P()))(params, batches))
         for name, placement in placements.items():
-            losses, got, _ = cfx.shard_map(with_engine(model, tx, placement), mesh=mesh,
+            losses, got, _ = cfx.device_get(cfx.shard_map(with_engine(model, tx, placement), mesh=mesh,
                                            in_specs=(P(), P(None, "data")),
-                                           out_specs=(P("data"), P(), P()))(params, batches)
+                                           out_specs=(P("data"), P(), P()))(params, batches))
             assert torch.equal(losses, ref_losses), name
             for a, b in zip(cfx.tree.leaves(got), cfx.tree.leaves(ref_params)):
                 assert torch.equal(a, b), name
@@ -74,8 +74,8 @@ def test_auto_keeps_the_tracked_device_peak_under_the_budget():
     params = gpt2().init(cfx.random.key(0))
     with cfx.Mesh({"data": 2}) as mesh:
         # measure the warm-up once to place the budget between "one layer at a time" and "all"
-        _, _, eng = cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.auto(1 << 30))), mesh=mesh,
-                                  in_specs=(P(), P(None, "data")), out_specs=(P("data"), P(), P()))(params, data(1))
+        _, _, eng = cfx.device_get(cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.auto(1 << 30))), mesh=mesh,
+                                  in_specs=(P(), P(None, "data")), out_specs=(P("data"), P(), P()))(params, data(1)))
         rec = eng.record
         least = max(rec.chunk_bytes[a[0]] + nm for a, nm in zip(rec.accesses, rec.non_model_bytes))
         most = max(rec.non_model_bytes) + sum(rec.chunk_bytes)
@@ -83,14 +83,14 @@ def test_auto_keeps_the_tracked_device_peak_under_the_budget():
         assert least < budget < most
         auto = zero.offload(cfx.gemini.auto(budget))
         with cfx.memory.track() as mem:
-            _, params_auto, eng = cfx.shard_map(with_engine(model, tx, auto, track=mem), mesh=mesh,
+            _, params_auto, eng = cfx.device_get(cfx.shard_map(with_engine(model, tx, auto, track=mem), mesh=mesh,
                                                 in_specs=(P(), P(None, "data")),
-                                                out_specs=(P("data"), P(), P()))(params, batches)
+                                                out_specs=(P("data"), P(), P()))(params, batches))
         assert 0 < mem.peak("device") <= budget
         assert eng.traffic["host->device"] > STEPS * sum(rec.chunk_bytes)  # it did evict and re-fetch
-        _, params_dev, _ = cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.device())), mesh=mesh,
+        _, params_dev, _ = cfx.device_get(cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.device())), mesh=mesh,
                                          in_specs=(P(), P(None, "data")),
-                                         out_specs=(P("data"), P(), P()))(params, batches)
+                                         out_specs=(P("data"), P(), P()))(params, batches))
     for a, b in zip(cfx.tree.leaves(params_auto), cfx.tree.leaves(params_dev)):
         assert torch.equal(a, b)
 
@@ -100,10 +100,10 @@ def test_gradient_accumulation_in_the_engine_matches_stage3():
     model, tx = gathered_model(gpt2()), cfx.optim.sgd(0.3, momentum=0.9)
     params, batches = gpt2().init(cfx.random.key(0)), data(2)
     with cfx.Mesh({"data": 2}) as mesh:
-        _, ref, _ = cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.device())), mesh=mesh,
-                                  in_specs=(P(), P(None, "data")), out_specs=(P("data"), P(), P()))(params, batches)
-        _, got, _ = cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.host()), micro=2), mesh=mesh,
-                                  in_specs=(P(), P(None, "data")), out_specs=(P("data"), P(), P()))(params, batches)
+        _, ref, _ = cfx.device_get(cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.device())), mesh=mesh,
+                                  in_specs=(P(), P(None, "data")), out_specs=(P("data"), P(), P()))(params, batches))
+        _, got, _ = cfx.device_get(cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.host()), micro=2), mesh=mesh,
+                                  in_specs=(P(), P(None, "data")), out_specs=(P("data"), P(), P()))(params, batches))
     cfx.tree.assert_tree_close(got, ref)
 
 
@@ -124,11 +124,11 @@ def test_budget_below_one_layer_raises_on_every_rank_before_any_collective():
         return torch.tensor([float(ok)])
 
     with cfx.Mesh({"data": 2}) as mesh:
-        assert cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(params).tolist() == [1.0, 1.0]
+        assert cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(params)).tolist() == [1.0, 1.0]
         with pytest.raises(ValueError, match=r"needs at least \d+ bytes of device memory for chunk \d+ \(groups"):
-            cfx.shard_map(lambda p: zero.GeminiEngine(model, zero.shard_params(p, axis="data"), cfx.optim.sgd(0.1),
+            cfx.device_get(cfx.shard_map(lambda p: zero.GeminiEngine(model, zero.shard_params(p, axis="data"), cfx.optim.sgd(0.1),
                                                       axis="data", offload=zero.offload(cfx.gemini.auto(10_000))),
-                          mesh=mesh, in_specs=P(), out_specs=P())(params)
+                          mesh=mesh, in_specs=P(), out_specs=P())(params))
 
 
 def _waste(numels, size):
@@ -166,7 +166,7 @@ def test_chunk_size_is_the_least_waste_size_and_chunks_are_equal(tmp_path):
         return torch.ones(1)
 
     with cfx.Mesh({"data": 2}) as mesh:
-        assert cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(params).tolist() == [1.0, 1.0]
+        assert cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(params)).tolist() == [1.0, 1.0]
 
 
 def test_unwritable_nvme_dir_raises_before_training():

@@ -50,7 +50,7 @@ def measured_step(stage, n, dtype, probe):
 
     params = cfx.tree.map(lambda x: x.to(dtype), model.init(cfx.random.key(0)))
     with cfx.Mesh({"data": n}) as mesh:
-        return cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")), out_specs=P())(params, batches)
+        return cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")), out_specs=P())(params, batches))
 
 
 def counts(n):

@@ -57,8 +57,8 @@ def one_step(stage, mem):
         return torch.tensor([held]), torch.tensor([moved])
 
     with cfx.Mesh({"data": N}) as mesh:
-        return cfx.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data")))(
-            params, tokens)
+        return cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data")))(
+            params, tokens))
 
 
 formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / N, 2: 2 * psi + 14 * psi / N, 3: 16 * psi / N}
@@ -113,8 +113,8 @@ def train(placement, track=None):
             eng.update()
         return torch.cat(losses), eng
     with cfx.Mesh({"data": 2}) as mesh:
-        return cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")), out_specs=(P("data"), P()))(
-            bparams, batch)
+        return cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")), out_specs=(P("data"), P()))(
+            bparams, batch))
 
 
 _, warm = train(cfx.zero.offload(cfx.gemini.auto(1 << 30)))

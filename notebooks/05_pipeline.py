@@ -111,8 +111,8 @@ ref_loss, ref_grads = cfx.value_and_grad(model.loss)(params, x, y)
 sched = pp.one_f_one_b(2, 4)
 print(pp.partition(model, 2))
 with cfx.Mesh({"pipe": 2}, backend="local") as mesh, pp.trace() as tr:
-    loss, grads = cfx.shard_map(pp(model, sched), mesh=mesh, in_specs=(P(), P(), P()),
-                                out_specs=(P(), P()))(params, x, y)
+    loss, grads = cfx.device_get(cfx.shard_map(pp(model, sched), mesh=mesh, in_specs=(P(), P(), P()),
+                                out_specs=(P(), P()))(params, x, y))
 torch.testing.assert_close(loss, ref_loss)
 cfx.tree.assert_tree_close(grads, ref_grads)
 print("loss", float(loss), "= single device", float(ref_loss))

@@ -81,11 +81,12 @@ def load(path: str | os.PathLike, like: Any) -> tuple[Any, dict[str, Any]]:
         leaves = []
         for (p, ref), key in zip(items, wanted):
             t = f.get_tensor(key)
-            if isinstance(ref, torch.Tensor):
-                if t.shape != ref.shape or t.dtype != ref.dtype:
+            if hasattr(ref, "shape") and hasattr(ref, "dtype"):  # a tensor or a ShapeDtype (eval_shape)
+                if t.shape != tuple(ref.shape) or t.dtype != ref.dtype:
                     raise ValueError(f"cfx.checkpoint.load: leaf {key!r} is {t.dtype} {tuple(t.shape)} in the "
                                      f"checkpoint but {ref.dtype} {tuple(ref.shape)} in the template.")
-                t = t.to(ref.device)
+                if isinstance(ref, torch.Tensor):
+                    t = t.to(ref.device)
             leaves.append(t)
         meta = json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
     return tree_util.unflatten(treedef, leaves), meta

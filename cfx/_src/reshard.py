@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cfx._src.lax import collectives as lax
+from cfx._src.lax import comm
 from cfx._src.mesh.spec import P
 
 Layout = tuple[tuple[tuple[str, ...], ...], frozenset]
@@ -137,41 +137,77 @@ def plan(src: P, dst: P, shape: tuple[int, ...], mesh, *, itemsize: int = 4,
                      f"{shape} on {mesh!r} (a dimension is not divisible by its axes?).")
 
 
-def _run_step(x: torch.Tensor, s: Step) -> torch.Tensor:
+class _Relayout(torch.autograd.Function):
+    """One step of a layout change on a rank's block. Its transpose is the inverse step on the
+    cotangent (a global value's cotangent is laid out like it): not the transpose of the
+    ``cfx.lax`` collective it uses, whose result is typed as varying per rank."""
+
+    @staticmethod
+    def forward(ctx, x, step, ax):
+        ctx.step, ctx.ax = step, ax
+        return _apply(x, step, ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        s, ax = ctx.step, ctx.ax
+        if s.op == "split":                      # slice <- all-gather
+            out = torch.cat(comm.all_gather_blocks(g, ax), s.dim)
+        elif s.op == "all_gather":               # all-gather <- this rank's slice
+            out = g.chunk(ax.size, s.dim)[ax.index].contiguous()
+        elif s.op == "all_to_all":               # all-to-all <- all-to-all back
+            out = torch.cat(comm.all_to_all_blocks(g.chunk(ax.size, s.dim), ax), s.to_dim)
+        elif s.op == "psum":                     # reduce partial sums <- the same cotangent everywhere
+            out = g
+        else:                                    # psum_scatter <- all-gather
+            out = torch.cat(comm.all_gather_blocks(g, ax), s.dim)
+        return out, None, None
+
+
+def _apply(x: torch.Tensor, s: Step, ax: comm.Axes) -> torch.Tensor:
     if s.op == "split":
-        return x.chunk(lax.axis_size(s.axis), s.dim)[lax.axis_index(s.axis)].contiguous()
+        return x.chunk(ax.size, s.dim)[ax.index].contiguous()
     if s.op == "all_gather":
-        return lax.all_gather(x, s.axis, dim=s.dim, tiled=True)
+        return torch.cat(comm.all_gather_blocks(x, ax), s.dim)
     if s.op == "all_to_all":
-        return lax.all_to_all(x, s.axis, split_dim=s.to_dim, concat_dim=s.dim)
+        return torch.cat(comm.all_to_all_blocks(x.chunk(ax.size, s.to_dim), ax), s.dim)
     if s.op == "psum":
-        return lax.psum(x, s.axis)
+        return comm.all_reduce(x, ax, "sum")
     if s.op == "psum_scatter":
-        return lax.psum_scatter(x, s.axis, dim=s.dim, tiled=True)
+        return comm.reduce_scatter_blocks(x.chunk(ax.size, s.dim), ax)
     raise AssertionError(s.op)
 
 
-def reshard(arr: Any, spec: P):
-    """``arr`` (a ShardedArray) laid out by ``spec``, moved by the cheapest plan (``reshard_plan``)."""
-    from cfx._src.sharded import ShardedArray
-    from cfx._src.shard_map import check_spec
+def run_steps(x: torch.Tensor, steps: tuple[Step, ...]) -> torch.Tensor:
+    """A rank's block moved through ``steps`` (inside a rank; differentiable)."""
+    for s in steps:
+        ax = comm.Axes((s.axis,), "cfx.reshard")
+        x = _Relayout.apply(x, s, ax) if x.requires_grad and torch.is_grad_enabled() else _apply(x, s, ax)
+    return x
 
+
+def reshard(arr: Any, spec: P):
+    """``arr`` (a ShardedArray) laid out by ``spec``, moved by the cheapest plan (``reshard_plan``).
+
+    Differentiable; runs as a ``shard_map`` of the identity, whose input conversion is this plan.
+    """
+    from cfx._src.shard_map import shard_map
+    from cfx._src.sharded import ShardedArray
+
+    if not isinstance(arr, ShardedArray):
+        raise ValueError(f"cfx.reshard: expected a ShardedArray (from cfx.device_put or shard_map), got "
+                         f"{type(arr).__name__}.")
     if not isinstance(spec, P):
         raise ValueError(f"cfx.reshard: spec must be a cfx.P, got {spec!r}.")
-    check_spec("<array>", arr.shape, spec, arr.mesh, "cfx.reshard")
-    p = reshard_plan(arr, spec)
-    mesh = arr.mesh
+    return shard_map(_identity, mesh=arr.mesh, in_specs=spec, out_specs=spec)(arr)
 
-    def on_rank(rank: int):
-        x = arr.blocks[rank]
-        for s in p.steps:
-            x = _run_step(x, s)
-        return x
-    outs = mesh.run(on_rank)
-    return ShardedArray(arr.shape, spec, mesh, {r: outs[r] for r in mesh.local_ranks})
+
+def _identity(x):
+    return x
+
+
+def same_layout(a: P, b: P, ndim: int) -> bool:
+    return _layout(a, ndim) == _layout(b, ndim)
 
 
 def reshard_plan(arr: Any, spec: P) -> Plan:
-    return plan(arr.spec, spec, arr.shape, arr.mesh, itemsize=arr.dtype.itemsize
-                if hasattr(arr.dtype, "itemsize") else torch.empty((), dtype=arr.dtype).element_size(),
-                partial=arr.partial)
+    return plan(arr.spec, spec, arr.shape, arr.mesh, itemsize=arr.element_size(), partial=arr.partial)

@@ -1,25 +1,51 @@
 """``shard_map``: run a function once per rank on local blocks, with JAX's semantics.
 
 ``in_specs`` / ``out_specs`` are pytree prefixes of the arguments / outputs whose leaves are
-``P`` specs. Each rank's block of a global input is its slice along every split dimension; an
-output dimension split over axes is concatenated from the ranks in axis order, and a mesh axis
-absent from an output's spec asserts the output is replicated along it (``check_rep=True``
-verifies that). All validation happens before any rank starts, so a bad spec is a ValueError
-naming the leaf path and the mesh, never a hang.
+``P`` specs. Arguments may be:
 
-Inside ``f``, differentiate with ``cfx.grad`` (each rank's backward issues the collectives'
-transposes); gradients do not flow from the caller through ``shard_map`` itself.
+* ``ShardedArray`` s: a block whose spec already equals the in_spec is handed to the body as is
+  (no copy); another layout is converted inside each rank by ``reshard``'s planned collectives
+  (never by gathering the global value);
+* global ``torch.Tensor`` s (a notebook's convenience): each rank gets a copy of its slice;
+* anything else (ints, strings, None) with spec ``P()``: passed through.
+
+Every tensor output comes back as a ``ShardedArray`` with its out_spec, each process keeping the
+blocks of its own ranks: nothing is gathered, pickled or assembled. A mesh axis absent from an
+out_spec asserts the output is replicated along it (``check_rep=True`` verifies it where this
+process holds the replicas). All validation happens before any rank starts, so a bad spec is a
+ValueError naming the leaf path, the mesh and the fix, never a hang.
+
+Differentiation. ``cfx.grad`` of a function that calls ``shard_map`` differentiates through it
+(JAX's ``check_vma=True`` semantics): the body runs with varying-axes tracking that implicitly
+``pvary``s invariant values where they meet varying ones, each rank's backward runs in that rank
+(the collectives' transposes pair up), and gradients come back laid out like the inputs
+(``sharded_ad``). Inside a body nobody differentiates from outside, ``cfx.grad`` gives each
+rank's partial gradients, to be reduced explicitly (``tree_pmean``), which lets data
+parallelism bucket its all-reduce.
+
+``donate_argnums``: those arguments' ShardedArrays are given up to the call (JAX's donation).
+Each output block takes over the storage of a donated input block with the same shape, dtype
+and spec (written in place), and the donated arrays are marked deleted: touching one raises.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
 
+from cfx._src import layout
 from cfx._src import tree as tree_util
+from cfx._src.lax import vma
 from cfx._src.mesh.spec import P, is_spec
+from cfx._src.reshard import plan as reshard_plan, run_steps, same_layout
+from cfx._src.sharded import ShardedArray, same_layout_mesh
+
+# Re-exported for callers that validate or slice by spec.
+check_spec = layout.check_spec
+block_of = layout.block_of
 
 
 def _broadcast_specs(specs: Any, tree: Any, what: str, mesh) -> list[tuple[str, Any, P]]:
@@ -44,108 +70,283 @@ def _broadcast_specs(specs: Any, tree: Any, what: str, mesh) -> list[tuple[str, 
     return out
 
 
-def check_spec(path: str, shape: tuple[int, ...], spec: P, mesh, where: str, *, block: bool = False) -> None:
-    """ValueError naming the path, the mesh and the fix unless ``spec`` can split ``shape``."""
-    label = f"{where}: leaf {path or '<root>'!r} with shape {tuple(shape)} and spec {spec!r} on {mesh!r}"
-    if len(spec) > len(shape):
-        raise ValueError(f"{label}: the spec has {len(spec)} entries but the leaf only {len(shape)} "
-                         "dimensions; drop the extra entries.")
-    used: list[str] = []
-    for dim in range(len(spec)):
-        axes = spec.axes_of(dim)
-        for a in axes:
-            if a not in mesh.shape:
-                raise ValueError(f"{label}: unknown mesh axis {a!r}; the mesh has axes "
-                                 f"{list(mesh.axis_names)}. Fix the spec or the mesh.")
-        used.extend(axes)
-        n = mesh.axes_size(axes)
-        if not block and shape[dim] % n:
-            raise ValueError(f"{label}: dimension {dim} has size {shape[dim]}, not divisible by {n} "
-                             f"(the size of {'x'.join(axes)}). Pad the dimension or split it over "
-                             "other axes.")
-    dup = sorted({a for a in used if used.count(a) > 1})
-    if dup:
-        raise ValueError(f"{label}: mesh axis {dup[0]!r} is used twice in one spec; each axis may "
-                         "split at most one dimension.")
+class _Input:
+    """One argument leaf and how each rank gets its block of it."""
+
+    __slots__ = ("path", "leaf", "spec", "kind", "steps", "diff")
+
+    def __init__(self, path: str, leaf: Any, spec: P, mesh):
+        self.path, self.leaf, self.spec, self.steps, self.diff = path, leaf, spec, (), False
+        if isinstance(leaf, ShardedArray):
+            self.kind = "array"
+            if not same_layout_mesh(leaf.mesh, mesh):
+                raise ValueError(f"shard_map: in_specs leaf {path!r} is a ShardedArray on {leaf.mesh!r}, but "
+                                 f"this call runs on {mesh!r}. Move it with cfx.device_put(cfx.device_get(x), "
+                                 "mesh, spec), or build it on this mesh.")
+            if leaf.is_deleted():
+                raise ValueError(f"shard_map: in_specs leaf {path!r} is a ShardedArray that was {leaf._deleted}; "
+                                 "pass the output of the call that took it instead.")
+            layout.check_spec(path, leaf.shape, spec, mesh, "shard_map in_specs")
+            if leaf.partial or not same_layout(leaf.spec, spec, len(leaf.shape)):
+                try:
+                    self.steps = reshard_plan(leaf.spec, spec, leaf.shape, mesh, itemsize=leaf.element_size(),
+                                              partial=leaf.partial).steps
+                except ValueError as e:
+                    raise ValueError(f"shard_map: in_specs leaf {path!r}: {e} Give the array a spec that "
+                                     "divides its shape, or reshard it first.") from None
+            self.diff = leaf.requires_grad
+        elif isinstance(leaf, torch.Tensor):
+            self.kind = "tensor"
+            layout.check_spec(path, tuple(leaf.shape), spec, mesh, "shard_map in_specs")
+            self.diff = leaf.requires_grad
+        else:
+            self.kind = "static"
+            if len(spec):
+                raise ValueError(f"shard_map: in_specs leaf {path!r} is a {type(leaf).__name__}, which cannot "
+                                 "be split; give it P().")
+
+    def block(self, rank: int, mesh, differentiable: bool) -> tuple[Any, torch.Tensor | None]:
+        """``(the body's value, the per-rank leaf to differentiate or None)`` on ``rank``."""
+        if self.kind == "static":
+            return self.leaf, None
+        proxy = None
+        if self.kind == "array":
+            x = self.leaf.blocks[rank].detach()  # a new tensor object over the same storage
+            if differentiable and self.diff:
+                x = proxy = x.requires_grad_(True)
+            if self.steps:
+                x = run_steps(x, self.steps)
+        else:
+            x = layout.block_of(self.leaf.detach(), self.spec, mesh, mesh.coords(rank)).clone()
+            if differentiable and self.diff:
+                proxy = x.requires_grad_(True)
+        return vma.mark(x, self.spec.all_axes()) if isinstance(x, torch.Tensor) else x, proxy
 
 
-def block_of(x: torch.Tensor, spec: P, mesh, coords: dict) -> torch.Tensor:
-    """The slice of global ``x`` that the rank at ``coords`` holds under ``spec``."""
-    for dim in range(len(spec)):
-        axes = spec.axes_of(dim)
-        if axes:
-            n = mesh.axes_size(axes)
-            size = x.shape[dim] // n
-            x = x.narrow(dim, mesh.index_in(axes, coords) * size, size)
-    return x
+class _Call:
+    """One call of a shard_mapped function: validated inputs, per-rank runs, outputs."""
 
-
-def assemble(blocks: list[Any], spec: P, mesh, path: str, *, check_rep: bool) -> Any:
-    """The global value from every rank's block (``blocks[rank]``) under ``spec``."""
-    first = blocks[0]
-    spec_axes = set(spec.all_axes())
-    if not isinstance(first, torch.Tensor):
-        if check_rep and any(b != first for b in blocks):
-            raise ValueError(f"shard_map: output {path or '<root>'!r} differs across ranks but its "
-                             f"out_spec {spec!r} says it is replicated on {mesh!r}.")
-        return first
-    check_spec(path, tuple(first.shape), spec, mesh, "shard_map out_specs", block=True)
-    shape = list(first.shape)
-    for dim in range(len(spec)):
-        shape[dim] *= mesh.axes_size(spec.axes_of(dim))
-    out = torch.empty(shape, dtype=first.dtype, device=first.device)
-    with torch.no_grad():
-        for rank, b in enumerate(blocks):
-            coords = mesh.coords(rank)
-            if any(coords[a] for a in mesh.axis_names if a not in spec_axes):
-                if check_rep:
-                    rep = dict(coords, **{a: 0 for a in mesh.axis_names if a not in spec_axes})
-                    if not torch.equal(b, blocks[mesh.rank_of(rep)]):
-                        raise ValueError(
-                            f"shard_map: output {path or '<root>'!r} differs between rank {rank} "
-                            f"{coords} and its replica on {mesh!r}, but out_spec {spec!r} leaves "
-                            f"axes {[a for a in mesh.axis_names if a not in spec_axes]} out (= "
-                            "replicated). Reduce it (psum/pmean) or name the axis in the spec.")
-                continue
-            block_of(out, spec, mesh, coords).copy_(b)
-    return out
-
-
-def shard_map(f: Callable[..., Any], *, mesh, in_specs: Any, out_specs: Any,
-              check_rep: bool = False) -> Callable[..., Any]:
-    """``f`` run per rank of ``mesh`` on blocks of its arguments; see the module docstring."""
-
-    @functools.wraps(f)
-    def wrapped(*args):
+    def __init__(self, f, mesh, in_specs, out_specs, check_rep: bool, donate: Sequence[int], args: tuple,
+                 check_vma: bool = False):
+        self.f, self.mesh, self.out_specs, self.check_rep = f, mesh, out_specs, check_rep
         specs = in_specs if isinstance(in_specs, tuple) and not is_spec(in_specs) else (in_specs,)
         if len(specs) != len(args):
             raise ValueError(f"shard_map: got {len(args)} arguments but {len(specs)} in_specs on "
                              f"{mesh!r}; give one spec (or spec pytree) per positional argument.")
-        items = _broadcast_specs(tuple(specs), tuple(args), "in_specs", mesh)
-        for path, leaf, spec in items:
-            if isinstance(leaf, torch.Tensor):
-                check_spec(path, tuple(leaf.shape), spec, mesh, "shard_map in_specs")
-            elif len(spec):
-                raise ValueError(f"shard_map: in_specs leaf {path!r} is a {type(leaf).__name__}, which "
-                                 "cannot be split; give it P().")
-        _, treedef = tree_util.flatten(tuple(args))
+        self.inputs = [_Input(p, x, s, mesh) for p, x, s in _broadcast_specs(tuple(specs), tuple(args),
+                                                                              "in_specs", mesh)]
+        self.treedef = tree_util.structure(tuple(args))
+        self.grad_mode = torch.is_grad_enabled()  # the caller's; rank threads have their own
+        self.differentiable = self.grad_mode and any(i.diff for i in self.inputs)
+        self.track = check_vma or self.differentiable
+        self.donated = self._donated(donate, args)
+        self.proxies: dict[int, list] = {}
+        self.outs: dict[int, list] = {}
+
+    def _donated(self, donate: Sequence[int], args: tuple) -> list[ShardedArray]:
+        out = []
+        for n in donate:
+            if not -len(args) <= n < len(args):
+                raise ValueError(f"shard_map: donate_argnums={tuple(donate)!r} but the call has {len(args)} "
+                                 "arguments.")
+            out += [x for x in tree_util.leaves(args[n]) if isinstance(x, ShardedArray)]
+        if out and self.differentiable:
+            raise ValueError("shard_map: donated arguments cannot be differentiated through (their buffers "
+                             "are overwritten); drop donate_argnums under cfx.grad.")
+        return out
+
+    # -- forward -------------------------------------------------------------------------------
+    def on_rank(self, rank: int):
+        mesh = self.mesh
+        with torch.set_grad_enabled(self.grad_mode):
+            leaves, proxies = [], []
+            for inp in self.inputs:
+                x, proxy = inp.block(rank, mesh, self.differentiable)
+                leaves.append(x)
+                if inp.diff and self.differentiable:
+                    proxies.append(proxy)
+            with vma.tracking(insert=self.differentiable) if self.track else contextlib.nullcontext():
+                out = self.f(*tree_util.unflatten(self.treedef, leaves))
+        flat, treedef = tree_util.flatten(out)
+        if self.differentiable:
+            self.proxies[rank], self.outs[rank] = proxies, flat
+            flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+        elif self.donated:
+            flat = self._write_into_donated(rank, flat, treedef)
+        else:
+            flat = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in flat]
+        return treedef, flat
+
+    def _write_into_donated(self, rank: int, flat: list, treedef) -> list:
+        """Each output block written into a free donated block of its shape, dtype and spec."""
+        specs = [s for _, _, s in _broadcast_specs(self.out_specs, tree_util.unflatten(treedef, flat),
+                                                   "out_specs", self.mesh)]
+        free = [a for a in self.donated]
+        out = []
+        with torch.no_grad():
+            for x, spec in zip(flat, specs):
+                if isinstance(x, torch.Tensor):
+                    x = x.detach()
+                    for i, a in enumerate(free):
+                        b = a._blocks[rank]
+                        if b.shape == x.shape and b.dtype == x.dtype and same_layout(a.spec, spec, x.dim()) \
+                                and not a.partial:
+                            if b.data_ptr() != x.data_ptr():
+                                b.copy_(x)
+                            x = b
+                            del free[i]
+                            break
+                out.append(x)
+        return out
+
+    def run(self):
+        results = self.mesh.run(self.on_rank)
+        ranks = sorted(results)
+        treedef = results[ranks[0]][0]
+        for r in ranks[1:]:
+            if results[r][0] != treedef:
+                raise ValueError(f"shard_map: rank {r} returned a different pytree structure than rank "
+                                 f"{ranks[0]} on {self.mesh!r}; every rank must return the same structure.")
+        first = tree_util.unflatten(treedef, results[ranks[0]][1])
+        items = _broadcast_specs(self.out_specs, first, "out_specs", self.mesh)
+        outs = []
+        for i, (path, leaf, spec) in enumerate(items):
+            blocks = {r: results[r][1][i] for r in ranks}
+            outs.append(self._output(path, leaf, spec, blocks))
+        for a in self.donated:
+            a.delete(f"donated to {getattr(self.f, '__name__', 'a shard_map call')}")
+        self.results_treedef = treedef
+        return outs
+
+    def _output(self, path: str, leaf: Any, spec: P, blocks: dict[int, Any]) -> Any:
+        mesh = self.mesh
+        if not isinstance(leaf, torch.Tensor):
+            if self.check_rep and any(b != leaf for b in blocks.values()):
+                raise ValueError(f"shard_map: output {path or '<root>'!r} differs across ranks but its "
+                                 f"out_spec {spec!r} says it is replicated on {mesh!r}.")
+            return leaf
+        layout.check_spec(path, tuple(leaf.shape), spec, mesh, "shard_map out_specs", block=True)
+        for r, b in blocks.items():
+            if not isinstance(b, torch.Tensor) or b.shape != leaf.shape or b.dtype != leaf.dtype:
+                got = f"shape {tuple(b.shape)} {b.dtype}" if isinstance(b, torch.Tensor) else type(b).__name__
+                raise ValueError(f"shard_map: output {path or '<root>'!r} is {got} on rank {r} but shape "
+                                 f"{tuple(leaf.shape)} {leaf.dtype} on another rank of {mesh!r}; every rank "
+                                 "must return blocks of one shape and dtype.")
+        if self.check_rep and len(blocks) == mesh.size:
+            for r in blocks:
+                if not layout.is_primary(spec, mesh, mesh.coords(r)):
+                    layout.check_replica(blocks, r, spec, mesh, path)
+        return ShardedArray(layout.global_shape(leaf.shape, spec, mesh), spec, mesh, blocks)
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, cells: list) -> list:
+        """Per-rank backward from the outputs' cotangent cells; returns one gradient per
+        differentiable input: global tensors' gradients, None for ShardedArrays (whose blocks go
+        to their cells)."""
+        from cfx._src import sharded_ad
+        mesh = self.mesh
+        cts = [None if c is None else c.take() for c in cells]
+        diff_inputs = [inp for inp in self.inputs if inp.diff]
 
         def on_rank(rank: int):
-            coords = mesh.coords(rank)
-            leaves = [block_of(x.detach(), spec, mesh, coords).clone() if isinstance(x, torch.Tensor) else x
-                      for _, x, spec in items]
-            return f(*tree_util.unflatten(treedef, leaves))
+            outs, grads_out = [], []
+            for o, ct in zip(self.outs[rank], cts):
+                if ct is not None and isinstance(o, torch.Tensor) and o.requires_grad:
+                    outs.append(o)
+                    grads_out.append(ct[rank])
+            proxies = self.proxies[rank]
+            if not outs:
+                return [None] * len(proxies)
+            return list(torch.autograd.grad(outs, proxies, grads_out, allow_unused=True))
 
-        outs = mesh.run(on_rank)
-        ref = tree_util.structure(outs[0])
-        for rank, o in enumerate(outs[1:], start=1):
-            if tree_util.structure(o) != ref:
-                raise ValueError(f"shard_map: rank {rank} returned a different pytree structure than "
-                                 f"rank 0 on {mesh!r}; every rank must return the same structure.")
-        per_rank = [tree_util.leaves(o) for o in outs]
-        out_items = _broadcast_specs(out_specs, outs[0], "out_specs", mesh)
-        assembled = [assemble([pr[i] for pr in per_rank], spec, mesh, path, check_rep=check_rep)
-                     for i, (path, _, spec) in enumerate(out_items)]
-        return tree_util.unflatten(ref, assembled)
+        per_rank = mesh.run(on_rank) if any(c is not None for c in cts) else None
+        self.outs, self.proxies = {}, {}
+        grads = []
+        for j, inp in enumerate(diff_inputs):
+            got = {r: (None if per_rank is None else per_rank[r][j]) for r in (per_rank or {r: 0 for r in
+                                                                                        mesh.local_ranks})}
+            if inp.kind == "array":
+                arr = inp.leaf
+                sharded_ad.deposit(arr, {r: g if g is not None else torch.zeros_like(arr.blocks[r])
+                                         for r, g in got.items()})
+                grads.append(None)  # the anchor's gradient: the blocks went to the array's cell
+            else:
+                grads.append(self._global_grad(inp, got))
+        return grads
+
+    def _global_grad(self, inp: _Input, got: dict[int, torch.Tensor | None]) -> torch.Tensor:
+        """A global tensor input's gradient: each replica set's cotangent taken once (they agree)."""
+        mesh, x = self.mesh, inp.leaf
+        out = torch.zeros_like(x)
+        for r, g in got.items():
+            coords = mesh.coords(r)
+            if g is not None and layout.is_primary(inp.spec, mesh, coords):
+                layout.block_of(out, inp.spec, mesh, coords).copy_(g)
+        if len(got) < mesh.size:  # dist: every process holds its ranks' part; sum them everywhere
+            from cfx._src.lax import collectives as lax
+            out = mesh.run(lambda r: lax.psum(out, mesh.axis_names))[mesh.local_ranks[0]]
+        return out
+
+
+class _CallFn(torch.autograd.Function):
+    """The call as one node of the caller's graph (inputs: anchors and global tensors)."""
+
+    @staticmethod
+    def forward(ctx, call, holder, *tensors):
+        del tensors
+        ctx.set_materialize_grads(False)
+        ctx.call, ctx.holder = call, holder
+        holder.outs = call.run()
+        holder.n_anchored = sum(isinstance(o, ShardedArray) and o.dtype.is_floating_point for o in holder.outs)
+        return tuple(torch.zeros(()) for _ in range(holder.n_anchored))
+
+    @staticmethod
+    def backward(ctx, *_):
+        call, cells = ctx.call, ctx.holder.cells
+        ctx.call = ctx.holder = None
+        return (None, None, *call.backward(cells))
+
+
+class _Holder:
+    __slots__ = ("outs", "n_anchored", "cells")
+
+
+def _run_differentiable(call: _Call) -> list:
+    from cfx._src import sharded_ad
+    tensors = [inp.leaf._anchor if inp.kind == "array" else inp.leaf for inp in call.inputs if inp.diff]
+    holder = _Holder()
+    anchors = _CallFn.apply(call, holder, *tensors)
+    anchors = list(anchors) if isinstance(anchors, tuple) else [anchors]
+    cells, out, k = [], [], 0
+    for o in holder.outs:
+        if isinstance(o, ShardedArray) and o.dtype.is_floating_point:
+            cell = sharded_ad.Cell()
+            o = sharded_ad.output(o, anchors[k], cell)
+            k += 1
+            cells.append(cell)
+        elif isinstance(o, ShardedArray):
+            cells.append(None)
+        out.append(o)
+    # cotangents arrive per output leaf; non-array outputs have none
+    holder.cells = [c for c, o in zip(cells, holder.outs) if isinstance(o, ShardedArray)]
+    call.outs = {r: [x for x, o in zip(xs, holder.outs) if isinstance(o, ShardedArray)]
+                 for r, xs in call.outs.items()}
+    return out
+
+
+def shard_map(f: Callable[..., Any], *, mesh, in_specs: Any, out_specs: Any, check_rep: bool = False,
+              check_vma: bool = False, donate_argnums: int | Sequence[int] = ()) -> Callable[..., Any]:
+    """``f`` run per rank of ``mesh`` on blocks of its arguments; see the module docstring.
+
+    ``check_vma``: track every value's varying axes (``cfx.lax.varying_axes``) even when the call
+    is not differentiated from outside (where it always is); a Python hook per op.
+    """
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+
+    @functools.wraps(f)
+    def wrapped(*args):
+        call = _Call(f, mesh, in_specs, out_specs, check_rep, donate, args, check_vma)
+        outs = _run_differentiable(call) if call.differentiable else call.run()
+        return tree_util.unflatten(call.results_treedef, outs)
 
     return wrapped

@@ -3,6 +3,10 @@
 ``grad`` differentiates with ``torch.autograd.grad`` over the leaf tensors of the chosen
 arguments -- not ``torch.func.grad`` -- so saved-tensor hooks (remat, offload) and
 ``torch.utils.checkpoint`` keep working inside the differentiated function.
+
+Leaves that are not tensors but implement the differentiable-leaf protocol (``ShardedArray``:
+``__cfx_grad_leaf__``, ``__cfx_anchor__``, ``__cfx_seed__``, ``__cfx_cotangent__``,
+``__cfx_detached__``) are differentiated too; their gradients come back as the same kind of leaf.
 """
 from __future__ import annotations
 
@@ -14,7 +18,13 @@ import torch
 from cfx._src import tree as tree_util
 
 
-def _diff_leaf(path: str, x: Any, fname: str, argnum: int) -> torch.Tensor:
+def _is_array_leaf(x: Any) -> bool:
+    return hasattr(type(x), "__cfx_grad_leaf__")
+
+
+def _diff_leaf(path: str, x: Any, fname: str, argnum: int) -> Any:
+    if _is_array_leaf(x) and x.dtype.is_floating_point:
+        return x.__cfx_grad_leaf__()
     if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
         kind = type(x).__name__ if not isinstance(x, torch.Tensor) else f"tensor of dtype {x.dtype}"
         raise ValueError(
@@ -33,9 +43,11 @@ def _check_scalar(out: Any, fname: str, has_aux: bool) -> torch.Tensor:
             raise ValueError(f"cfx.{fname}(has_aux=True): the function must return (value, aux), "
                              f"got {type(out).__name__}.")
         out = out[0]
+    if _is_array_leaf(out) and out.numel() == 1 and out.dtype.is_floating_point:
+        return out
     if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
         got = (f"tensor of shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor)
-               else type(out).__name__)
+               else f"{type(out).__name__} of shape {out.shape}" if _is_array_leaf(out) else type(out).__name__)
         raise ValueError(f"cfx.{fname}: the function must return a scalar floating-point tensor "
                          f"(e.g. a mean loss), got {got}. Reduce it first, or use cfx.vjp-style "
                          "torch.autograd.grad with grad_outputs.")
@@ -69,21 +81,35 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
             flat_inputs.extend(leaves)
             treedefs.append(treedef)
             args[n] = tree_util.unflatten(treedef, leaves)
-        nested = any(x.grad_fn is not None for x in flat_inputs)
+        nested = any(isinstance(x, torch.Tensor) and x.grad_fn is not None for x in flat_inputs)
         with torch.enable_grad():
             out = fun(*args, **kwargs)
         value = _check_scalar(out, fname, has_aux)
-        if flat_inputs:
-            grads = torch.autograd.grad(value, flat_inputs, allow_unused=True, create_graph=nested)
+        targets = [x.__cfx_anchor__() if _is_array_leaf(x) else x for x in flat_inputs]
+        if _is_array_leaf(value):
+            root = value.__cfx_anchor__()
+            if root is not None:
+                value.__cfx_seed__()
         else:
-            grads = ()
-        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(flat_inputs, grads)]
+            root = value
+        if targets and root is not None and root.requires_grad:
+            grads = list(torch.autograd.grad(root, targets, allow_unused=True, create_graph=nested))
+        else:
+            grads = [None] * len(targets)
+        grads = [x.__cfx_cotangent__() if _is_array_leaf(x) else torch.zeros_like(x) if g is None else g
+                 for x, g in zip(flat_inputs, grads)]
         trees = tuple(tree_util.unflatten(td, grads[a:b]) for td, (a, b) in zip(treedefs, spans))
         if not nested:
-            out = tree_util.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+            out = tree_util.map(_detach, out)
         return out, (trees if multi else trees[0])
 
     return wrapped
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    return x.__cfx_detached__() if _is_array_leaf(x) else x
 
 
 def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,

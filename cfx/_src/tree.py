@@ -107,14 +107,20 @@ def map_with_path(f: Callable[..., Any], tree: PyTree, *rest: PyTree,
                                          is_leaf=is_leaf, namespace=NAMESPACE)
 
 
+def _is_array(x: Any) -> bool:
+    """Tensors and the array-like leaves that stand for them (ShardedArray: its global size;
+    ShapeDtype)."""
+    return isinstance(x, torch.Tensor) or (hasattr(x, "numel") and hasattr(x, "element_size"))
+
+
 def tree_size(tree: PyTree) -> int:
-    """Total number of elements over all tensor leaves."""
-    return sum(x.numel() for x in leaves(tree) if isinstance(x, torch.Tensor))
+    """Total number of elements over all tensor (or global array) leaves."""
+    return sum(x.numel() for x in leaves(tree) if _is_array(x))
 
 
 def tree_bytes(tree: PyTree) -> int:
-    """Total bytes over all tensor leaves."""
-    return sum(x.numel() * x.element_size() for x in leaves(tree) if isinstance(x, torch.Tensor))
+    """Total bytes over all tensor (or global array) leaves."""
+    return sum(x.numel() * x.element_size() for x in leaves(tree) if _is_array(x))
 
 
 def tree_allclose(a: PyTree, b: PyTree, *, rtol: float | None = None, atol: float | None = None) -> bool:

@@ -7,6 +7,10 @@ ranks holding the extremum (split evenly between ties). As in JAX, the cotangent
 pmean / pmax result (a replicated value) is taken to be the same on every rank, while varying
 outputs (all_gather, psum_scatter, all_to_all, ppermute, pvary) have their per-rank cotangents
 summed by the transpose.
+
+Each result is tagged with the mesh axes it varies over (``vma``): reductions drop their axes,
+the others add them. While a differentiated ``shard_map`` body runs, an input that does not
+vary over a collective's axes is first implicitly ``pvary``'d, as JAX does.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from cfx._src.lax import comm
+from cfx._src.lax import comm, vma
 
 Axis = str | Sequence[str]
 
@@ -53,17 +57,6 @@ class _PSum(torch.autograd.Function):
         return g, None
 
 
-class _PVary(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ax):
-        ctx.ax = ax
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return comm.all_reduce(g, ctx.ax, "sum"), None
-
-
 class _PExtremum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ax, op):
@@ -80,25 +73,48 @@ class _PExtremum(torch.autograd.Function):
         return g * hit / ties.clamp_min(1), None, None
 
 
+def _in(x: torch.Tensor, ax: comm.Axes) -> torch.Tensor:
+    """``x`` as a collective over ``ax`` receives it: implicitly pvary'd where a differentiated
+    shard_map body passes a value that does not vary over the axes (JAX's rule)."""
+    if vma.inserting() and x.requires_grad and torch.is_grad_enabled():
+        return vma.lift(x, frozenset(ax.names), ax.where)
+    return x
+
+
+def _reduced(out: torch.Tensor, x: torch.Tensor, ax: comm.Axes) -> torch.Tensor:
+    return vma.mark(out, vma.varying_axes(x) - set(ax.names)) if vma.is_tracking() else out
+
+
+def _varying(out: torch.Tensor, x: torch.Tensor, ax: comm.Axes) -> torch.Tensor:
+    return vma.mark(out, vma.varying_axes(x) | set(ax.names)) if vma.is_tracking() else out
+
+
 def psum(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Sum over the ranks of ``axis``."""
-    return _PSum.apply(x, _ax(axis, "cfx.lax.psum"))
+    ax = _ax(axis, "cfx.lax.psum")
+    x = _in(x, ax)
+    return _reduced(_PSum.apply(x, ax), x, ax)
 
 
 def pmean(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Mean over the ranks of ``axis``."""
     ax = _ax(axis, "cfx.lax.pmean")
-    return _PSum.apply(x, ax) / ax.size
+    x = _in(x, ax)
+    return _reduced(_PSum.apply(x, ax) / ax.size, x, ax)
 
 
 def pmax(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Elementwise maximum over the ranks of ``axis``."""
-    return _PExtremum.apply(x, _ax(axis, "cfx.lax.pmax"), "max")
+    ax = _ax(axis, "cfx.lax.pmax")
+    x = _in(x, ax)
+    return _reduced(_PExtremum.apply(x, ax, "max"), x, ax)
 
 
 def pmin(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Elementwise minimum over the ranks of ``axis``."""
-    return _PExtremum.apply(x, _ax(axis, "cfx.lax.pmin"), "min")
+    ax = _ax(axis, "cfx.lax.pmin")
+    x = _in(x, ax)
+    return _reduced(_PExtremum.apply(x, ax, "min"), x, ax)
 
 
 def pvary(x: torch.Tensor, axis: Axis) -> torch.Tensor:
@@ -106,7 +122,14 @@ def pvary(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
     Megatron's ``f``: put it where a replicated activation enters a sharded computation.
     """
-    return _PVary.apply(x, _ax(axis, "cfx.lax.pvary"))
+    ax = _ax(axis, "cfx.lax.pvary")
+    return _varying(vma.PVary.apply(x, ax), x, ax)
+
+
+def varying_axes(x: torch.Tensor) -> frozenset:
+    """The mesh axes over which ``x`` may differ between ranks (JAX's vma), inside a body that
+    tracks them (differentiated from outside, or ``shard_map(..., check_vma=True)``); see ``vma``."""
+    return vma.checked_varying_axes(x)
 
 
 class _AllGather(torch.autograd.Function):
@@ -140,7 +163,8 @@ def all_gather(x: torch.Tensor, axis: Axis, *, dim: int = 0, tiled: bool = False
     where = "cfx.lax.all_gather"
     ax = _ax(axis, where)
     dim = _check_dim(x, dim, where) if tiled else dim % (x.dim() + 1)
-    return _AllGather.apply(x, ax, dim, tiled)
+    x = _in(x, ax)
+    return _varying(_AllGather.apply(x, ax, dim, tiled), x, ax)
 
 
 def psum_scatter(x: torch.Tensor, axis: Axis, *, dim: int = 0, tiled: bool = False) -> torch.Tensor:
@@ -156,7 +180,8 @@ def psum_scatter(x: torch.Tensor, axis: Axis, *, dim: int = 0, tiled: bool = Fal
     if not tiled and n != ax.size:
         raise ValueError(f"{where}: with tiled=False dim {dim} must have the axis size {ax.size}, got "
                          f"{n}; pass tiled=True to scatter blocks of it.")
-    return _PSumScatter.apply(x, ax, dim, tiled)
+    x = _in(x, ax)
+    return _varying(_PSumScatter.apply(x, ax, dim, tiled), x, ax)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -181,7 +206,8 @@ def all_to_all(x: torch.Tensor, axis: Axis, *, split_dim: int, concat_dim: int) 
     if x.shape[split_dim] % ax.size:
         raise ValueError(f"{where}: split_dim {split_dim} has size {x.shape[split_dim]}, not divisible "
                          f"by the {ax.size} ranks of axis {ax.names}.")
-    return _AllToAll.apply(x, ax, split_dim, concat_dim)
+    x = _in(x, ax)
+    return _varying(_AllToAll.apply(x, ax, split_dim, concat_dim), x, ax)
 
 
 class _PPermute(torch.autograd.Function):
@@ -206,7 +232,8 @@ def ppermute(x: torch.Tensor, axis: Axis, perm: Sequence[tuple[int, int]]) -> to
     if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise ValueError(f"{where}: perm {perm} must pair unique sources with unique destinations in "
                          f"[0, {ax.size}) for axis {ax.names}.")
-    return _PPermute.apply(x, ax, tuple(perm))
+    x = _in(x, ax)
+    return _varying(_PPermute.apply(x, ax, tuple(perm)), x, ax)
 
 
 def _check_peer(ax: comm.Axes, peer: int, tag: int, where: str, name: str) -> None:
@@ -238,4 +265,5 @@ def recv(axis: Axis, *, src: int, shape: Sequence[int], dtype: torch.dtype = tor
     where = "cfx.lax.recv"
     ax = _ax(axis, where)
     _check_peer(ax, src, tag, where, "src")
-    return comm.recv(shape, dtype, device, ax, src, tag)
+    out = comm.recv(shape, dtype, device, ax, src, tag)
+    return vma.mark(out, ax.names) if vma.is_tracking() else out

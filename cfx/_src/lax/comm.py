@@ -24,6 +24,7 @@ class Axes:
 
     def __init__(self, axes: tuple[str, ...], where: str):
         ctx = ctx_lib.current(where)
+        self.where = where
         self.names = ctx.mesh.check_axes(axes, where)
         self.ctx = ctx
         self.group = ctx.group(self.names)

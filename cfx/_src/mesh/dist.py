@@ -2,9 +2,8 @@
 
 Every process makes the same groups in the same order at start-up (``new_group`` is collective
 over the world), one per non-empty subset of mesh axes and slice, so a collective on any axis
-tuple finds its group ready. ``run`` executes the body for this process's own rank; outputs are
-exchanged with ``all_gather_object`` so that ``shard_map`` returns the same global values on
-every process as the ``local`` backend does.
+tuple finds its group ready. ``run`` executes the body for this process's own rank and returns
+its output only: nothing is exchanged outside the collectives the body issues (SPMD).
 """
 from __future__ import annotations
 
@@ -48,14 +47,11 @@ class DistBackend:
         self._ctx.groups = dict(self._groups)
         self._closed = False
 
-    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+    def run(self, fn: Callable[[int], Any]) -> dict[int, Any]:
         if self._closed:
             raise ValueError(f"{self.mesh!r} is closed; make a new Mesh.")
         with ctx_lib.installed(self._ctx):
-            out = fn(self.rank)
-        gathered: list[Any] = [None] * self.mesh.size
-        dist.all_gather_object(gathered, out)
-        return gathered
+            return {self.rank: fn(self.rank)}
 
     def close(self) -> None:
         """Wait for every rank, release the groups, and shut the world down if this mesh made it."""

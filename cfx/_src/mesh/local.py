@@ -96,7 +96,7 @@ class LocalBackend:
                 self._outbox.put((call, rank, False, RankFailure(rank, ctx.coords, e, text)))
                 del e
 
-    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+    def run(self, fn: Callable[[int], Any]) -> dict[int, Any]:
         if self._closed:
             raise ValueError(f"{self.mesh!r} is closed; make a new Mesh.")
         with self._lock:
@@ -119,7 +119,7 @@ class LocalBackend:
             if failures:
                 self._reset_groups()
                 raise _root_cause(failures)
-            return results
+            return dict(enumerate(results))
 
     def _reset_groups(self) -> None:
         self._generation += 1

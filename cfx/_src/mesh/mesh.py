@@ -102,8 +102,9 @@ class Mesh:
         return axes
 
     # -- lifetime -----------------------------------------------------------------------------
-    def run(self, fn: Callable[[int], Any]) -> list[Any]:
-        """``fn(rank)`` on every rank this process drives, with that rank's context installed.
+    def run(self, fn: Callable[[int], Any]) -> dict[int, Any]:
+        """``{rank: fn(rank)}`` for every rank this process drives (all of them under ``local``,
+        its own under ``dist``), each run with that rank's context installed.
 
         Each rank runs in a copy of the caller's ``contextvars`` context, so whatever the caller
         has active (``comm_stats``, ``activation_stats``, ``cfx.memory`` trackers) is active in

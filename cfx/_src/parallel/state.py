@@ -12,7 +12,8 @@ from cfx._src.mesh.spec import P, is_spec
 
 def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
     """Specs for an optimizer state: a leaf whose path ends with a param's path and has that
-    param's shape (moments, momentum buffers) gets the param's spec; counters etc. get ``P()``."""
+    param's shape (moments, momentum buffers) gets the param's spec; counters etc. get ``P()``.
+    Leaves may be tensors, ``ShapeDtype`` s (``cfx.eval_shape``) or ShardedArrays."""
     by_path = {}
     spec_leaves = tree_util.leaves(param_specs, is_leaf=is_spec)
     for (path, p), spec in zip(tree_util.flatten_with_path(params)[0], spec_leaves):
@@ -22,7 +23,7 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
         parts = path.split(".")
         for i in range(len(parts)):
             hit = by_path.get(".".join(parts[i:]))
-            if hit is not None and isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == hit[0]:
+            if hit is not None and hasattr(leaf, "shape") and tuple(leaf.shape) == hit[0]:
                 return hit[1]
         return P()
     return tree_util.map_with_path(pick, state)

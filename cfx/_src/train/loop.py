@@ -20,6 +20,8 @@ from cfx._src.table import format_table
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.remat import remat
 from cfx._src.train.config import TrainConfig
+from cfx._src.shapes import ShapeDtype, eval_shape
+from cfx._src.sharded import device_get
 from cfx._src.train.sharded import make_schedule, make_sharded_train_step, parse_mesh
 from cfx._src.train.sample import sample_bytes
 from cfx._src.train.step import scaled_loss_grad
@@ -55,6 +57,8 @@ def solve_remat(cfg: TrainConfig, model, params, tokens: torch.Tensor, key, *, q
     one rank's batch of the unsharded model (tensor-parallel blocks then hold less than planned)."""
     if cfg.remat != "auto":
         return None
+    params = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+                           if isinstance(x, ShapeDtype) else x, params)  # shapes are all it needs
     _, plan = remat.solve(model, params, tokens, budget=cfg.remat_budget, key=key)  # key: dropout too
     if not quiet:
         tqdm.write(str(format_table(plan.summary(), ["remat plan", "value"])))
@@ -115,37 +119,54 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     train_data, val_data = data_lib.train_val_split(corpus)
     model = build_model(cfg)
     k_init, k_data, k_val, k_drop = jr.split(jr.key(cfg.seed), 4)
-    params = model.init(k_init)
-    tx = build_optimizer(cfg, params)
-    opt_state = tx.init(params)
-    start = 0
-    if cfg.resume:
-        restored, meta = checkpoint.load(cfg.resume, {"params": params, "opt_state": opt_state})
-        params, opt_state, start = restored["params"], restored["opt_state"], int(meta.get("step", 0))
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]
-    mesh = None
-    data_size = parse_mesh(cfg.mesh).get("data", 1) if cfg.mesh else 1
+    mesh_shape = parse_mesh(cfg.mesh) if cfg.mesh else None
+    data_size = mesh_shape.get("data", 1) if mesh_shape else 1
+    if mesh_shape is None:
+        params = model.init(k_init)
+    else:  # the remat solver and the optimizer's weight-decay mask need shapes only
+        params = eval_shape(model.init, k_init)
+    tx = build_optimizer(cfg, params)
     plan = solve_remat(cfg, model, params, val_batches[0][0][:max(cfg.batch // data_size, 1)],
                        k_drop, quiet=not cfg.progress)
-    if cfg.mesh:
-        mesh = stack.enter_context(Mesh(parse_mesh(cfg.mesh)))
+    start, restored = 0, None
+    if cfg.resume:
+        like = {"params": params, "opt_state": eval_shape(tx.init, params)}
+        restored, meta = checkpoint.load(cfg.resume, like)
+        start = int(meta.get("step", 0))
+    mesh = None
+    if mesh_shape is None:
+        params = restored["params"] if restored else params
+        opt_state = restored["opt_state"] if restored else tx.init(params)
+        step_fn = make_train_step(with_remat(model, cfg.remat, plan=plan), tx, policy)
+        loss_of = lambda p, x, y: evaluate(model, p, policy, [(x, y)])  # noqa: E731
+    else:
+        mesh = stack.enter_context(Mesh(mesh_shape))
         schedule = (make_schedule(cfg.schedule, mesh.shape["pipe"], cfg.microbatches, cfg.chunks)
                     if "pipe" in mesh.shape else None)
-        step_fn = make_sharded_train_step(model, tx, policy, mesh, params, opt_state, batch=cfg.batch,
-                                          grad_clip=cfg.grad_clip, schedule=schedule,
-                                          wrap=lambda m: with_remat(m, cfg.remat, plan=plan))
-    else:
-        step_fn = make_train_step(with_remat(model, cfg.remat, plan=plan), tx, policy)
+        step_fn = make_sharded_train_step(model, tx, policy, mesh, batch=cfg.batch, grad_clip=cfg.grad_clip,
+                                          schedule=schedule, wrap=lambda m: with_remat(m, cfg.remat, plan=plan))
+        # params and optimizer state live as ShardedArrays: each process builds only its blocks
+        params, opt_state = (step_fn.put(restored["params"], restored["opt_state"]) if restored
+                             else step_fn.init(k_init))
+        loss_of = step_fn.loss
+    del restored
     is_main = mesh is None or 0 in mesh.local_ranks  # under torchrun only rank 0 reports and saves
     n_params = tree_util.tree_size(params)
 
     def save(step: int) -> None:
-        checkpoint.save(cfg.save, {"params": params, "opt_state": opt_state},
-                        metadata={"step": step, "config": dataclasses.asdict(cfg)})
+        state = {"params": params, "opt_state": opt_state}
+        if mesh is not None:  # one global copy for the single-file checkpoint (every process joins)
+            state = device_get(state)
+        if is_main:
+            checkpoint.save(cfg.save, state, metadata={"step": step, "config": dataclasses.asdict(cfg)})
+
+    def evaluate_all() -> float:
+        return sum(loss_of(params, x, y) for x, y in val_batches) / len(val_batches)
 
     history = {"train": [], "eval": []}
-    eval0 = evaluate(model, params, policy, val_batches)
+    eval0 = evaluate_all()
     history["eval"].append((start, eval0))
     train_time, tokens = 0.0, 0
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
@@ -165,13 +186,13 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         history["train"].append((step + 1, loss))
         done = step + 1
         if done == end or (cfg.eval_every and done % cfg.eval_every == 0):
-            history["eval"].append((done, evaluate(model, params, policy, val_batches)))
-        if cfg.save and is_main and cfg.save_every and done % cfg.save_every == 0:
+            history["eval"].append((done, evaluate_all()))
+        if cfg.save and cfg.save_every and done % cfg.save_every == 0:
             save(done)
         bar.set_postfix(loss=f"{ema:.3f}", eval=f"{history['eval'][-1][1]:.3f}",
                         tok_s=f"{tokens / max(train_time, 1e-9):,.0f}", refresh=False)
     bar.close()
-    if cfg.save and is_main:
+    if cfg.save:
         save(end)
     summary = {
         "model": f"{cfg.model}-{cfg.preset}", "n_params": n_params, "mesh": cfg.mesh or "none", "precision": cfg.precision,
@@ -182,13 +203,18 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         "tokens_per_s": tokens / train_time if train_time else 0.0, "train_time_s": train_time,
         "history": history, "params": params,
     }
+    if cfg.sample_bytes > 0:
+        prompt, key = b"def ", jr.fold_in(k_drop, -1)
+        if mesh is None:
+            text = sample_bytes(model, policy.cast_to_compute(params), prompt, steps=cfg.sample_bytes, key=key,
+                                context=cfg.seq)
+        else:  # every process joins the sharded sample; rank 0 prints it
+            text = step_fn.sample(params, prompt, steps=cfg.sample_bytes, key=key, context=cfg.seq)
+        summary["sample"] = text.decode("utf-8", errors="replace")
     if not is_main:
         return summary
     print_summary(summary)
     if cfg.sample_bytes > 0:
-        text = sample_bytes(model, policy.cast_to_compute(params), b"def ", steps=cfg.sample_bytes,
-                            key=jr.fold_in(k_drop, -1), context=cfg.seq)
-        summary["sample"] = text.decode("utf-8", errors="replace")
         print(f"\nsample ({cfg.sample_bytes} bytes after 'def ', temperature 0.8):\n{summary['sample']}", flush=True)
     if cfg.json:
         with open(cfg.json, "w") as f:

@@ -4,6 +4,7 @@
     zmodel = cfx.zero.gathered(model.map_blocks(lambda b: cfx.zero.gathered(b, axis="data")),
                                axis="data")                          # stage 3's layers
     zparams = cfx.zero.shard_params(params, axis="data")             # stage 3's stored params
+    zparams = cfx.zero.init_params(model.init, key, mesh=mesh)       # ... built sharded, no full copy
     params = cfx.zero.gather_params(zparams, axis="data")
     engine = cfx.zero.GeminiEngine(zmodel, zparams, tx, axis="data",
                                    offload=cfx.zero.offload(cfx.gemini.auto(512 << 20)))
@@ -18,7 +19,7 @@ from cfx._src.zero.engine import GeminiEngine
 from cfx._src.zero.gathered import Gathered, gathered
 from cfx._src.zero.offload import Offload, offload
 from cfx._src.zero.optimizer import ShardGrads, ZeroState, ZeroTransformation
-from cfx._src.zero.params import ShardedLeaf, ZeroParams, gather_params, param_specs, shard_params
+from cfx._src.zero.params import ShardedLeaf, ZeroParams, gather_params, init_params, param_specs, shard_params
 
 
 def zero(tx: Any, *, stage: int, axis: str = "data", param_specs: Any = None,
@@ -33,6 +34,7 @@ def zero(tx: Any, *, stage: int, axis: str = "data", param_specs: Any = None,
 
 zero.gathered = gathered
 zero.shard_params = shard_params
+zero.init_params = init_params
 zero.gather_params = gather_params
 zero.param_specs = param_specs
 zero.Gathered = Gathered

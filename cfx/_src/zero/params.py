@@ -15,6 +15,7 @@ while each ``cfx.zero.gathered`` layer finds the pieces it must all-gather.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -93,6 +94,59 @@ def shard_params(params: Any, *, axis: str) -> ZeroParams:
     return ZeroParams(tree_util.unflatten(treedef, pieces), [tuple(x.shape) for _, x in items], n)
 
 
+def init_params(init, *args: Any, mesh, axis: str = "data", param_specs: Any = None) -> ZeroParams:
+    """ZeRO-3's stored params built straight from ``init(*args)``: ``ZeroParams`` whose pieces are
+    ShardedArrays (spec ``P((*leaf_axes, axis))``, see ``param_specs``), the blocks each process
+    would get from ``shard_params`` inside ``shard_map`` -- without any process holding more than
+    its pieces plus one leaf (``cfx.init_sharded``)."""
+    from cfx._src.init_sharded import init_sharded
+    from cfx._src.shapes import eval_shape
+    specs = _param_specs(param_specs, eval_shape(init, *args), axis=axis, mesh=mesh)
+    leaf_specs = tree_util.leaves(param_specs, is_leaf=is_spec) if param_specs is not None else None
+    n = mesh.shape[axis]
+
+    def pieces(*a):
+        leaves, treedef = tree_util.flatten(init(*a))
+        return tree_util.unflatten(treedef, [_global_pieces(x, leaf_specs[i] if leaf_specs else P(), mesh, n)
+                                             for i, x in enumerate(leaves)])
+    arrays = init_sharded(pieces, *args, mesh=mesh, specs=specs.pieces)
+    return ZeroParams(arrays, specs.shapes, n)
+
+
+def _global_pieces(x: torch.Tensor, spec: P, mesh, n: int) -> torch.Tensor:
+    """The global tensor whose blocks under ``P((*spec's axes, axis))`` are the pieces: for each
+    block of ``x`` under ``spec`` (in the order of its axes), the block flattened and padded to
+    ``n`` equal pieces."""
+    axes = tuple(spec.all_axes())
+    blocks = [x]
+    for dim in range(len(spec)):
+        for a in spec.axes_of(dim):
+            blocks = [part for b in blocks for part in b.chunk(mesh.shape[a], dim)]
+    order = _block_order(spec, mesh) if axes else [0]
+    out = []
+    for i in order:
+        flat = blocks[i].reshape(-1)
+        k = piece_size(flat.numel(), n)
+        out.append(torch.nn.functional.pad(flat, (0, k * n - flat.numel())))
+    return torch.cat(out)
+
+
+def _block_order(spec: P, mesh) -> list[int]:
+    """Blocks enumerated by ``_global_pieces`` (dims in order, each dim's axes major to minor),
+    listed in the order of the spec's axes linearised major to minor (``P((axes..., data))``)."""
+    axes = list(spec.all_axes())
+    dim_axes = [spec.axes_of(d) for d in range(len(spec))]
+    flat_axes = [a for d in dim_axes for a in d]  # the enumeration order of ``blocks``
+    idx = []
+    for coords in itertools.product(*[range(mesh.shape[a]) for a in axes]):
+        c = dict(zip(axes, coords))
+        i = 0
+        for a in flat_axes:
+            i = i * mesh.shape[a] + c[a]
+        idx.append(i)
+    return idx
+
+
 def gather_params(zparams: ZeroParams, *, axis: str) -> Any:
     """Inside ``shard_map``: the full (per-rank) params from their pieces (one all-gather per leaf)."""
     check_axis_size(zparams, axis, "cfx.zero.gather_params")
@@ -131,3 +185,6 @@ def param_specs(param_specs_tree: Any, params: Any, *, axis: str, mesh) -> ZeroP
         shapes.append(tuple(shape))
         out.append(P(tuple(spec.all_axes()) + (axis,)))
     return ZeroParams(tree_util.unflatten(treedef, out), shapes, n)
+
+
+_param_specs = param_specs  # for init_params, whose keyword argument shadows the name

@@ -1,0 +1,169 @@
+"""Varying mesh axes: JAX's ``vma`` typing of the values inside a ``shard_map`` body.
+
+A value *varies* over a mesh axis when ranks along it may hold different values; otherwise it is
+*invariant* (the same on every rank of the axis). Inputs vary over the axes their in_spec names;
+constants made in the body vary over nothing; an op's result varies over the union of its
+operands' axes; the collectives change it (``psum`` removes its axes, ``pvary``, ``all_gather``,
+``psum_scatter``, ``all_to_all`` and ``ppermute`` add theirs), as in JAX's ``shard_map`` with
+``check_vma=True``. ``cfx.lax.varying_axes(x)`` reads it.
+
+Tracking costs a Python hook per op, so it is on where it is needed: in bodies differentiated from
+outside (``insert``) and in ``shard_map(..., check_vma=True)``; elsewhere ``varying_axes`` raises.
+
+It matters for gradients through ``shard_map``: where an invariant value meets a varying one, JAX
+implicitly ``pvary``s the invariant operand, so its cotangent -- which then differs per rank -- is
+``psum``'d back into an invariant one. ``tracking(insert=True)`` does the same: while a
+differentiated ``shard_map`` body runs, every op whose operands disagree gets those implicit
+``pvary``s (one per leaf input per axis set, however often the input is used). Without
+``insert`` (a body nobody differentiates from outside) values are only tagged: a ``cfx.grad``
+*inside* such a body returns each rank's own partial gradients, to be reduced explicitly (which
+is what lets data parallelism bucket its all-reduce).
+
+Values whose variation comes from Python (``axis_index`` turned into a tensor, a key folded with
+it) are not seen; wrap them in ``cfx.lax.pvary`` to say so.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from cfx._src.lax import comm
+
+EMPTY: frozenset = frozenset()
+_ATTR = "_cfx_vma"
+_tracker: contextvars.ContextVar["_Tracking | None"] = contextvars.ContextVar("cfx_vma", default=None)
+
+
+def inserting() -> bool:
+    """True inside a differentiated ``shard_map`` body (implicit pvarys are inserted)."""
+    t = _tracker.get()
+    return t is not None and t.insert
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes over which ``x`` may differ between ranks (as tagged; see ``checked``)."""
+    return getattr(x, _ATTR, EMPTY) if isinstance(x, torch.Tensor) else EMPTY
+
+
+def checked_varying_axes(x) -> frozenset:
+    """``varying_axes`` for users: a ValueError where this thread does not track them."""
+    if _tracker.get() is None:
+        raise ValueError("cfx.lax.varying_axes: varying axes are tracked inside shard_map bodies that are "
+                         "differentiated from outside, or called with shard_map(..., check_vma=True); "
+                         "this value was not made in one.")
+    return varying_axes(x)
+
+
+def is_tracking() -> bool:
+    return _tracker.get() is not None
+
+
+def mark(x: torch.Tensor, axes) -> torch.Tensor:
+    """Tag ``x`` as varying over exactly ``axes``; returns ``x``."""
+    setattr(x, _ATTR, frozenset(axes))
+    return x
+
+
+class PVary(torch.autograd.Function):
+    """Identity on values; the transpose sums cotangents over the axes (``psum``)."""
+
+    @staticmethod
+    def forward(ctx, x, ax):
+        ctx.ax = ax
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g, ctx.ax, "sum"), None
+
+
+def lift(x: torch.Tensor, axes: frozenset, where: str) -> torch.Tensor:
+    """``x`` made varying over ``axes`` too, by an implicit ``pvary`` (shared per leaf input)."""
+    missing = axes - varying_axes(x)
+    if not missing:
+        return x
+    target = varying_axes(x) | missing
+    tracker = _tracker.get()
+    key = (id(x), target)
+    cache = tracker.lifted if tracker is not None and x.grad_fn is None else None  # leaf inputs only
+    if cache is not None and key in cache:
+        return cache[key][1]
+    out = mark(PVary.apply(x, comm.Axes(tuple(sorted(missing)), where)), target)
+    if cache is not None:
+        cache[key] = (x, out)  # x kept alive with its entry, so its id is not reused meanwhile
+    return out
+
+
+def _scan(xs, union):
+    for a in xs:
+        if isinstance(a, torch.Tensor):
+            v = getattr(a, _ATTR, EMPTY)
+            if v:
+                union = union | v
+        elif isinstance(a, (list, tuple)):
+            union = _scan(a, union)
+    return union
+
+
+def _lift_all(xs, union):
+    out = []
+    for a in xs:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad and getattr(a, _ATTR, EMPTY) != union:
+                a = lift(a, union, "an implicit pvary")
+        elif isinstance(a, (list, tuple)) and a:
+            a = type(a)(_lift_all(a, union)) if isinstance(a, list) or type(a) is tuple else a
+        out.append(a)
+    return out
+
+
+def _tag(out, union) -> None:
+    if isinstance(out, torch.Tensor):
+        setattr(out, _ATTR, union | getattr(out, _ATTR, EMPTY))
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            _tag(o, union)
+
+
+class _Tracking(TorchFunctionMode):
+    """Tags every op's tensor results with the union of its operands' varying axes; with
+    ``insert``, first lifts differentiable operands that vary over fewer axes (module doc)."""
+
+    def __init__(self, insert: bool):
+        super().__init__()
+        self.insert = insert
+        self.lifted: dict = {}  # (id(leaf), axes) -> (leaf, its lifted value), for this body call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        union = _scan(args, EMPTY)
+        if kwargs:
+            union = _scan(kwargs.values(), union)
+        if not union:
+            return func(*args, **kwargs)
+        if self.insert and torch.is_grad_enabled():
+            args = _lift_all(args, union)
+            if kwargs:
+                kwargs = dict(zip(kwargs, _lift_all(kwargs.values(), union)))
+        out = func(*args, **kwargs)
+        if out is None and func is torch.Tensor.__setitem__:
+            _tag(args[0], union)
+        else:
+            _tag(out, union)
+        return out
+
+
+@contextlib.contextmanager
+def tracking(*, insert: bool):
+    """Track varying axes in this thread (a ``shard_map`` body); ``insert``: implicit pvarys."""
+    mode = _Tracking(insert)
+    token = _tracker.set(mode)
+    try:
+        with mode:
+            yield
+    finally:
+        _tracker.reset(token)
+        mode.lifted.clear()

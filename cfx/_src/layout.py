@@ -1,0 +1,110 @@
+"""Specs over meshes: validation, a rank's block of a global tensor, and the way back.
+
+The one place that maps a ``P`` spec and a mesh to block shapes and slices; ``ShardedArray``,
+``shard_map``, ``reshard`` and ``init_sharded`` all go through it.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from cfx._src.mesh.spec import P
+
+
+def check_spec(path: str, shape: Sequence[int], spec: P, mesh, where: str, *, block: bool = False) -> None:
+    """ValueError naming the path, the mesh and the fix unless ``spec`` can split ``shape``.
+
+    ``block=True``: ``shape`` is one rank's block (any size fits), only the axes are checked.
+    """
+    label = f"{where}: leaf {path or '<root>'!r} with shape {tuple(shape)} and spec {spec!r} on {mesh!r}"
+    if not isinstance(spec, P):
+        raise ValueError(f"{label}: the spec must be a cfx.P, e.g. P('data', None).")
+    if len(spec) > len(shape):
+        raise ValueError(f"{label}: the spec has {len(spec)} entries but the leaf only {len(shape)} "
+                         "dimensions; drop the extra entries.")
+    used: list[str] = []
+    for dim in range(len(spec)):
+        axes = spec.axes_of(dim)
+        for a in axes:
+            if a not in mesh.shape:
+                raise ValueError(f"{label}: unknown mesh axis {a!r}; the mesh has axes "
+                                 f"{list(mesh.axis_names)}. Fix the spec or the mesh.")
+        used.extend(axes)
+        n = mesh.axes_size(axes)
+        if not block and shape[dim] % n:
+            raise ValueError(f"{label}: dimension {dim} has size {shape[dim]}, not divisible by {n} "
+                             f"(the size of {'x'.join(axes)}). Pad the dimension or split it over "
+                             "other axes.")
+    dup = sorted({a for a in used if used.count(a) > 1})
+    if dup:
+        raise ValueError(f"{label}: mesh axis {dup[0]!r} is used twice in one spec; each axis may "
+                         "split at most one dimension.")
+
+
+def block_shape(shape: Sequence[int], spec: P, mesh) -> tuple[int, ...]:
+    """The shape of one rank's block of a global ``shape`` under ``spec``."""
+    out = list(shape)
+    for dim in range(len(spec)):
+        out[dim] //= mesh.axes_size(spec.axes_of(dim))
+    return tuple(out)
+
+
+def global_shape(shape: Sequence[int], spec: P, mesh) -> tuple[int, ...]:
+    """The global shape whose blocks under ``spec`` have ``shape``."""
+    out = list(shape)
+    for dim in range(len(spec)):
+        out[dim] *= mesh.axes_size(spec.axes_of(dim))
+    return tuple(out)
+
+
+def block_of(x: torch.Tensor, spec: P, mesh, coords: dict) -> torch.Tensor:
+    """The slice (a view) of global ``x`` that the rank at ``coords`` holds under ``spec``."""
+    for dim in range(len(spec)):
+        axes = spec.axes_of(dim)
+        if axes:
+            n = mesh.axes_size(axes)
+            size = x.shape[dim] // n
+            x = x.narrow(dim, mesh.index_in(axes, coords) * size, size)
+    return x
+
+
+def is_primary(spec: P, mesh, coords: dict) -> bool:
+    """True for the one rank of each replica set: coordinate 0 on every axis ``spec`` leaves out."""
+    used = set(spec.all_axes())
+    return not any(coords[a] for a in mesh.axis_names if a not in used)
+
+
+def replicated_axes(spec: P, mesh) -> list[str]:
+    used = set(spec.all_axes())
+    return [a for a in mesh.axis_names if a not in used]
+
+
+def assemble(blocks: dict[int, Any], spec: P, mesh, path: str, *, check_rep: bool) -> torch.Tensor:
+    """The global tensor from every rank's block (``blocks[rank]``, all ranks present)."""
+    first = blocks[0]
+    out = torch.empty(global_shape(first.shape, spec, mesh), dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for rank in range(mesh.size):
+            b = blocks[rank]
+            coords = mesh.coords(rank)
+            if not is_primary(spec, mesh, coords):
+                if check_rep:
+                    check_replica(blocks, rank, spec, mesh, path)
+                continue
+            block_of(out, spec, mesh, coords).copy_(b)
+    return out
+
+
+def check_replica(blocks: dict[int, Any], rank: int, spec: P, mesh, path: str) -> None:
+    """ValueError unless ``blocks[rank]`` equals its primary replica's block."""
+    coords = mesh.coords(rank)
+    rep_axes = replicated_axes(spec, mesh)
+    primary = mesh.rank_of(dict(coords, **{a: 0 for a in rep_axes}))
+    b, ref = blocks[rank], blocks[primary]
+    same = torch.equal(b, ref) if isinstance(b, torch.Tensor) else b == ref
+    if not same:
+        raise ValueError(
+            f"shard_map: output {path or '<root>'!r} differs between rank {rank} {coords} and its "
+            f"replica rank {primary} on {mesh!r}, but out_spec {spec!r} leaves axes {rep_axes} out "
+            "(= replicated). Reduce it (psum/pmean) or name the axis in the spec.")

@@ -1,0 +1,64 @@
+"""``cfx.eval_shape``: the shapes and dtypes a function would return, without allocating."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cfx._src import tree as tree_util
+
+
+class ArrayShape:
+    """Sizes from ``shape`` and ``dtype``, as a tensor reports them (ShapeDtype, ShardedArray)."""
+
+    __slots__ = ()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeDtype(ArrayShape):
+    """A leaf's abstract value: ``shape`` and ``dtype`` (JAX's ``ShapeDtypeStruct``)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+
+def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` run on fake tensors: its output with every tensor leaf replaced by a
+    ``ShapeDtype``. Arguments may be tensors, ``ShapeDtype`` s or ShardedArrays (their global
+    shape); nothing is allocated or computed."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        def fake(x):
+            if isinstance(x, torch.Tensor):
+                return mode.from_tensor(x)
+            if isinstance(x, ShapeDtype) or _is_array(x):
+                return torch.empty(x.shape, dtype=x.dtype)
+            return x
+        out = fn(*tree_util.map(fake, args), **tree_util.map(fake, kwargs))
+    return tree_util.map(lambda x: ShapeDtype(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(type(x), "__cfx_grad_leaf__")
