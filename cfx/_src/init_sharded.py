@@ -35,12 +35,17 @@ def init_sharded(init: Callable[..., Any], *args: Any, mesh, specs: Any = P()) -
         layout.check_spec(path, leaf.shape, spec, mesh, "cfx.init_sharded")
     recorded = lazy.record(init, *args)
     leaves, treedef = tree_util.flatten(recorded.out)
-    out = []
-    for x, (_, _, spec) in zip(leaves, items):
-        value = recorded.materialise(x)
-        with torch.no_grad():
-            blocks = {r: layout.block_of(value, spec, mesh, mesh.coords(r)).clone() for r in mesh.local_ranks}
-        del value
-        out.append(ShardedArray(tuple(x.shape), spec, mesh, blocks))
-    return tree_util.unflatten(treedef, out)
+    # Every block is allocated before any leaf is computed: the leaves' temporaries then never
+    # sit between long-lived blocks, so the allocator can reuse and return their memory (with
+    # blocks and temporaries interleaved, glibc's heap fragments to several times the blocks).
+    blocks = [{r: torch.empty(layout.block_shape(x.shape, spec, mesh), dtype=x.dtype) for r in mesh.local_ranks}
+              for x, (_, _, spec) in zip(leaves, items)]
+    with torch.no_grad():
+        for x, (_, _, spec), own in zip(leaves, items, blocks):
+            value = recorded.materialise(x)
+            for r, b in own.items():
+                b.copy_(layout.block_of(value, spec, mesh, mesh.coords(r)))
+            del value
+    return tree_util.unflatten(treedef, [ShardedArray(tuple(x.shape), spec, mesh, own)
+                                         for x, (_, _, spec), own in zip(leaves, items, blocks)])
 

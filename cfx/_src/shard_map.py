@@ -52,10 +52,14 @@ def _broadcast_specs(specs: Any, tree: Any, what: str, mesh) -> list[tuple[str, 
     """``(path, leaf, spec)`` for every leaf of ``tree`` with the spec its prefix assigns."""
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=is_spec, namespace=tree_util.NAMESPACE)
-    except ValueError as e:
-        raise ValueError(f"shard_map: {what} do not match the structure of the {what.split()[0]} "
-                         f"values on {mesh!r}: {e}. Give one P per leaf, or a P for a whole "
-                         "subtree (a pytree prefix).") from None
+    except ValueError:
+        where, why = _prefix_mismatch(specs, tree)
+        values = {"in_specs": "arguments", "out_specs": "outputs"}.get(what, "values")
+        if what == "in_specs":
+            head, _, rest = where.partition(".")
+            where = f"args[{head}]" + (f".{rest}" if rest else "")
+        raise ValueError(f"shard_map: {what} do not match the {values} at {where or '<root>'!r} on {mesh!r}: "
+                         f"{why}. Give one P per leaf, or a P for a whole subtree (a pytree prefix).") from None
     items, _ = tree_util.flatten_with_path(tree)
     spec_leaves = tree_util.leaves(full, is_leaf=is_spec)
     out = []
@@ -68,6 +72,27 @@ def _broadcast_specs(specs: Any, tree: Any, what: str, mesh) -> list[tuple[str, 
                              f"{spec!r}.")
         out.append((path, leaf, spec))
     return out
+
+
+def _prefix_mismatch(specs: Any, tree: Any, path: str = "") -> tuple[str, str]:
+    """Where a spec pytree stops being a prefix of ``tree``: ``(dotted path, what differs)``."""
+    ns = tree_util.NAMESPACE
+    if is_spec(specs) or specs is None:
+        return path, "a spec leaf here is fine"  # not reached for a real mismatch
+    if optree.tree_is_leaf(specs, namespace=ns) or optree.tree_is_leaf(tree, namespace=ns):
+        return path, f"the specs have a {type(specs).__name__} where the values have a {type(tree).__name__}"
+    s1 = optree.tree_flatten_one_level(specs, namespace=ns)
+    t1 = optree.tree_flatten_one_level(tree, namespace=ns)
+    if type(specs) is not type(tree) or s1.entries != t1.entries:
+        return path, (f"the specs have {type(specs).__name__} entries {list(s1.entries)} where the values have "
+                      f"{type(tree).__name__} entries {list(t1.entries)}")
+    for entry, sc, tc in zip(s1.entries, s1.children, t1.children):
+        sub = f"{path}.{entry}" if path else str(entry)
+        try:
+            optree.tree_broadcast_prefix(sc, tc, is_leaf=is_spec, namespace=ns)
+        except ValueError:
+            return _prefix_mismatch(sc, tc, sub)
+    return path, "the structures differ"
 
 
 class _Input:
