@@ -1,7 +1,9 @@
-"""A data-parallel GPT-2 training run, used by test_dist.py on both mesh backends.
+"""Data-parallel and ZeRO-3 GPT-2 training runs, used by test_dist.py on both mesh backends.
 
 Run as ``torchrun --nproc-per-node 4 -m cfx_tests.dp_train_script`` (dist backend) or call
-``train(backend="local")``. Prints the losses as JSON on rank 0.
+``data_parallel("local")`` / ``zero3("local")``. Prints the losses as JSON on rank 0. Params and
+optimizer state stay ShardedArrays between steps; under torchrun each process holds only its own
+rank's blocks, which the ZeRO-3 run checks.
 """
 import json
 
@@ -49,8 +51,39 @@ def data_parallel(backend: str) -> list[float]:
     return losses
 
 
+def zero3(backend: str) -> tuple[list[float], int]:
+    """ZeRO-3 over data: ``(losses, bytes of params + optimizer state this process holds)``."""
+    model, _, tokens, tx = setup()
+    ztx = cfx.zero(tx, stage=3, axis="data")
+    net = cfx.zero.gathered(model.map_blocks(lambda b: cfx.zero.gathered(b, axis="data")), axis="data")
+
+    def step(p, state, batch):
+        loss, grads = ztx.value_and_grad(lambda p: net.loss(p, batch[:, :-1], batch[:, 1:]))(p)
+        updates, state = ztx.update(grads, state, p)
+        return cfx.optim.apply_updates(p, updates), state, cfx.lax.pmean(loss, "data")
+
+    with cfx.Mesh({"data": 4}, backend=backend, timeout=60) as mesh:
+        shapes = cfx.eval_shape(model.init, cfx.random.key(0))
+        pspecs = cfx.zero.param_specs(None, shapes, axis="data", mesh=mesh)
+        sspecs = ztx.state_specs(shapes, mesh=mesh)
+        params = cfx.zero.init_params(model.init, cfx.random.key(0), mesh=mesh, axis="data")
+        state = cfx.shard_map(ztx.init, mesh=mesh, in_specs=(pspecs,), out_specs=sspecs)(params)
+        train_step = cfx.shard_map(step, mesh=mesh, in_specs=(pspecs, sspecs, P("data")),
+                                   out_specs=(pspecs, sspecs, P()), donate_argnums=(0, 1))
+        losses = []
+        for t in tokens:
+            params, state, loss = train_step(params, state, t)
+            losses.append(float(loss))
+        arrays = [x for x in cfx.tree.leaves((params, state)) if isinstance(x, cfx.ShardedArray)]
+        assert all(sorted(x.blocks) == mesh.local_ranks for x in arrays)  # only this process's blocks
+        held = sum(x.addressable_nbytes for x in arrays)
+    return losses, held
+
+
 if __name__ == "__main__":
     import os
     losses = data_parallel("dist")
+    z_losses, z_held = zero3("dist")
     if os.environ.get("RANK", "0") == "0":
         print("LOSSES", json.dumps(losses), flush=True)
+        print("ZERO3", json.dumps({"losses": z_losses, "held": z_held}), flush=True)

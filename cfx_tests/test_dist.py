@@ -1,4 +1,4 @@
-"""The same data-parallel script on the local backend, under torchrun, and on one device."""
+"""The same data-parallel and ZeRO-3 scripts on the local backend, under torchrun, and on one device."""
 import json
 import os
 import subprocess
@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import cfx
 from cfx_tests import dp_train_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,3 +27,15 @@ def test_torchrun_gloo_matches_local_backend():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("LOSSES "))
     torch.testing.assert_close(json.loads(line[len("LOSSES "):]), dp_train_script.data_parallel("local"))
+    got = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("ZERO3 "))[len("ZERO3 "):])
+    local_losses, local_held = dp_train_script.zero3("local")
+    torch.testing.assert_close(got["losses"], local_losses)
+    # a process holds its own quarter of the params and AdamW state (12 Psi/N bytes), no more
+    psi = sum(x.numel() for x in cfx.tree.leaves(dp_train_script.setup()[1]))
+    assert got["held"] * 4 == local_held and got["held"] <= 12 * psi / 4 * 1.02
+
+
+@pytest.mark.timeout(120)
+def test_local_zero3_with_state_across_steps_equals_single_device():
+    losses, _ = dp_train_script.zero3("local")
+    torch.testing.assert_close(losses, dp_train_script.single_device())

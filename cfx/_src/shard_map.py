@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from cfx._src import layout
+from cfx._src import donation, layout
 from cfx._src import tree as tree_util
 from cfx._src.lax import vma
 from cfx._src.mesh.spec import P, is_spec
@@ -190,7 +190,9 @@ class _Call:
                 leaves.append(x)
                 if inp.diff and self.differentiable:
                     proxies.append(proxy)
-            with vma.tracking(insert=self.differentiable) if self.track else contextlib.nullcontext():
+            own = [a._blocks[rank] for a in self.donated]  # the body may overwrite these (donation)
+            with vma.tracking(insert=self.differentiable) if self.track else contextlib.nullcontext(), \
+                    donation.donated(own):
                 out = self.f(*tree_util.unflatten(self.treedef, leaves))
         flat, treedef = tree_util.flatten(out)
         if self.differentiable:
@@ -203,25 +205,35 @@ class _Call:
         return treedef, flat
 
     def _write_into_donated(self, rank: int, flat: list, treedef) -> list:
-        """Each output block written into a free donated block of its shape, dtype and spec."""
+        """Each output block in a donated block of its shape, dtype and spec: first the outputs
+        the body already computed in place claim their own buffers, then the others are copied
+        into free ones (never into a buffer an output still lives in)."""
         specs = [s for _, _, s in _broadcast_specs(self.out_specs, tree_util.unflatten(treedef, flat),
                                                    "out_specs", self.mesh)]
-        free = [a for a in self.donated]
-        out = []
+        free = {id(a): a for a in self.donated}
+        fits = lambda a, x, spec: (a._blocks[rank].shape == x.shape and a._blocks[rank].dtype == x.dtype  # noqa: E731
+                                   and not a.partial and same_layout(a.spec, spec, x.dim()))
+        out = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+        placed = set()
+        for i, (x, spec) in enumerate(zip(out, specs)):
+            for k, a in list(free.items()):
+                b = a._blocks[rank]
+                if isinstance(x, torch.Tensor) and fits(a, x, spec) and b.data_ptr() == x.data_ptr():
+                    out[i] = b
+                    placed.add(i)
+                    del free[k]
+                    break
+        busy = {x.untyped_storage().data_ptr() for x in out if isinstance(x, torch.Tensor)}
         with torch.no_grad():
-            for x, spec in zip(flat, specs):
-                if isinstance(x, torch.Tensor):
-                    x = x.detach()
-                    for i, a in enumerate(free):
-                        b = a._blocks[rank]
-                        if b.shape == x.shape and b.dtype == x.dtype and same_layout(a.spec, spec, x.dim()) \
-                                and not a.partial:
-                            if b.data_ptr() != x.data_ptr():
-                                b.copy_(x)
-                            x = b
-                            del free[i]
-                            break
-                out.append(x)
+            for i, (x, spec) in enumerate(zip(out, specs)):
+                if i in placed or not isinstance(x, torch.Tensor):
+                    continue
+                for k, a in list(free.items()):
+                    b = a._blocks[rank]
+                    if fits(a, x, spec) and b.untyped_storage().data_ptr() not in busy:
+                        out[i] = b.copy_(x)
+                        del free[k]
+                        break
         return out
 
     def run(self):

@@ -60,7 +60,8 @@ def train(shape, vocab, T, batch, placement, *, n=N, steps=2):
 
     params = model.init(cfx.random.key(0))
     with cfx.Mesh({"data": n}) as mesh:
-        out = cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")), out_specs=P("data"))(params, tokens)
+        out = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")), out_specs=P("data"))(
+            params, tokens))
     peak, seconds, moved = out.max(0).values.tolist()
     return peak, seconds, moved, cfx.tree.tree_size(params), searches[0]
 

@@ -156,8 +156,8 @@ def _worker(rank: int, p: int, ms: list, rounds: int, init_file: str, out_file: 
                     def cfx_step():
                         got["cfx"] = float(step(params, x, y)[0])
                     return torch.tensor(interleaved_medians([cfx_step, torch_step], rounds))
-                times = cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()),
-                                      out_specs=P("pipe"))(params, x, y)
+                times = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()),
+                                                     out_specs=P("pipe"))(params, x, y))  # a collective
                 losses = torch.tensor([got["cfx"], got["torch"]])
                 dist.broadcast(losses, p - 1)  # the last stage knows the losses
                 results.append(dict(name=name, m=m, t=times.view(p, 2).max(0).values.tolist(),

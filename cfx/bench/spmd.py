@@ -70,7 +70,7 @@ def allreduce_ratio(size: int, numel: int, reps: int) -> tuple[float, float, flo
                 cfx.lax.psum(x, "data")
             return torch.tensor([time.perf_counter() - t0])
         x = torch.randn(numel)
-        t_cfx = float(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(x).max()) / reps
+        t_cfx = float(cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(x)).max()) / reps
 
     store = dist.HashStore()
     pgs = [None] * size

@@ -71,6 +71,7 @@ def measure(model, stage: int, n: int, *, dtype=torch.bfloat16, steps: int = 2, 
     with cfx.memory.track() as mem, cfx.Mesh({"data": n}, backend=backend) as mesh:
         records, nbytes, t = cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")),
                                            out_specs=(P(), P(), P("data")))(params, tokens)
+        t = cfx.device_get(t)  # every process's step time (a collective under dist)
     return [r for r in records if r.rank == 0 and r.axes == ("data",)], nbytes, float(t.max())
 
 

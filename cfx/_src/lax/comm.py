@@ -1,7 +1,8 @@
 """The one collective layer: raw gloo/NCCL calls on a rank's group, with accounting.
 
 Everything that moves bytes between ranks goes through these functions; they record each call
-in the active ``comm_stats`` collectors. Inputs are never modified; outputs are fresh tensors.
+in the active ``comm_stats`` collectors. Inputs are never modified (except a buffer its caller
+donated to ``all_reduce``, reduced in place); outputs are fresh tensors.
 Blocks are exchanged in the *requested* axis order: a group is made once per member set in the
 mesh's axis order, and ``order`` maps requested positions to group ranks.
 """
@@ -13,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from cfx._src import memory
+from cfx._src import donation, memory
 from cfx._src.mesh import context as ctx_lib
 
 _collectors: contextvars.ContextVar[tuple] = contextvars.ContextVar("cfx_comm_stats", default=())
@@ -75,7 +76,12 @@ def _copy_back(outs: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> No
 
 
 def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
-    out = x.detach().clone(memory_format=torch.contiguous_format)
+    """The reduction of ``x`` over ``ax``: a fresh tensor, or ``x`` itself, reduced in place, when
+    its caller donated it (``cfx._src.donation``)."""
+    if donation.is_donated(x) and x.is_contiguous() and not x.requires_grad:
+        out = x
+    else:
+        out = x.detach().clone(memory_format=torch.contiguous_format)
     ax.record("all_reduce", out)
     if ax.size == 1:
         return out

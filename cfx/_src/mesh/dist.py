@@ -4,6 +4,10 @@ Every process makes the same groups in the same order at start-up (``new_group``
 over the world), one per non-empty subset of mesh axes and slice, so a collective on any axis
 tuple finds its group ready. ``run`` executes the body for this process's own rank and returns
 its output only: nothing is exchanged outside the collectives the body issues (SPMD).
+
+The first mesh of a process initialises the world (gloo) if nobody has; closing a mesh releases
+its groups but leaves the world up for the next mesh, because torch cannot re-initialise a world
+on the same rendezvous store (the second world finds the first one's stale addresses there).
 """
 from __future__ import annotations
 
@@ -21,8 +25,7 @@ class DistBackend:
 
     def __init__(self, mesh):
         self.mesh = mesh
-        self._owns_world = not dist.is_initialized()
-        if self._owns_world:
+        if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=mesh.timeout))
         world = dist.get_world_size()
         if world != mesh.size:
@@ -54,7 +57,7 @@ class DistBackend:
             return {self.rank: fn(self.rank)}
 
     def close(self) -> None:
-        """Wait for every rank, release the groups, and shut the world down if this mesh made it."""
+        """Wait for every rank and release this mesh's groups (the world stays up; module doc)."""
         if self._closed:
             return
         self._closed = True
@@ -64,5 +67,3 @@ class DistBackend:
                 dist.destroy_process_group(g.pg)
             g.pg = None
         self._ctx.groups.clear()
-        if self._owns_world:
-            dist.destroy_process_group()

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from cfx._src import donation
 from cfx._src import tree as tree_util
 from cfx._src.optim import _util
 
@@ -74,12 +75,16 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
-    """New params ``p + u`` leafwise, with ``u`` cast to ``p``'s dtype."""
+    """New params ``p + u`` leafwise, with ``u`` cast to ``p``'s dtype (added in place into
+    params whose buffers the caller donated, see ``cfx._src.donation``)."""
     ps, treedef = tree_util.flatten(params)
     us = _util.leaves_like("cfx.optim.apply_updates (params vs updates)", updates, treedef, params)
     if not ps:
         return params
     us = [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(ps, us)]
+    if donation.all_donated(ps):
+        torch._foreach_add_(ps, us)
+        return params
     return tree_util.unflatten(treedef, torch._foreach_add(ps, us))
 
 

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from cfx._src import donation
 from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.spec import P, is_spec
@@ -31,21 +32,27 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
 
 def tree_pmean(tree: Any, axis: str) -> Any:
     """``pmean`` of every floating leaf over ``axis`` as ONE flat all-reduce (bucketed DP sync)."""
-    return _flat_reduce(tree, axis, lax.pmean)
+    return _flat_reduce(tree, axis, mean=True)
 
 
 def tree_psum(tree: Any, axis: str) -> Any:
     """``psum`` of every floating leaf over ``axis`` as ONE flat all-reduce."""
-    return _flat_reduce(tree, axis, lax.psum)
+    return _flat_reduce(tree, axis, mean=False)
 
 
-def _flat_reduce(tree: Any, axis: str, reduce) -> Any:
+def _flat_reduce(tree: Any, axis: str, *, mean: bool) -> Any:
     items, treedef = tree_util.flatten(tree)
     floats = [i for i, x in enumerate(items) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not floats:
         return tree
     flat = torch.cat([items[i].reshape(-1).to(torch.float32) for i in floats])
-    flat = reduce(flat, axis)
+    if flat.requires_grad:
+        flat = (lax.pmean if mean else lax.psum)(flat, axis)
+    else:  # the flat copy is ours: reduce and scale it in place (no second copy of the model)
+        with donation.donated([flat]):
+            flat = lax.psum(flat, axis)
+        if mean:
+            flat.div_(lax.axis_size(axis))
     out, offset = list(items), 0
     for i in floats:
         n = items[i].numel()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cfx import optim
+from cfx._src import donation
 from cfx._src import tree as tree_util
 from cfx._src.init_sharded import init_sharded
 from cfx._src.lax import collectives as lax
@@ -107,7 +108,8 @@ class ShardedTrainStep:
                 norm = sharded_global_norm(grads, pspecs) / (scale if policy.needs_loss_scaling else 1.0)
                 coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
                 grads = tree_util.map(lambda g: g * coef, grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
+            with donation.donated(tree_util.leaves(grads)):  # spent: the update may reuse them
+                updates, opt_state = tx.update(grads, opt_state, params)
             return optim.apply_updates(params, updates), opt_state, loss
 
         batch_spec = self.rules.spec(("batch", None))

@@ -38,7 +38,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from cfx._src import memory
+from cfx._src import donation, memory
 from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.spec import is_spec
@@ -169,7 +169,9 @@ class ZeroTransformation:
             derived = self._masters(leaves, plan) if any(m is None for m in state.master) else None
             masters = [m if m is not None else derived[g] for g, m in enumerate(state.master)]
             ghost = ghost_leaf(shards, plan)
-            (us, _), inner = self.tx.update((tuple(shards), ghost), state.inner, (tuple(masters), torch.zeros(1)))
+            with donation.donated(shards):  # our own flat copies: the inner update may reuse them
+                (us, _), inner = self.tx.update((tuple(shards), ghost), state.inner,
+                                                (tuple(masters), torch.zeros(1)))
             new_master = tuple(None if m is None else masters[g] + us[g] for g, m in enumerate(state.master))
             updates = self._expand(us, new_master, plan, leaves, params)
         new_state = ZeroState(new_master, inner)
@@ -198,7 +200,7 @@ class ZeroTransformation:
                 flat = lax.psum(torch.cat([g.reshape(-1).to(dt) for g in gs]), self.axis)
             else:
                 flat = lax.psum_scatter(lay.rows_from_leaves(gs, dtype=dt), self.axis, dim=0, tiled=False)
-            out.append(flat.to(torch.float32) / n_axis)
+            out.append(flat.to(torch.float32).div_(n_axis))  # flat is fresh: divide in place
         return out
 
     def _expand(self, us, new_master, plan: Plan, leaves, params) -> Any:
