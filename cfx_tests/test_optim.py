@@ -365,3 +365,23 @@ def test_adamw_stays_differentiable_for_params_that_require_grad():
     new = optim.apply_updates(params, updates)
     (d,) = torch.autograd.grad(new["w"].sum(), params["w"])
     torch.testing.assert_close(d, torch.full((3,), 1.0 - 1e-2 * 1e-2))
+
+
+def test_donated_adam_writes_in_place_and_gives_the_same_numbers():
+    from cfx._src import donation
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)}
+    grads = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)}
+    for tx, decoupled in ((cfx.optim.adamw(1e-2, weight_decay=0.1), True), (cfx.optim.adam(1e-2, weight_decay=0.1), False)):
+        state = tx.update(grads, tx.init(params), params)[1]  # a non-zero state
+        want_u, want_s = tx.update(grads, state, params)
+        want_p = cfx.optim.apply_updates(params, want_u)
+        p, s, gr = (cfx.tree.map(torch.clone, t) for t in (params, state, grads))
+        ptrs = [x.data_ptr() for x in cfx.tree.leaves((p, s, gr)) if x.dim()]
+        with donation.donated(cfx.tree.leaves((p, s, gr))):
+            u, s2 = tx.update(gr, s, p)
+            p2 = cfx.optim.apply_updates(p, u)
+        for a, b in zip(cfx.tree.leaves((p2, s2)), cfx.tree.leaves((want_p, want_s))):
+            assert torch.equal(a, b)
+        kept = {x.data_ptr() for x in cfx.tree.leaves((p2, s2, u if decoupled else {})) if x.dim()}
+        assert kept <= set(ptrs)  # params, moments (and adamw's updates) live in the donated buffers

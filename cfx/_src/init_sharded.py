@@ -16,6 +16,7 @@ from cfx._src import tree as tree_util
 from cfx._src.mesh.spec import P
 from cfx._src.shapes import eval_shape
 from cfx._src.sharded import ShardedArray
+from cfx._src.spec_tree import broadcast_specs
 
 
 def init_sharded(init: Callable[..., Any], *args: Any, mesh, specs: Any = P()) -> Any:
@@ -25,9 +26,8 @@ def init_sharded(init: Callable[..., Any], *args: Any, mesh, specs: Any = P()) -
     Specs are checked against the shapes (from ``eval_shape``, nothing allocated) before any
     value is computed: a mismatch is a ValueError naming the leaf, the mesh and the fix.
     """
-    from cfx._src.shard_map import _broadcast_specs
     shapes = eval_shape(init, *args)
-    items = _broadcast_specs(specs, shapes, "specs", mesh)
+    items = broadcast_specs(specs, shapes, "specs", mesh, where="cfx.init_sharded")
     for path, leaf, spec in items:
         if not hasattr(leaf, "shape"):
             raise ValueError(f"cfx.init_sharded: leaf {path or '<root>'!r} of the init's output is a "

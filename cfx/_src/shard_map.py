@@ -33,7 +33,6 @@ import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
-import optree
 import torch
 
 from cfx._src import donation, layout
@@ -42,57 +41,11 @@ from cfx._src.lax import vma
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.reshard import plan as reshard_plan, run_steps, same_layout
 from cfx._src.sharded import ShardedArray, same_layout_mesh
+from cfx._src.spec_tree import broadcast_specs
 
 # Re-exported for callers that validate or slice by spec.
 check_spec = layout.check_spec
 block_of = layout.block_of
-
-
-def _broadcast_specs(specs: Any, tree: Any, what: str, mesh) -> list[tuple[str, Any, P]]:
-    """``(path, leaf, spec)`` for every leaf of ``tree`` with the spec its prefix assigns."""
-    try:
-        full = optree.tree_broadcast_prefix(specs, tree, is_leaf=is_spec, namespace=tree_util.NAMESPACE)
-    except ValueError:
-        where, why = _prefix_mismatch(specs, tree)
-        values = {"in_specs": "arguments", "out_specs": "outputs"}.get(what, "values")
-        if what == "in_specs":
-            head, _, rest = where.partition(".")
-            where = f"args[{head}]" + (f".{rest}" if rest else "")
-        raise ValueError(f"shard_map: {what} do not match the {values} at {where or '<root>'!r} on {mesh!r}: "
-                         f"{why}. Give one P per leaf, or a P for a whole subtree (a pytree prefix).") from None
-    items, _ = tree_util.flatten_with_path(tree)
-    spec_leaves = tree_util.leaves(full, is_leaf=is_spec)
-    out = []
-    for (path, leaf), spec in zip(items, spec_leaves):
-        if what == "in_specs":  # "0.wte.w" -> "args[0].wte.w"
-            head, _, rest = path.partition(".")
-            path = f"args[{head}]" + (f".{rest}" if rest else "")
-        if not is_spec(spec):
-            raise ValueError(f"shard_map: {what} leaf {path or '<root>'!r} must be a cfx.P spec, got "
-                             f"{spec!r}.")
-        out.append((path, leaf, spec))
-    return out
-
-
-def _prefix_mismatch(specs: Any, tree: Any, path: str = "") -> tuple[str, str]:
-    """Where a spec pytree stops being a prefix of ``tree``: ``(dotted path, what differs)``."""
-    ns = tree_util.NAMESPACE
-    if is_spec(specs) or specs is None:
-        return path, "a spec leaf here is fine"  # not reached for a real mismatch
-    if optree.tree_is_leaf(specs, namespace=ns) or optree.tree_is_leaf(tree, namespace=ns):
-        return path, f"the specs have a {type(specs).__name__} where the values have a {type(tree).__name__}"
-    s1 = optree.tree_flatten_one_level(specs, namespace=ns)
-    t1 = optree.tree_flatten_one_level(tree, namespace=ns)
-    if type(specs) is not type(tree) or s1.entries != t1.entries:
-        return path, (f"the specs have {type(specs).__name__} entries {list(s1.entries)} where the values have "
-                      f"{type(tree).__name__} entries {list(t1.entries)}")
-    for entry, sc, tc in zip(s1.entries, s1.children, t1.children):
-        sub = f"{path}.{entry}" if path else str(entry)
-        try:
-            optree.tree_broadcast_prefix(sc, tc, is_leaf=is_spec, namespace=ns)
-        except ValueError:
-            return _prefix_mismatch(sc, tc, sub)
-    return path, "the structures differ"
 
 
 class _Input:
@@ -130,22 +83,25 @@ class _Input:
                 raise ValueError(f"shard_map: in_specs leaf {path!r} is a {type(leaf).__name__}, which cannot "
                                  "be split; give it P().")
 
-    def block(self, rank: int, mesh, differentiable: bool) -> tuple[Any, torch.Tensor | None]:
-        """``(the body's value, the per-rank leaf to differentiate or None)`` on ``rank``."""
+    def block(self, rank: int, mesh, differentiable: bool, track: bool) -> tuple[Any, torch.Tensor | None]:
+        """``(the body's value, the per-rank leaf to differentiate or None)`` on ``rank``; with
+        ``track``, the value is a new tensor object tagged with the in_spec's axes."""
         if self.kind == "static":
             return self.leaf, None
         proxy = None
         if self.kind == "array":
-            x = self.leaf.blocks[rank].detach()  # a new tensor object over the same storage
+            x = self.leaf.blocks[rank]  # used as is: no copy
             if differentiable and self.diff:
-                x = proxy = x.requires_grad_(True)
+                x = proxy = x.detach().requires_grad_(True)
+            elif track and not self.steps:
+                x = x.detach()  # a new tensor object over the same storage, to carry the tag
             if self.steps:
                 x = run_steps(x, self.steps)
         else:
             x = layout.block_of(self.leaf.detach(), self.spec, mesh, mesh.coords(rank)).clone()
             if differentiable and self.diff:
                 proxy = x.requires_grad_(True)
-        return vma.mark(x, self.spec.all_axes()) if isinstance(x, torch.Tensor) else x, proxy
+        return vma.mark(x, self.spec.all_axes()) if track else x, proxy
 
 
 class _Call:
@@ -158,7 +114,7 @@ class _Call:
         if len(specs) != len(args):
             raise ValueError(f"shard_map: got {len(args)} arguments but {len(specs)} in_specs on "
                              f"{mesh!r}; give one spec (or spec pytree) per positional argument.")
-        self.inputs = [_Input(p, x, s, mesh) for p, x, s in _broadcast_specs(tuple(specs), tuple(args),
+        self.inputs = [_Input(p, x, s, mesh) for p, x, s in broadcast_specs(tuple(specs), tuple(args),
                                                                               "in_specs", mesh)]
         self.treedef = tree_util.structure(tuple(args))
         self.grad_mode = torch.is_grad_enabled()  # the caller's; rank threads have their own
@@ -183,17 +139,20 @@ class _Call:
     # -- forward -------------------------------------------------------------------------------
     def on_rank(self, rank: int):
         mesh = self.mesh
-        with torch.set_grad_enabled(self.grad_mode):
+        with contextlib.ExitStack() as stack:  # only what this call needs: the common one is cheap
+            if torch.is_grad_enabled() != self.grad_mode:
+                stack.enter_context(torch.set_grad_enabled(self.grad_mode))
             leaves, proxies = [], []
             for inp in self.inputs:
-                x, proxy = inp.block(rank, mesh, self.differentiable)
+                x, proxy = inp.block(rank, mesh, self.differentiable, self.track)
                 leaves.append(x)
                 if inp.diff and self.differentiable:
                     proxies.append(proxy)
-            own = [a._blocks[rank] for a in self.donated]  # the body may overwrite these (donation)
-            with vma.tracking(insert=self.differentiable) if self.track else contextlib.nullcontext(), \
-                    donation.donated(own):
-                out = self.f(*tree_util.unflatten(self.treedef, leaves))
+            if self.track:
+                stack.enter_context(vma.tracking(insert=self.differentiable))
+            if self.donated:  # the body may overwrite these blocks
+                stack.enter_context(donation.donated([a._blocks[rank] for a in self.donated]))
+            out = self.f(*tree_util.unflatten(self.treedef, leaves))
         flat, treedef = tree_util.flatten(out)
         if self.differentiable:
             self.proxies[rank], self.outs[rank] = proxies, flat
@@ -208,7 +167,7 @@ class _Call:
         """Each output block in a donated block of its shape, dtype and spec: first the outputs
         the body already computed in place claim their own buffers, then the others are copied
         into free ones (never into a buffer an output still lives in)."""
-        specs = [s for _, _, s in _broadcast_specs(self.out_specs, tree_util.unflatten(treedef, flat),
+        specs = [s for _, _, s in broadcast_specs(self.out_specs, tree_util.unflatten(treedef, flat),
                                                    "out_specs", self.mesh)]
         free = {id(a): a for a in self.donated}
         fits = lambda a, x, spec: (a._blocks[rank].shape == x.shape and a._blocks[rank].dtype == x.dtype  # noqa: E731
@@ -245,7 +204,7 @@ class _Call:
                 raise ValueError(f"shard_map: rank {r} returned a different pytree structure than rank "
                                  f"{ranks[0]} on {self.mesh!r}; every rank must return the same structure.")
         first = tree_util.unflatten(treedef, results[ranks[0]][1])
-        items = _broadcast_specs(self.out_specs, first, "out_specs", self.mesh)
+        items = broadcast_specs(self.out_specs, first, "out_specs", self.mesh)
         outs = []
         for i, (path, leaf, spec) in enumerate(items):
             blocks = {r: results[r][1][i] for r in ranks}

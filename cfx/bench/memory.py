@@ -68,7 +68,8 @@ def _state_rows(runs: list[list[dict]], label: str, *, rss: bool) -> tuple[list[
         held = [h for r in per for _, h in r["tracked_peak"].values()]
         formula = 16 * psi / n + gathered
         worst = max(peaks) / formula
-        rows.append(Row("zero3_state_bytes_vs_formula" + label, worst, "x", "<= 1.05", worst <= 1.05))
+        name = "zero3_state_bytes_vs_formula" + ("_local" if "local" in label else "")
+        rows.append(Row(name, worst, "x", "<= 1.05", worst <= 1.05))
         slack = 16 * (first.get("padded", psi) - psi) / n
         ratio = max(held) / (16 * psi / n)
         rows.append(Row(f"ZeRO-3 params + grads + AdamW state once grads exist / 16 Psi/N{label}", ratio, "x",
