@@ -5,6 +5,8 @@ function transformations over named device meshes.
 """
 from cfx import (amp, checkpoint, checkpoint_policies, gemini, lax, memory, models, nn, optim, parallel, quant,
                  random, testing, tree)
+from cfx._src.arrays import device_get, device_put, reshard
+from cfx._src.init_sharded import init_sharded
 from cfx._src.lax.stats import CommStats, comm_stats
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.mesh.spec import P
@@ -12,11 +14,10 @@ from cfx._src.parallel.rules import Rules
 from cfx._src.pipeline.api import pipeline
 from cfx._src.remat import remat
 from cfx._src.remat.engine import ActivationStats, activation_stats, checkpoint_name
-from cfx._src.reshard import Plan as ReshardPlan, reshard, reshard_plan
-from cfx._src.init_sharded import init_sharded
+from cfx._src.reshard import Plan as ReshardPlan, reshard_plan
 from cfx._src.shapes import ShapeDtype, eval_shape
 from cfx._src.shard_map import shard_map
-from cfx._src.sharded import ShardedArray, device_get, device_put
+from cfx._src.sharded import ShardedArray
 from cfx._src.transforms import grad, jvp, value_and_grad, vmap
 from cfx._src.zero.api import zero
 

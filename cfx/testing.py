@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from cfx._src import tree as tree_util
 from cfx._src.mesh.spec import P
 from cfx._src.shard_map import shard_map
-from cfx._src.sharded import device_get
+from cfx._src.arrays import device_get
 
 AXIS_NAMES = ("data", "model", "pipe")
 

@@ -11,7 +11,8 @@ plus the axes over which blocks are partial sums. Moves (per-rank bytes sent, ri
 
 Dijkstra over layouts finds the cheapest path (Colossal-AI's shape-consistency manager does a
 greedy version of this search); ``naive_bytes`` is the cost of gathering everything and then
-splitting, for comparison.
+splitting, for comparison. ``run_steps`` carries a rank's block along a plan (``shard_map`` does
+it for every argument whose layout differs from its in_spec; ``cfx.reshard`` is built on that).
 """
 from __future__ import annotations
 
@@ -182,26 +183,6 @@ def run_steps(x: torch.Tensor, steps: tuple[Step, ...]) -> torch.Tensor:
     for s in steps:
         ax = comm.Axes((s.axis,), "cfx.reshard")
         x = _Relayout.apply(x, s, ax) if x.requires_grad and torch.is_grad_enabled() else _apply(x, s, ax)
-    return x
-
-
-def reshard(arr: Any, spec: P):
-    """``arr`` (a ShardedArray) laid out by ``spec``, moved by the cheapest plan (``reshard_plan``).
-
-    Differentiable; runs as a ``shard_map`` of the identity, whose input conversion is this plan.
-    """
-    from cfx._src.shard_map import shard_map
-    from cfx._src.sharded import ShardedArray
-
-    if not isinstance(arr, ShardedArray):
-        raise ValueError(f"cfx.reshard: expected a ShardedArray (from cfx.device_put or shard_map), got "
-                         f"{type(arr).__name__}.")
-    if not isinstance(spec, P):
-        raise ValueError(f"cfx.reshard: spec must be a cfx.P, got {spec!r}.")
-    return shard_map(_identity, mesh=arr.mesh, in_specs=spec, out_specs=spec)(arr)
-
-
-def _identity(x):
     return x
 
 

@@ -19,7 +19,7 @@ Differentiation. ``cfx.grad`` of a function that calls ``shard_map`` differentia
 (JAX's ``check_vma=True`` semantics): the body runs with varying-axes tracking that implicitly
 ``pvary``s invariant values where they meet varying ones, each rank's backward runs in that rank
 (the collectives' transposes pair up), and gradients come back laid out like the inputs
-(``sharded_ad``). Inside a body nobody differentiates from outside, ``cfx.grad`` gives each
+(``sharded``'s anchors and cells). Inside a body nobody differentiates from outside, ``cfx.grad`` gives each
 rank's partial gradients, to be reduced explicitly (``tree_pmean``), which lets data
 parallelism bucket its all-reduce.
 
@@ -40,7 +40,7 @@ from cfx._src import tree as tree_util
 from cfx._src.lax import vma
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.reshard import plan as reshard_plan, run_steps, same_layout
-from cfx._src.sharded import ShardedArray, same_layout_mesh
+from cfx._src.sharded import Cell, ShardedArray, same_layout_mesh
 from cfx._src.spec_tree import broadcast_specs
 
 # Re-exported for callers that validate or slice by spec.
@@ -239,7 +239,6 @@ class _Call:
         """Per-rank backward from the outputs' cotangent cells; returns one gradient per
         differentiable input: global tensors' gradients, None for ShardedArrays (whose blocks go
         to their cells)."""
-        from cfx._src import sharded_ad
         mesh = self.mesh
         cts = [None if c is None else c.take() for c in cells]
         diff_inputs = [inp for inp in self.inputs if inp.diff]
@@ -263,8 +262,7 @@ class _Call:
                                                                                         mesh.local_ranks})}
             if inp.kind == "array":
                 arr = inp.leaf
-                sharded_ad.deposit(arr, {r: g if g is not None else torch.zeros_like(arr.blocks[r])
-                                         for r, g in got.items()})
+                arr.deposit({r: g if g is not None else torch.zeros_like(arr.blocks[r]) for r, g in got.items()})
                 grads.append(None)  # the anchor's gradient: the blocks went to the array's cell
             else:
                 grads.append(self._global_grad(inp, got))
@@ -308,7 +306,6 @@ class _Holder:
 
 
 def _run_differentiable(call: _Call) -> list:
-    from cfx._src import sharded_ad
     tensors = [inp.leaf._anchor if inp.kind == "array" else inp.leaf for inp in call.inputs if inp.diff]
     holder = _Holder()
     anchors = _CallFn.apply(call, holder, *tensors)
@@ -316,8 +313,8 @@ def _run_differentiable(call: _Call) -> list:
     cells, out, k = [], [], 0
     for o in holder.outs:
         if isinstance(o, ShardedArray) and o.dtype.is_floating_point:
-            cell = sharded_ad.Cell()
-            o = sharded_ad.output(o, anchors[k], cell)
+            cell = Cell()
+            o = o.with_anchor(anchors[k], cell)
             k += 1
             cells.append(cell)
         elif isinstance(o, ShardedArray):

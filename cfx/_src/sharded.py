@@ -8,7 +8,15 @@ calls it). ``partial`` names mesh axes over which the blocks are unreduced parti
 global value is their sum), the state a row-parallel matmul leaves before its psum.
 
 A ShardedArray is a pytree leaf. It is differentiable like a tensor: ``cfx.grad`` w.r.t. a
-ShardedArray returns a ShardedArray laid out the same way (see ``sharded_ad``).
+ShardedArray returns a ShardedArray laid out the same way. Its blocks live in the ranks (threads
+under ``local``, processes under ``dist``), and each rank's backward must run in that rank so that
+the collectives' transposes pair up; so the caller's autograd graph never sees blocks. A
+differentiable ShardedArray carries an *anchor*, a 0-d tensor that stands for it in the caller's
+graph, and a *cell* where its cotangent blocks (rank -> tensor) accumulate during backward. The
+calls that consume or produce ShardedArrays (``shard_map``; ``device_get``) are
+``torch.autograd.Function`` s over anchors: the engine runs a node only after every consumer of
+its outputs has run, so by then each output's cell holds the sum of its consumers' cotangents;
+the node runs its ranks' backward (``Mesh.run``) and deposits into its inputs' cells.
 """
 from __future__ import annotations
 
@@ -19,6 +27,25 @@ import torch
 from cfx._src import layout
 from cfx._src.mesh.spec import P
 from cfx._src.shapes import ArrayShape
+
+
+class Cell:
+    """The cotangent of one differentiable ShardedArray, accumulated block by block."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self):
+        self.blocks: dict[int, torch.Tensor] | None = None
+
+    def add(self, blocks: dict[int, torch.Tensor]) -> None:
+        if self.blocks is None:
+            self.blocks = dict(blocks)
+        else:
+            self.blocks = {r: self.blocks[r] + b for r, b in blocks.items()}
+
+    def take(self) -> dict[int, torch.Tensor] | None:
+        out, self.blocks = self.blocks, None
+        return out
 
 
 class ShardedArray(ArrayShape):
@@ -74,25 +101,36 @@ class ShardedArray(ArrayShape):
     def requires_grad(self) -> bool:
         return self._anchor is not None and self._anchor.requires_grad
 
-    # -- the differentiable-leaf protocol of cfx.grad (see sharded_ad) ---------------------------
+    # -- the differentiable-leaf protocol of cfx.grad (module doc) --------------------------------
     def __cfx_grad_leaf__(self) -> "ShardedArray":
-        from cfx._src import sharded_ad
-        return sharded_ad.leaf(self)
+        """A differentiable copy (same blocks) whose gradient ``__cfx_cotangent__`` returns."""
+        return self.with_anchor(torch.zeros((), requires_grad=True), Cell())
 
     def __cfx_anchor__(self) -> torch.Tensor | None:
         return self._anchor
 
     def __cfx_seed__(self) -> None:
-        from cfx._src import sharded_ad
-        sharded_ad.seed(self)
+        """Start a backward pass at this scalar: its cotangent is one on every rank."""
+        self.deposit({r: torch.ones_like(b) for r, b in self.blocks.items()})
 
     def __cfx_cotangent__(self) -> "ShardedArray":
-        from cfx._src import sharded_ad
-        return sharded_ad.cotangent(self)
+        """The gradient accumulated for this leaf (zeros where nothing reached it)."""
+        got = self._cell.take() if self._cell is not None else None
+        if got is None:
+            got = {r: torch.zeros_like(b) for r, b in self.blocks.items()}
+        return ShardedArray(self.shape, self.spec, self.mesh, got)
 
     def __cfx_detached__(self) -> "ShardedArray":
-        from cfx._src import sharded_ad
-        return sharded_ad.detached(self)
+        return self if self._anchor is None else ShardedArray(self.shape, self.spec, self.mesh, self.blocks,
+                                                               self.partial)
+
+    def with_anchor(self, anchor: torch.Tensor, cell: "Cell") -> "ShardedArray":
+        return ShardedArray(self.shape, self.spec, self.mesh, self.blocks, self.partial, anchor=anchor, cell=cell)
+
+    def deposit(self, blocks: dict[int, torch.Tensor]) -> None:
+        """Add cotangent blocks to this array's cell (during a backward pass)."""
+        if self._cell is not None:
+            self._cell.add(blocks)
 
     # -- donation ----------------------------------------------------------------------------------
     def delete(self, why: str = "deleted") -> None:
@@ -104,8 +142,19 @@ class ShardedArray(ArrayShape):
 
     # -- to host values ------------------------------------------------------------------------
     def gather(self) -> torch.Tensor:
-        """The global tensor (``cfx.device_get(arr)``; a collective under ``dist``)."""
-        return device_get(self)
+        """The global tensor from the blocks this process holds, without communication: every
+        block under ``local``, or a replicated array anywhere. ``cfx.device_get`` does the rest
+        (a collective under ``dist``) and is differentiable."""
+        if not self.is_fully_addressable:
+            if self.is_replicated:
+                return self._any_block().detach().clone()
+            raise ValueError(f"ShardedArray.gather: this process holds only ranks {sorted(self.blocks)} of "
+                             f"{self.mesh!r}; call cfx.device_get(arr) on every process (it replicates the "
+                             "array by collectives first).")
+        blocks = {r: b.detach() for r, b in self.blocks.items()}
+        if self.partial:  # the global value is the sum of the partial blocks
+            blocks = {r: sum(blocks[m] for m in self.mesh.group_members(self.partial, r)) for r in blocks}
+        return layout.assemble(blocks, self.spec, self.mesh, "<array>", check_rep=False)
 
     def item(self) -> Any:
         """The value of a replicated one-element array (no communication)."""
@@ -150,32 +199,3 @@ def same_layout_mesh(a, b) -> bool:
     order and backend kind: a re-created notebook mesh accepts arrays of the old one)."""
     return a is b or (a.axis_names == b.axis_names and a.shape == b.shape
                       and a.backend.name == b.backend.name and a.local_ranks == b.local_ranks)
-
-
-def device_put(x: torch.Tensor, mesh, spec: P = P()) -> ShardedArray:
-    """Lay global ``x`` out over ``mesh`` by ``spec`` (each addressed rank gets a copy of its block).
-
-    Differentiable: the gradient w.r.t. ``x`` is the global cotangent."""
-    from cfx._src.shard_map import shard_map
-    if not isinstance(spec, P):
-        raise ValueError(f"cfx.device_put: spec must be a cfx.P, got {spec!r}.")
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"cfx.device_put: expected a torch.Tensor, got {type(x).__name__}.")
-    layout.check_spec("<array>", tuple(x.shape), spec, mesh, "cfx.device_put")
-    return shard_map(_identity, mesh=mesh, in_specs=spec, out_specs=spec)(x)
-
-
-def _identity(x):
-    return x
-
-
-def device_get(tree: Any) -> Any:
-    """``tree`` with every ShardedArray leaf replaced by its global ``torch.Tensor``.
-
-    Under ``local`` the blocks are copied together (no communication); under ``dist`` each array
-    is first replicated by ``reshard``'s collectives, so every process must call this with the
-    same tree. Other leaves pass through. Differentiable.
-    """
-    from cfx._src import tree as tree_util
-    from cfx._src.sharded_ad import to_global
-    return tree_util.map(lambda x: to_global(x) if isinstance(x, ShardedArray) else x, tree)

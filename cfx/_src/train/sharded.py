@@ -28,7 +28,7 @@ from cfx._src.parallel.state import sharded_global_norm, state_specs, tree_pmean
 from cfx._src.pipeline.api import pipeline
 from cfx._src.shapes import eval_shape
 from cfx._src.shard_map import shard_map
-from cfx._src.sharded import device_put
+from cfx._src.arrays import device_put
 from cfx._src.train.sample import sample_bytes
 from cfx._src.train.step import scaled_loss_grad
 

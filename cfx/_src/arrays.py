@@ -1,0 +1,82 @@
+"""Moving ShardedArrays: ``device_put``, ``device_get`` and ``reshard``, all differentiable.
+
+``device_put`` and ``reshard`` are ``shard_map`` s of the identity (the input conversion does
+the work: slicing a global tensor, or ``reshard_plan``'s collectives inside the ranks);
+``device_get`` copies blocks together under ``local`` and replicates by collectives first under
+``dist``, so there every process must call it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cfx._src import layout
+from cfx._src import tree as tree_util
+from cfx._src.mesh.spec import P
+from cfx._src.shard_map import shard_map
+from cfx._src.sharded import ShardedArray
+
+
+def _identity(x):
+    return x
+
+
+def device_put(x: torch.Tensor, mesh, spec: P = P()) -> ShardedArray:
+    """Lay global ``x`` out over ``mesh`` by ``spec`` (each addressed rank gets a copy of its block).
+
+    Differentiable: the gradient w.r.t. ``x`` is the global cotangent."""
+    if not isinstance(spec, P):
+        raise ValueError(f"cfx.device_put: spec must be a cfx.P, got {spec!r}.")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"cfx.device_put: expected a torch.Tensor, got {type(x).__name__}.")
+    layout.check_spec("<array>", tuple(x.shape), spec, mesh, "cfx.device_put")
+    return shard_map(_identity, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+
+def reshard(arr: ShardedArray, spec: P) -> ShardedArray:
+    """``arr`` laid out by ``spec``, moved by the cheapest plan (``reshard_plan``); differentiable."""
+    if not isinstance(arr, ShardedArray):
+        raise ValueError(f"cfx.reshard: expected a ShardedArray (from cfx.device_put or shard_map), got "
+                         f"{type(arr).__name__}.")
+    if not isinstance(spec, P):
+        raise ValueError(f"cfx.reshard: spec must be a cfx.P, got {spec!r}.")
+    return shard_map(_identity, mesh=arr.mesh, in_specs=spec, out_specs=spec)(arr)
+
+
+def device_get(tree: Any) -> Any:
+    """``tree`` with every ShardedArray leaf replaced by its global ``torch.Tensor``.
+
+    Under ``local`` the blocks are copied together (no communication); under ``dist`` each array
+    is first replicated by ``reshard``'s collectives, so every process must call this with the
+    same tree. Other leaves pass through. Differentiable.
+    """
+    return tree_util.map(lambda x: _to_global(x) if isinstance(x, ShardedArray) else x, tree)
+
+
+def _to_global(arr: ShardedArray) -> torch.Tensor:
+    if arr.requires_grad and torch.is_grad_enabled():
+        return _ToGlobal.apply(arr, arr._anchor)
+    return _global_value(arr)
+
+
+class _ToGlobal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, arr, anchor):
+        del anchor
+        ctx.arr = arr
+        return _global_value(arr)
+
+    @staticmethod
+    def backward(ctx, g):
+        arr, ctx.arr = ctx.arr, None
+        if g is not None:  # a partial array's cotangent is the global one on every rank (sum's transpose)
+            mesh = arr.mesh
+            arr.deposit({r: layout.block_of(g, arr.spec, mesh, mesh.coords(r)).clone() for r in arr.blocks})
+        return None, None
+
+
+def _global_value(arr: ShardedArray) -> torch.Tensor:
+    if not arr.is_fully_addressable and not arr.is_replicated:
+        arr = reshard(arr.__cfx_detached__(), P())  # dist: replicate by collectives, then any block is it
+    return arr.gather()
