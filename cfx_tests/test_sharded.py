@@ -159,3 +159,16 @@ def test_varying_axes_follow_jax_and_need_tracking():
         assert bool(cfx.device_get(ok(torch.ones(4, 2), torch.ones(2))).all())
         with pytest.raises(ValueError, match="check_vma=True"):
             cfx.shard_map(lambda x: cfx.lax.varying_axes(x), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(1))
+
+
+def test_grad_through_a_body_that_also_returns_plain_values():
+    # a static output before the array output must not shift which cotangent goes where
+    x = torch.arange(4.0)
+    with cfx.Mesh({"data": 2}) as mesh:
+        def f(w):
+            n, loss = cfx.shard_map(lambda xb, w: ("tag", cfx.lax.psum((xb * w).sum(), "data")), mesh=mesh,
+                                    in_specs=(P("data"), P()), out_specs=(P(), P()))(x, w)
+            assert n == "tag"
+            return loss
+        g = cfx.grad(f)(cfx.device_put(torch.ones(1), mesh))
+    torch.testing.assert_close(cfx.device_get(g), x.sum()[None])

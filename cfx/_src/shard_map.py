@@ -43,10 +43,6 @@ from cfx._src.reshard import plan as reshard_plan, run_steps, same_layout
 from cfx._src.sharded import Cell, ShardedArray, same_layout_mesh
 from cfx._src.spec_tree import broadcast_specs
 
-# Re-exported for callers that validate or slice by spec.
-check_spec = layout.check_spec
-block_of = layout.block_of
-
 
 class _Input:
     """One argument leaf and how each rank gets its block of it."""
@@ -320,8 +316,8 @@ def _run_differentiable(call: _Call) -> list:
         elif isinstance(o, ShardedArray):
             cells.append(None)
         out.append(o)
-    # cotangents arrive per output leaf; non-array outputs have none
-    holder.cells = [c for c, o in zip(cells, holder.outs) if isinstance(o, ShardedArray)]
+    # cotangents arrive per array output (in order); other outputs have none
+    holder.cells = cells
     call.outs = {r: [x for x, o in zip(xs, holder.outs) if isinstance(o, ShardedArray)]
                  for r, xs in call.outs.items()}
     return out
