@@ -84,6 +84,43 @@ plt.show()
 # same size). Each stage also equals the single-device run step for step; the test suite checks
 # that on `{"data": 4}` and `{"data": 2, "model": 2}`.
 #
+# ## State that stays sharded across steps
+# Above, each call started from global params. A training run keeps its state sharded instead:
+# `cfx.zero.init_params` builds each rank's pieces straight from `model.init` (no rank ever holds
+# the model), the optimizer state is made inside `shard_map`, and every step takes and returns
+# `ShardedArray`s. With `donate_argnums` the step writes the new params and moments into the old
+# buffers (Adam's moments are updated in place), so between steps each rank holds exactly its
+# 16 Psi/N bytes (fp32 here: 4 for params, 8 for the moments, 4 for the gradients while they live).
+
+# %%
+ztx = cfx.zero(cfx.optim.adamw(1e-3), stage=3, axis="data")
+zmodel = gathered(model)
+
+
+def zero3_step(p, state, t):  # per rank: its pieces, its batch shard
+    loss, grads = ztx.value_and_grad(lambda p: zmodel.loss(p, t[:, :-1], t[:, 1:]))(p)
+    updates, state = ztx.update(grads, state, p)
+    return cfx.optim.apply_updates(p, updates), state, cfx.lax.pmean(loss, "data")
+
+
+with cfx.Mesh({"data": N}) as mesh:
+    shapes = cfx.eval_shape(model.init, cfx.random.key(0))  # no allocation: shapes and dtypes only
+    zspecs = cfx.zero.param_specs(None, shapes, axis="data", mesh=mesh)
+    sspecs = ztx.state_specs(shapes, mesh=mesh)
+    zparams = cfx.zero.init_params(model.init, cfx.random.key(0), mesh=mesh, axis="data")
+    zstate = cfx.shard_map(ztx.init, mesh=mesh, in_specs=(zspecs,), out_specs=sspecs)(zparams)
+    step = cfx.shard_map(zero3_step, mesh=mesh, in_specs=(zspecs, sspecs, P("data")),
+                         out_specs=(zspecs, sspecs, P()), donate_argnums=(0, 1))
+    for i in range(3):
+        zparams, zstate, loss = step(zparams, zstate, tokens)
+        print(f"step {i}: loss {float(loss):.4f}")
+    leaf = zparams.pieces["blocks"][0]["attn"]["q"]["w"]
+    print(leaf, {r: tuple(b.shape) for r, b in leaf.blocks.items()})
+    held = sum(x.addressable_nbytes for x in cfx.tree.leaves((zparams, zstate))) // N
+    print(f"params + AdamW state per rank: {held:,} B = {held / (12 * cfx.tree.tree_size(shapes) / N):.4f} "
+          "x 12 Psi/N (fp32)")
+
+# %% [markdown]
 # ## Gemini: chunks placed under a device budget
 # Behind stage 3, `cfx.zero.GeminiEngine` packs the gathered layers' shards, in execution order,
 # into equal-size chunks (the size chosen by a search that minimises padding) kept in a tier store
