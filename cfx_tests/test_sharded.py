@@ -172,3 +172,32 @@ def test_grad_through_a_body_that_also_returns_plain_values():
             return loss
         g = cfx.grad(f)(cfx.device_put(torch.ones(1), mesh))
     torch.testing.assert_close(cfx.device_get(g), x.sum()[None])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_grad_from_outside_through_a_dp_x_tp_model_equals_single_device(family):
+    # the replicated params meet the data-split batch: implicit pvary sums their cotangents over
+    # `data`; Megatron's own f/g points do the rest. No tree_pmean anywhere.
+    from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
+    model = (cfx.models.gpt2 if family == "gpt2" else cfx.models.llama)("tiny", vocab_size=64, n_layer=2)
+    tokens = cfx.random.randint(cfx.random.key(1), (4, 17), 0, 64)
+    with cfx.Mesh({"data": 2, "model": 2}) as mesh:
+        specs = cfx.Rules({"batch": "data", **MEGATRON_RULES}).specs(model.axes(), mesh=mesh)
+        tp = tensor_parallel(model, "model")
+        f = cfx.shard_map(lambda p, t: cfx.lax.pmean(tp.loss(p, t[:, :-1], t[:, 1:]), "data"), mesh=mesh,
+                          in_specs=(specs, P("data")), out_specs=P())
+        params = cfx.init_sharded(model.init, cfx.random.key(0), mesh=mesh, specs=specs)
+        loss, grads = cfx.value_and_grad(f)(params, tokens)
+        grads = cfx.device_get(grads)
+    ref_loss, ref = cfx.value_and_grad(lambda p: model.loss(p, tokens[:, :-1], tokens[:, 1:]))(
+        model.init(cfx.random.key(0)))
+    torch.testing.assert_close(float(loss), float(ref_loss))
+    cfx.tree.assert_tree_close(grads, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_pvary_over_an_axis_the_value_already_varies_over_is_refused_when_tracked():
+    with cfx.Mesh({"data": 2}) as mesh:
+        f = cfx.shard_map(lambda x: cfx.lax.psum(cfx.lax.pvary(x, "data").sum(), "data"), mesh=mesh,
+                          in_specs=P("data"), out_specs=P())
+        with pytest.raises(ValueError, match=r"already varies over \['data'\]"):
+            cfx.grad(lambda x: f(x))(torch.ones(4))

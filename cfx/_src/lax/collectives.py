@@ -123,6 +123,11 @@ def pvary(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     Megatron's ``f``: put it where a replicated activation enters a sharded computation.
     """
     ax = _ax(axis, "cfx.lax.pvary")
+    already = vma.varying_axes(x) & set(ax.names) if vma.is_tracking() else ()
+    if already:  # its transpose would sum cotangents that already differ per rank: wrong gradients
+        raise ValueError(f"cfx.lax.pvary: the value already varies over {sorted(already)} (a shard_map input split "
+                         "over it, or a collective's result); pvary only the axes it does not vary over yet, "
+                         "as in JAX.")
     return _varying(vma.PVary.apply(x, ax), x, ax)
 
 

@@ -16,14 +16,14 @@ from cfx import checkpoint_policies as cp
 from cfx._src import data as data_lib
 from cfx._src import random as jr
 from cfx._src import tree as tree_util
-from cfx._src.table import format_table
+from cfx._src.arrays import device_get
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.remat import remat
-from cfx._src.train.config import TrainConfig
 from cfx._src.shapes import ShapeDtype, eval_shape
-from cfx._src.arrays import device_get
-from cfx._src.train.sharded import make_schedule, make_sharded_train_step, parse_mesh
+from cfx._src.table import format_table
+from cfx._src.train.config import TrainConfig
 from cfx._src.train.sample import sample_bytes
+from cfx._src.train.sharded import make_schedule, make_sharded_train_step, parse_mesh
 from cfx._src.train.step import scaled_loss_grad
 
 
