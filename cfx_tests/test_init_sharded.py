@@ -131,3 +131,19 @@ def test_init_sharded_builds_a_model_larger_than_a_capped_process(monkeypatch):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_in_place_inits_and_a_reused_generator_replay_bit_for_bit():
+    # torch.nn.init style: fill an empty tensor in place, draw twice from one generator
+    def init(key):
+        g = torch.Generator().manual_seed(7)  # (eval_shape runs this on a fake key: no key values)
+        w = torch.empty(96, 80).normal_(generator=g)     # lazy (large), drawn in place
+        w.mul_(0.02)
+        v = torch.empty(64, 100).uniform_(-1, 1, generator=g)  # the same generator, advanced
+        return {"w": w, "v": v + 1.0, "b": torch.zeros(8)}
+    want = init(cfx.random.key(7))
+    with cfx.Mesh({"data": 2}) as mesh:
+        got = cfx.init_sharded(init, cfx.random.key(7), mesh=mesh, specs={"w": P("data"), "v": P(None, "data"),
+                                                                           "b": P()})
+        for k in want:
+            assert torch.equal(cfx.device_get(got[k]), want[k]), k

@@ -77,7 +77,7 @@ class _Recorder(TorchDispatchMode):
                              "values from small tensors (keys, shapes) instead.")
         if not lazy and tensors:
             return func(*args, **kwargs)
-        meta_out = self._meta(func, flat, spec, lazy)
+        meta_out = self._meta(func, flat, spec)
         outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
         if not lazy and all(not isinstance(o, torch.Tensor) or o.numel() <= SMALL for o in outs):
             return func(*args, **kwargs)  # a small factory: compute it now
@@ -102,7 +102,7 @@ class _Recorder(TorchDispatchMode):
         return meta_out
 
     @staticmethod
-    def _meta(func, flat, spec, lazy):
+    def _meta(func, flat, spec):
         def to_meta(x):
             if isinstance(x, torch.Tensor) and x.device.type != "meta":
                 return x.to("meta")
