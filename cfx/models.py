@@ -3,15 +3,17 @@
 ``cfx.models.gpt2("small")`` / ``cfx.models.llama("tiny")`` build models (frozen dataclasses):
 ``init(key)``, ``apply(params, tokens, mask=None, key=None) -> logits``,
 ``loss(params, tokens, targets, mask=None, key=None)``, ``axes()``, ``map_blocks(f)``,
-``hf_config()``. ``to_hf(model, params)`` and ``from_hf(hf_model_or_state_dict, model=None)``
+``hf_config()`` and ``parts()`` (the parts protocol: embedding | blocks | head + loss, which the
+pipeline and ``cfx.parallel.Plan`` read; see ``ModelParts``). ``to_hf(model, params)`` and ``from_hf(hf_model_or_state_dict, model=None)``
 convert weights to and from ``transformers``' ``GPT2LMHeadModel`` / ``LlamaForCausalLM``.
 """
 from cfx._src.models.common import cross_entropy
 from cfx._src.models.gpt2 import GPT2, GPT2_PRESETS, GPT2Config, gpt2
 from cfx._src.models.hf import from_hf, hf_config, model_from_hf_config, to_hf
 from cfx._src.models.llama import LLAMA_PRESETS, Llama, LlamaConfig, llama
+from cfx._src.models.parts import ModelParts
 
 __all__ = [
-    "GPT2", "GPT2Config", "GPT2_PRESETS", "LLAMA_PRESETS", "Llama", "LlamaConfig", "cross_entropy",
+    "GPT2", "GPT2Config", "GPT2_PRESETS", "LLAMA_PRESETS", "Llama", "LlamaConfig", "ModelParts", "cross_entropy",
     "from_hf", "gpt2", "hf_config", "llama", "model_from_hf_config", "to_hf",
 ]

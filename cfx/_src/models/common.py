@@ -109,6 +109,7 @@ class DecoderLM:
     blocks: tuple
     vocab_axis: str | None
     remat_plan: Any
+    max_len_name: str  # the config field bounding the sequence length
 
     def map_blocks(self, f: Callable[[Any], Any]):
         """A copy of the model whose blocks are ``f(block)`` (same ``init`` / ``apply`` / ``axes``)."""
@@ -133,10 +134,20 @@ class DecoderLM:
         where = f"{type(self).__name__}.loss"
         _check_int_2d(where, "tokens", tokens)
         check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
-        logits = self.apply(params, tokens, mask=mask, key=key)
+        return self.logits_loss(self.apply(params, tokens, mask=mask, key=key), targets)
+
+    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of logits (B, T, V) -- this rank's (B, T, V/n) under ``vocab_axis``."""
         if self.vocab_axis is not None:
             return vocab_parallel_cross_entropy(logits, targets, self.vocab_axis)
         return cross_entropy(logits, targets)
+
+    def check_batch(self, where: str, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        """``check_inputs`` and ``check_targets`` against this model's vocabulary and context."""
+        name = self.max_len_name
+        check_inputs(where, tokens, None, vocab_size=self.config.vocab_size,
+                     max_len=getattr(self.config, name), max_len_name=name)
+        check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
 
     def embed(self, emb_layer: Any, emb_params: dict, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings (B, T, C); from this rank's vocab shard when ``vocab_axis`` is set."""

@@ -14,6 +14,7 @@ import torch
 
 from cfx._src.models.common import (DecoderLM, check_inputs, check_params, config_from_preset,
                                      dropout_keys)
+from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.embedding import Embedding
@@ -66,6 +67,7 @@ class GPT2(DecoderLM):
     blocks: tuple = None
     vocab_axis: str | None = None
     remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
+    max_len_name = "n_positions"
 
     def __post_init__(self):
         if self.blocks is None:
@@ -117,6 +119,21 @@ class GPT2(DecoderLM):
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:])  # (B, T, C)
         x = layers["ln_f"].apply(params["ln_f"], x)
         return layers["wte"].attend(params["wte"], self.head_input(x))  # (B, T, V) or (B, T, V/n)
+
+    def parts(self) -> ModelParts:
+        """Embeddings (wte + wpe) | blocks | ln_f + the tied head + loss (dropout off)."""
+        layers = self._layers()
+
+        def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
+            # tokens (B, T) -> (B, T, C)
+            return self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][:tokens.shape[1]]
+
+        def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            x = self.head_input(layers["ln_f"].apply(params["ln_f"], x))  # (B, T, C)
+            return self.logits_loss(layers["wte"].attend(params["wte"], x), targets)
+
+        return ModelParts(("wte", "wpe"), ("ln_f", "wte"), embed, head_loss,
+                          lambda x, y: self.check_batch("GPT2 stage", x, y), self.config.n_embd)
 
     def axes(self) -> dict:
         layers = self._layers()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from cfx._src.models.common import DecoderLM, check_inputs, check_params, config_from_preset
+from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
@@ -83,6 +84,7 @@ class Llama(DecoderLM):
     blocks: tuple = None
     vocab_axis: str | None = None
     remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
+    max_len_name = "max_position_embeddings"
 
     def __post_init__(self):
         if self.blocks is None:
@@ -138,6 +140,22 @@ class Llama(DecoderLM):
         if c.tie_embeddings:
             return layers["embed"].attend(params["embed"], x)  # (B, T, V) or (B, T, V/n)
         return layers["lm_head"].apply(params["lm_head"], x)  # (B, T, V) or (B, T, V/n)
+
+    def parts(self) -> ModelParts:
+        """The embedding | blocks | norm + head (tied to the embedding or ``lm_head``) + loss."""
+        layers, tied = self._layers(), self.config.tie_embeddings
+
+        def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
+            return self.embed(layers["embed"], params["embed"], tokens)  # (B, T) -> (B, T, C)
+
+        def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            x = self.head_input(layers["norm"].apply(params["norm"], x))  # (B, T, C)
+            logits = (layers["embed"].attend(params["embed"], x) if tied
+                      else layers["lm_head"].apply(params["lm_head"], x))  # (B, T, V) or (B, T, V/n)
+            return self.logits_loss(logits, targets)
+
+        return ModelParts(("embed",), ("norm", "embed" if tied else "lm_head"), embed, head_loss,
+                          lambda x, y: self.check_batch("Llama stage", x, y), self.config.hidden_size)
 
     def axes(self) -> dict:
         layers = self._layers()

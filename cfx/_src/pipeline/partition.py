@@ -12,24 +12,21 @@ head and the loss (``StagePlan.first`` / ``.last`` name those top-level params).
 gradient contributions live on the first and the last stage's ranks and are summed over the
 pipe axis (see ``executor.py``), so both copies take the same update.
 
-``model_parts`` is the one place that knows how a model family splits into embedding, blocks
-and head; the blocks themselves run through their own ``apply`` (so ``map_blocks`` wrappers:
-``cfx.remat``, tensor parallelism, take effect per stage).
+The model says how it splits into embedding, blocks and head through the parts protocol
+(``model.parts()``, ``cfx/_src/models/parts.py``); no model family is named here. The blocks
+run through their own ``apply`` (so ``map_blocks`` wrappers: ``cfx.remat``, tensor parallelism,
+take effect per stage).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cfx._src import random
 from cfx._src import tree as tree_util
-from cfx._src.models.common import check_inputs, check_targets, cross_entropy
-from cfx._src.models.gpt2 import GPT2
-from cfx._src.models.llama import Llama
-from cfx._src.parallel.vocab import vocab_parallel_cross_entropy
+from cfx._src.models.parts import ModelParts, parts_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,63 +73,14 @@ class StagePlan:
         return "\n".join(rows)
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelParts:
-    """How a decoder family splits around its blocks (see ``model_parts``)."""
-
-    first: tuple[str, ...]
-    last: tuple[str, ...]
-    embed: Callable[[dict, torch.Tensor], torch.Tensor]                  # tokens (B, T) -> (B, T, C)
-    head_loss: Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]  # (B, T, C), targets -> ()
-    check: Callable[[torch.Tensor, torch.Tensor], None]                  # ValueError on bad inputs
-    width: int                                                           # C
-
-
-def _loss(model: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # the same loss as DecoderLM.loss: vocab-parallel when the vocabulary is split
-    if model.vocab_axis is not None:
-        return vocab_parallel_cross_entropy(logits, targets, model.vocab_axis)
-    return cross_entropy(logits, targets)
-
-
 def model_parts(model: Any) -> ModelParts:
-    """The embedding / head split of a ``cfx.models`` GPT-2 or Llama (dropout off: no key)."""
+    """The model's parts protocol (``cfx/_src/models/parts.py``), checked for a pipeline."""
     where = f"cfx.pipeline({type(model).__name__})"
     if getattr(model, "remat_plan", None) is not None:
         raise ValueError(f"{where}: the model runs its blocks under a cfx.remat.solve plan, which "
                          "spans all blocks; a pipeline cuts them into stages. Drop the plan and "
                          "remat per block: model.map_blocks(cfx.remat).")
-    if not isinstance(model, (GPT2, Llama)):
-        raise ValueError(f"{where}: pipelining knows how to split GPT2 and Llama models, not "
-                         f"{type(model).__name__}; build the model with cfx.models.gpt2 / llama.")
-    c, layers = model.config, model._layers()
-    if isinstance(model, GPT2):
-        max_len, max_name, width = c.n_positions, "n_positions", c.n_embd
-        emb, first, last = "wte", ("wte", "wpe"), ("ln_f", "wte")
-        norm = "ln_f"
-    else:
-        max_len, max_name, width = c.max_position_embeddings, "max_position_embeddings", c.hidden_size
-        emb, first, norm = "embed", ("embed",), "norm"
-        last = ("norm", "embed" if c.tie_embeddings else "lm_head")
-
-    def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
-        x = model.embed(layers[emb], params[emb], tokens)  # (B, T, C)
-        return x + params["wpe"]["w"][:tokens.shape[1]] if "wpe" in params else x
-
-    def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = model.head_input(layers[norm].apply(params[norm], x))  # (B, T, C)
-        if last[1] == "lm_head":
-            logits = layers["lm_head"].apply(params["lm_head"], x)
-        else:
-            logits = layers[emb].attend(params[emb], x)  # (B, T, V) or this rank's (B, T, V/n)
-        return _loss(model, logits, targets)
-
-    def check(tokens: torch.Tensor, targets: torch.Tensor) -> None:
-        check_inputs("cfx.pipeline step", tokens, None, vocab_size=c.vocab_size, max_len=max_len,
-                     max_len_name=max_name)
-        check_targets("cfx.pipeline step", tokens, targets, vocab_size=c.vocab_size)
-
-    return ModelParts(first, last, embed, head_loss, check, width)
+    return parts_of(model, where)
 
 
 def param_counts(model: Any) -> list[int]:
