@@ -1,7 +1,10 @@
-"""Parallelism as layer transforms and rules: ``tensor_parallel`` (Megatron), ``MEGATRON_RULES``."""
+"""Parallelism as layer transforms and rules: ``tensor_parallel`` (Megatron), ``MEGATRON_RULES``,
+and ``Plan``: the whole strategy (pipe x data x model, ZeRO, remat, schedule) as one object."""
 from cfx._src.parallel.megatron import MEGATRON_RULES, TensorParallelBlock, tensor_parallel
 from cfx._src.parallel.rules import Rules
+from cfx._src.plan.plan import Plan
+from cfx._src.plan.program import Program, TrainState
 from cfx._src.parallel.state import sharded_global_norm, state_specs, tree_pmean, tree_psum
 
-__all__ = ["MEGATRON_RULES", "Rules", "TensorParallelBlock", "sharded_global_norm", "state_specs", "tensor_parallel",
+__all__ = ["MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "TensorParallelBlock", "sharded_global_norm", "state_specs", "tensor_parallel",
            "tree_pmean", "tree_psum"]

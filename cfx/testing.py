@@ -23,6 +23,7 @@ from cfx._src.shard_map import shard_map
 from cfx._src.arrays import device_get
 
 AXIS_NAMES = ("data", "model", "pipe")
+PLAN_AXES = ("pipe", "data", "model")  # a Plan's axes that train today (seq: sequence parallelism)
 
 
 @st.composite
@@ -73,6 +74,44 @@ def pytrees(draw, leaf_shapes: Sequence[tuple[int, ...]], *, dtype=torch.float32
             return [build([x], depth + 1) for x in items]
         return {f"k{i}": build([x], depth + 1) for i, x in enumerate(items)}
     return build(leaves, 0)
+
+
+@st.composite
+def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, zero: Sequence[int] = (0, 1, 2, 3),
+          remat: Sequence[str] = ("none", "blocks", "dots")):
+    """A ``cfx.parallel.Plan`` that can train ``model`` on a batch of ``batch`` rows: a mesh over
+    ``pipe`` / ``data`` / ``model`` (a random subset, in a random order) of at most ``max_ranks``
+    ranks, a ZeRO stage (only with a data axis), a remat mode and, with a pipe axis, a schedule and
+    microbatches. Draws that the model rules out (heads not divisible, ...) are rejected.
+
+        @given(cfx.testing.plans(my_model))
+        def test_my_model_trains_the_same_sharded(plan): ...
+    """
+    from hypothesis import assume
+
+    from cfx._src.plan.config import SCHEDULES
+    from cfx._src.plan.plan import Plan
+    axes = draw(st.permutations(PLAN_AXES))[:draw(st.integers(1, len(PLAN_AXES)))]
+    mesh, total = [], 1
+    for a in axes:
+        size = draw(st.sampled_from([s for s in (1, 2, 4) if total * s <= max_ranks]))
+        mesh.append((a, size))
+        total *= size
+    shape = dict(mesh)
+    fields: dict[str, Any] = dict(mesh=tuple(mesh), remat=draw(st.sampled_from(list(remat))))
+    if "data" in shape:
+        fields["zero"] = draw(st.sampled_from(list(zero)))
+    if "pipe" in shape:
+        per_rank = batch // shape.get("data", 1)
+        fields["schedule"] = draw(st.sampled_from(SCHEDULES))
+        fields["microbatches"] = draw(st.sampled_from([m for m in (1, 2, 4) if per_rank % m == 0] or [1]))
+    assume(batch % shape.get("data", 1) == 0)
+    plan = Plan(**fields)
+    try:
+        plan.check(model)
+    except ValueError:
+        assume(False)
+    return plan
 
 
 def assert_matches_reference(per_rank_fn: Callable[..., Any], reference_fn: Callable[..., Any],

@@ -9,7 +9,10 @@ settings.register_profile("ci", max_examples=10, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+# the larger sweep: CFX_HYPOTHESIS=sweep python -m pytest cfx_tests/test_plan.py (README)
+settings.register_profile("sweep", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("CFX_HYPOTHESIS") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,8 +39,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, text_file):
 
 
 def _opt_state_like(base, params):
-    from cfx._src.train.loop import build_optimizer
-    return build_optimizer(TrainConfig(**base), params).init(params)
+    from cfx._src.train.loop import build_model, build_optimizer
+    cfg = TrainConfig(**base)
+    return build_optimizer(cfg, build_model(cfg)).init(params)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_mesh_flag_errors(text_file, capsys):
                  "--no-progress"]) == 2
     assert "microbatches" in capsys.readouterr().err
     assert main(["--mesh", "data=3", "--batch", "4", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
-    assert "not divisible by the data axis size 3" in capsys.readouterr().err
+    assert "batch of 4 rows does not split over data=3" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)
@@ -113,3 +114,50 @@ def test_remat_flag_keeps_the_loss_trajectory(remat, mesh, text_file):
     got = train(TrainConfig(**base, remat=remat, mesh=mesh))
     torch.testing.assert_close(torch.tensor([l for _, l in got["history"]["train"]]),
                                torch.tensor([l for _, l in ref["history"]["train"]]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [dict(mesh="data=2,model=2", zero=1), dict(mesh="pipe=2,data=2", zero=2, microbatches=2),
+                                   dict(mesh="data=2", remat="auto", remat_budget="64MiB"),
+                                   dict(mesh="data=2,model=2", zero=3, remat="blocks")])
+def test_strategy_flags_keep_the_loss_trajectory(flags, text_file):
+    base = dict(SMALL, steps=3, data=text_file, weight_decay=0.0)
+    ref = train(TrainConfig(**base))
+    got = train(TrainConfig(**base, **flags))
+    torch.testing.assert_close(torch.tensor([l for _, l in got["history"]["train"]]),
+                               torch.tensor([l for _, l in ref["history"]["train"]]), rtol=1e-4, atol=1e-5)
+    cfx.tree.assert_tree_close(got["params"], ref["params"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_pipe_plan_resumes_its_own_checkpoint(tmp_path, text_file):
+    base = dict(SMALL, steps=4, data=text_file, mesh="pipe=2,model=2", microbatches=2, sample_bytes=8)
+    full = train(TrainConfig(**base))
+    assert full["sample"].startswith("def ")
+    train(TrainConfig(**base, stop_after=2, save=str(tmp_path / "half.safetensors")))
+    resumed = train(TrainConfig(**base, resume=str(tmp_path / "half.safetensors")))
+    cfx.tree.assert_tree_close(resumed["params"], full["params"])
+
+
+@pytest.mark.timeout(300)
+def test_a_zero3_plan_resumes_and_samples(tmp_path, text_file):
+    base = dict(SMALL, steps=4, data=text_file, mesh="data=2,model=2", zero=3, weight_decay=0.0, sample_bytes=8)
+    full = train(TrainConfig(**base))
+    train(TrainConfig(**base, stop_after=2, save=str(tmp_path / "half.safetensors")))
+    resumed = train(TrainConfig(**base, resume=str(tmp_path / "half.safetensors")))
+    cfx.tree.assert_tree_close(resumed["params"], full["params"])
+    assert resumed["sample"] == full["sample"] and full["sample"].startswith("def ")
+
+
+def test_strategy_flag_errors_come_before_any_rank(text_file, capsys):
+    common = ["--steps", "1", "--data", text_file, "--no-progress"]
+    assert main(["--mesh", "model=2", "--zero", "1", *common]) == 2
+    assert "add data=N to the mesh" in capsys.readouterr().err
+    assert main(["--mesh", "data=2", "--zero", "1", *common]) == 2
+    assert "--weight-decay 0 or --zero 0" in capsys.readouterr().err
+    assert main(["--mesh", "data=2", "--offload", "host", *common]) == 2
+    assert "needs zero=3" in capsys.readouterr().err
+    assert main(["--mesh", "pipe=2", "--remat", "auto", *common]) == 2
+    assert "use remat=blocks or remat=dots with a pipe axis" in capsys.readouterr().err
+    assert main(["--mesh", "data=2", "--zero", "3", "--weight-decay", "0", "--remat", "auto", *common]) == 2
+    assert "use remat=blocks or remat=dots with zero=3" in capsys.readouterr().err

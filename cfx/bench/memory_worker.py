@@ -30,8 +30,7 @@ import cfx
 from cfx import P
 from cfx._src.lax import comm
 from cfx._src.mesh import context as ctx_lib
-from cfx import amp
-from cfx._src.train.sharded import make_sharded_train_step
+from cfx.parallel import Plan, TrainState
 from cfx._src.zero.api import zero
 
 N = 4
@@ -74,8 +73,8 @@ def _gathered(model):
 class Strategy:
     """A train step over a mesh with its state as ShardedArrays (params, optimizer state).
 
-    ``dp`` and ``tp`` are the CLI's step (``ShardedTrainStep``: data parallel over ``data``, plus
-    Megatron over ``model``); ``zero3`` is stage 3 over ``data`` with gathered layers."""
+    ``dp`` and ``tp`` are a ``cfx.parallel.Plan``'s step (the CLI's: data parallel over ``data``,
+    plus Megatron over ``model``); ``zero3`` is stage 3 over ``data`` with gathered layers."""
 
     def __init__(self, name: str, mesh, model, tokens):
         self.name, self.mesh, self.model, self.tokens = name, mesh, model, tokens
@@ -100,12 +99,15 @@ class Strategy:
             self.loss_of = lambda p, t: net.loss(p, t[:, :-1], t[:, 1:])
             self.pspecs, self.sspecs, self.batch = pspecs, sspecs, P("data")
         else:
-            train = make_sharded_train_step(model, tx, amp.policy("fp32"), mesh, batch=tokens.shape[1],
-                                            grad_clip=1.0)
+            train = Plan(mesh=tuple(mesh.shape.items())).step(model, tx, mesh=mesh, grad_clip=1.0)
             self.params, self.state = train.init(key)
-            self.step = lambda p, s, t: train(p, s, t[:, :-1], t[:, 1:], key)
+
+            def step(p, s, t):
+                (p, s), metrics = train(TrainState(p, s), (t[:, :-1], t[:, 1:]))
+                return p, s, metrics["loss"]
+            self.step = step
             self.loss_of = lambda p, t: train.eval_model.loss(p, t[:, :-1], t[:, 1:])
-            self.pspecs, self.batch = train.param_specs, train.batch_spec
+            self.pspecs, self.batch = train.layout.specs, train.layout.batch_spec
 
     def run(self, i: int) -> float:
         self.params, self.state, loss = self.step(self.params, self.state, self.tokens[i])

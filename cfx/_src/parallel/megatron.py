@@ -48,13 +48,19 @@ class TensorParallelBlock:
     def axes(self) -> dict:
         return self.block.axes()
 
-    def _local_layers(self, n: int) -> dict:
+    def check(self, n: int) -> None:
+        """ValueError unless the block's heads, kv heads and MLP hidden units split ``n`` ways."""
         layers = self.block._layers()
         attn, mlp = layers["attn"], layers["mlp"]
         for what, size in (("n_heads", attn.n_heads), ("n_kv_heads", attn.kv_heads), ("mlp hidden", mlp.hidden)):
             if size % n:
                 raise ValueError(f"tensor parallelism over axis {self.axis!r} of size {n}: the block's "
                                  f"{what}={size} is not divisible by {n}; use a mesh axis size dividing it.")
+
+    def _local_layers(self, n: int) -> dict:
+        self.check(n)
+        layers = self.block._layers()
+        attn, mlp = layers["attn"], layers["mlp"]
         layers["attn"] = dataclasses.replace(attn, n_heads=attn.n_heads // n,
                                              n_kv_heads=attn.kv_heads // n, head_dim=attn.dim)
         layers["mlp"] = dataclasses.replace(mlp, hidden=mlp.hidden // n)

@@ -63,10 +63,13 @@ WHERE = "cfx.pipeline"
 
 
 def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StagePlan | None = None,
-             sum_grads: bool = True) -> "PipelineStep":
+             sum_grads: bool = True, local_blocks: bool = False) -> "PipelineStep":
     """A ``step(params, tokens, targets) -> (loss, grads)`` running ``schedule`` over ``axis``.
 
     ``plan`` (default ``partition(model, schedule.n_stages)``) says which blocks each stage runs.
+    ``local_blocks``: ``params["blocks"]`` holds only this rank's blocks (its stages in order, see
+    ``PipelineStep.held_blocks``) and so do the returned grads, whose block entries are then this
+    rank's own (not summed over the axis): stages keep only their own blocks' params and grads.
     Raises ``ValueError`` / ``ScheduleError`` here for a bad schedule or plan; the mesh-dependent
     checks run in the step, on every rank, before any communication.
     """
@@ -81,7 +84,7 @@ def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StageP
                          f"blocks; the schedule needs {schedule.n_stages} stages (p*v) over the "
                          f"model's {len(model.blocks)}. Make it with partition(model, "
                          f"{schedule.n_stages}).")
-    return PipelineStep(model, schedule, axis, plan, parts, bool(sum_grads))
+    return PipelineStep(model, schedule, axis, plan, parts, bool(sum_grads), bool(local_blocks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,11 @@ class PipelineStep:
     plan: StagePlan
     parts: ModelParts
     sum_grads: bool
+    local_blocks: bool = False
+
+    def held_blocks(self, rank: int) -> list[int]:
+        """The blocks pipe rank ``rank`` runs, its stages in ascending order."""
+        return [i for s in self.schedule.stages_of(rank) for i in self.plan.blocks(s)]
 
     def __call__(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor):
         ctx = self._check(params, tokens, targets)
@@ -120,7 +128,13 @@ class PipelineStep:
             raise ValueError(f"{WHERE}: this rank's batch of {tokens.shape[0]} rows does not split "
                              f"into the schedule's {m} microbatches; use a per-rank batch that is a "
                              f"multiple of {m} or a schedule with a divisor of it.")
-        check_params(WHERE, self.model, params)
+        if self.local_blocks:
+            held = len(self.held_blocks(ctx.coords[self.axis]))
+            if not isinstance(params.get("blocks"), list) or len(params["blocks"]) != held:
+                raise ValueError(f"{WHERE}(local_blocks=True): pipe rank {ctx.coords[self.axis]} runs {held} "
+                                 "blocks; pass exactly those as params['blocks'] (held_blocks(rank)).")
+        else:
+            check_params(WHERE, self.model, params)
         return ctx
 
 
@@ -142,7 +156,9 @@ class _Run:
         mine = sched.stages_of(rank)
         held = {k for s in mine for k in plan.extras(s)}
         self.local = {k: _leaves_of(params[k]) for k in held}
-        self.local["blocks"] = {i: _leaves_of(params["blocks"][i]) for s in mine for i in plan.blocks(s)}
+        held = step.held_blocks(rank)
+        self.where = {i: (held.index(i) if step.local_blocks else i) for i in held}  # block -> params position
+        self.local["blocks"] = {i: _leaves_of(params["blocks"][self.where[i]]) for i in held}
         self.stage_leaves = {s: tree_util.leaves([self.local["blocks"][i] for i in plan.blocks(s)]
                                                  + [self.local[k] for k in plan.extras(s)])
                              for s in mine}
@@ -276,7 +292,9 @@ class _Run:
 
         grads = {}
         for k, v in self.params.items():
-            if k == "blocks":
+            if k == "blocks" and self.step.local_blocks:
+                grads[k] = [held(self.local["blocks"][i]) for i in self.step.held_blocks(self.rank)]
+            elif k == "blocks":
                 grads[k] = [held(self.local["blocks"][i]) if i in self.local["blocks"]
                             else tree_util.map(torch.zeros_like, b) for i, b in enumerate(v)]
             else:
@@ -284,6 +302,10 @@ class _Run:
         axis = self.step.axis
         if not self.step.sum_grads:
             return lax.psum(self.loss, axis), grads
+        if self.step.local_blocks:  # each rank owns its blocks: only the rest is summed
+            shared = {k: v for k, v in grads.items() if k != "blocks"}
+            loss, shared = tree_psum((self.loss, shared), axis)
+            return loss, {k: shared[k] if k != "blocks" else v for k, v in grads.items()}
         return tree_psum((self.loss, grads), axis)  # one flat all-reduce, the loss riding along
 
 

@@ -30,7 +30,10 @@ class TrainConfig:
     sample_bytes: int = 200        # bytes of text to sample from the trained model at the end
     remat: str = "none"            # none | blocks (nothing_saveable per block) | dots (dots_saveable) | auto
     remat_budget: str = "512MiB"   # activation budget of --remat auto (the Rotor solver's schedule)
-    mesh: str | None = None        # e.g. "data=2,model=2": DP x Megatron TP on a cfx.Mesh; pipe=N adds stages
+    mesh: str | None = None        # e.g. "pipe=2,data=2,model=2": the axes of a cfx.parallel.Plan
+    zero: int = 0                  # ZeRO stage over the data axis
+    offload: str = "none"          # none | host | nvme | auto: Gemini placement of ZeRO-3 chunks
+    offload_budget: str | None = None  # device budget of --offload auto (default: what is free)
     schedule: str = "1f1b"         # pipeline schedule with a pipe axis: gpipe | 1f1b | interleaved | zb-h1
     microbatches: int = 4          # micro-batches per step with a pipe axis
     chunks: int = 2                # virtual stages per rank for --schedule interleaved
@@ -71,8 +74,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--remat-budget", default=d.remat_budget,
                    help="activation memory budget for --remat auto, e.g. 512MiB, 1.5GB")
     p.add_argument("--mesh", default=d.mesh,
-                   help="train on a mesh, e.g. data=2,model=2 (local threads, or one process per rank "
-                        "under torchrun)")
+                   help="train on a mesh, e.g. pipe=2,data=2,model=2 (local threads, or one process per "
+                        "rank under torchrun); with the strategy flags it is a cfx.parallel.Plan")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=d.zero,
+                   help="ZeRO stage over the data axis of --mesh (1: optimizer state, 2: + gradients, 3: + params)")
+    p.add_argument("--offload", choices=["none", "host", "nvme", "auto"], default=d.offload,
+                   help="Gemini placement of ZeRO-3 chunks (needs --zero 3)")
+    p.add_argument("--offload-budget", default=d.offload_budget,
+                   help="device memory budget of --offload auto, e.g. 64MiB")
     p.add_argument("--schedule", default=d.schedule, choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
                    help="pipeline schedule when --mesh has a pipe axis")
     p.add_argument("--microbatches", type=int, default=d.microbatches,

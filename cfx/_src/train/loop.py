@@ -12,18 +12,19 @@ import torch
 from tqdm.auto import tqdm
 
 from cfx import amp, checkpoint, models, optim
-from cfx import checkpoint_policies as cp
 from cfx._src import data as data_lib
 from cfx._src import random as jr
 from cfx._src import tree as tree_util
 from cfx._src.arrays import device_get
-from cfx._src.mesh.mesh import Mesh
+from cfx._src.models.common import is_axes_leaf
 from cfx._src.remat import remat
 from cfx._src.shapes import ShapeDtype, eval_shape
 from cfx._src.table import format_table
 from cfx._src.train.config import TrainConfig
-from cfx._src.train.sample import sample_bytes
-from cfx._src.train.sharded import make_schedule, make_sharded_train_step, parse_mesh
+from cfx._src.models.sample import sample_bytes
+from cfx._src.plan.config import AXES
+from cfx._src.plan.plan import Plan
+from cfx._src.plan.program import remat_blocks
 from cfx._src.train.step import scaled_loss_grad
 
 
@@ -42,35 +43,58 @@ def build_model(cfg: TrainConfig):
 
 
 def with_remat(model, mode: str, *, plan=None):
-    """Activation checkpointing per block (applied after tensor parallelism, outermost), or the
-    blocks run as one chain under ``plan`` (``--remat auto``, from :func:`solve_remat`)."""
-    if mode == "none":
-        return model
+    """One device's activation checkpointing: per block (``remat_blocks``), or the blocks run as
+    one chain under ``plan`` (``--remat auto``, from :func:`solve_remat`)."""
     if mode == "auto":
         return dataclasses.replace(model, remat_plan=plan)
-    policy = {"blocks": cp.nothing_saveable, "dots": cp.dots_saveable}[mode]
-    return model.map_blocks(lambda b: remat(b, policy=policy))
+    return remat_blocks(model, mode)
 
 
 def solve_remat(cfg: TrainConfig, model, params, tokens: torch.Tensor, key, *, quiet: bool):
-    """The Rotor plan for ``--remat auto``: the fastest schedule under ``--remat-budget``, solved on
-    one rank's batch of the unsharded model (tensor-parallel blocks then hold less than planned)."""
-    if cfg.remat != "auto":
-        return None
+    """The Rotor plan for ``--remat auto`` on one device: the fastest schedule under
+    ``--remat-budget`` (a mesh run's Plan solves its own on the first batch)."""
     params = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
                            if isinstance(x, ShapeDtype) else x, params)  # shapes are all it needs
     _, plan = remat.solve(model, params, tokens, budget=cfg.remat_budget, key=key)  # key: dropout too
-    if not quiet:
-        tqdm.write(str(format_table(plan.summary(), ["remat plan", "value"])))
+    show_remat_plan(plan, quiet=quiet)
     return plan
 
 
-def decay_mask(params: Any) -> Any:
-    """Weight decay on matrices only (not biases, norms)."""
-    return tree_util.map(lambda x: x.dim() >= 2, params)
+def show_remat_plan(plan, *, quiet: bool) -> None:
+    if plan is not None and not quiet:
+        tqdm.write(str(format_table(plan.summary(), ["remat plan", "value"])))
 
 
-def build_optimizer(cfg: TrainConfig, params: Any) -> optim.GradientTransformation:
+def plan_of(cfg: TrainConfig) -> Plan:
+    """The ``cfx.parallel.Plan`` the flags name (``--mesh`` and the strategy flags)."""
+    mesh = []
+    for part in cfg.mesh.split(","):
+        name, _, size = part.partition("=")
+        if name.strip() not in AXES or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh {cfg.mesh!r}: expected comma-separated AXIS=SIZE with AXIS in {AXES}, e.g. "
+                             "--mesh pipe=2,data=2,model=2; the strategy has its own flags (--zero, --remat, ...).")
+        mesh.append((name.strip(), int(size)))
+    pipe = {} if "pipe" not in dict(mesh) else dict(
+        schedule=cfg.schedule, microbatches=cfg.microbatches,
+        chunks=cfg.chunks if cfg.schedule == "interleaved" else 1)
+    return Plan(mesh=tuple(mesh), zero=cfg.zero, offload=cfg.offload,
+                offload_budget=cfg.offload_budget if cfg.offload == "auto" else None, remat=cfg.remat,
+                remat_budget=cfg.remat_budget if cfg.remat == "auto" else None, precision=cfg.precision, **pipe)
+
+
+def decay_mask(model) -> Any:
+    """Weight decay on matrices only (leaves with two logical axes; not biases, norms), as a
+    function of the params so it fits the model's tree and a Plan's stacked layout alike."""
+    axes = model.axes()
+
+    def mask(params: Any) -> Any:
+        stacked = not isinstance(params.get("blocks"), list)  # a pipe Plan's stored layout
+        tree = {**axes, "blocks": axes["blocks"][0]} if stacked else axes
+        return tree_util.map(lambda names: len(names) >= 2, tree, is_leaf=is_axes_leaf)
+    return mask
+
+
+def build_optimizer(cfg: TrainConfig, model) -> optim.GradientTransformation:
     """AdamW with warmup + cosine; clipping here only on one device (a mesh step clips by the
     global norm across shards itself)."""
     schedule = optim.warmup_cosine_decay_schedule(
@@ -79,7 +103,7 @@ def build_optimizer(cfg: TrainConfig, params: Any) -> optim.GradientTransformati
     parts = []
     if cfg.grad_clip > 0 and not cfg.mesh:
         parts.append(optim.clip_by_global_norm(cfg.grad_clip))
-    parts.append(optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(params)))
+    parts.append(optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(model)))
     tx = optim.chain(*parts)
     if amp.policy(cfg.precision).needs_loss_scaling:
         tx = optim.dynamic_loss_scale(tx)
@@ -121,49 +145,67 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     k_init, k_data, k_val, k_drop = jr.split(jr.key(cfg.seed), 4)
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]
-    mesh_shape = parse_mesh(cfg.mesh) if cfg.mesh else None
-    data_size = mesh_shape.get("data", 1) if mesh_shape else 1
-    if mesh_shape is None:
+    plan = plan_of(cfg) if cfg.mesh else None
+    if plan is None:
         params = model.init(k_init)
-    else:  # the remat solver and the optimizer's weight-decay mask need shapes only
+    else:  # the optimizer's weight-decay mask needs shapes only
+        plan.check(model)  # every flag combination trains or is refused here, before any rank starts
+        plan.check_batch(cfg.batch)
+        if plan.zero and cfg.weight_decay > 0:
+            raise ValueError(f"--zero {plan.zero} with --weight-decay {cfg.weight_decay}: ZeRO's optimizer sees "
+                             "flat shards, so the per-leaf weight-decay mask (matrices only) cannot apply yet; "
+                             "pass --weight-decay 0 or --zero 0.")
         params = eval_shape(model.init, k_init)
-    tx = build_optimizer(cfg, params)
-    plan = solve_remat(cfg, model, params, val_batches[0][0][:max(cfg.batch // data_size, 1)],
-                       k_drop, quiet=not cfg.progress)
-    start, restored = 0, None
-    if cfg.resume:
-        like = {"params": params, "opt_state": eval_shape(tx.init, params)}
-        restored, meta = checkpoint.load(cfg.resume, like)
-        start = int(meta.get("step", 0))
-    mesh = None
-    if mesh_shape is None:
-        params = restored["params"] if restored else params
-        opt_state = restored["opt_state"] if restored else tx.init(params)
-        step_fn = make_train_step(with_remat(model, cfg.remat, plan=plan), tx, policy)
-        loss_of = lambda p, x, y: evaluate(model, p, policy, [(x, y)])  # noqa: E731
+    tx = build_optimizer(cfg, model)
+    start, restored, mesh = 0, None, None
+    if plan is None:
+        remat_plan = (solve_remat(cfg, model, params, val_batches[0][0], k_drop, quiet=not cfg.progress)
+                      if cfg.remat == "auto" else None)
+        if cfg.resume:
+            restored, meta = checkpoint.load(cfg.resume, {"params": params, "opt_state": eval_shape(tx.init, params)})
+            start = int(meta.get("step", 0))
+        state = (restored["params"], restored["opt_state"]) if restored else (params, tx.init(params))
+        run = make_train_step(with_remat(model, cfg.remat, plan=remat_plan), tx, policy)
+
+        def step_fn(state, x, y, key):
+            params, opt_state, loss = run(*state, x, y, key)
+            return (params, opt_state), loss
+        loss_of = lambda state, x, y: evaluate(model, state[0], policy, [(x, y)])  # noqa: E731
+        params_of = lambda state: state[0]  # noqa: E731
+        saved = lambda state: {"params": state[0], "opt_state": state[1]}  # noqa: E731
     else:
-        mesh = stack.enter_context(Mesh(mesh_shape))
-        schedule = (make_schedule(cfg.schedule, mesh.shape["pipe"], cfg.microbatches, cfg.chunks)
-                    if "pipe" in mesh.shape else None)
-        step_fn = make_sharded_train_step(model, tx, policy, mesh, batch=cfg.batch, grad_clip=cfg.grad_clip,
-                                          schedule=schedule, wrap=lambda m: with_remat(m, cfg.remat, plan=plan))
+        mesh = stack.enter_context(plan.make_mesh())
+        program = plan.step(model, tx, mesh=mesh, grad_clip=cfg.grad_clip)
         # params and optimizer state live as ShardedArrays: each process builds only its blocks
-        params, opt_state = (step_fn.put(restored["params"], restored["opt_state"]) if restored
-                             else step_fn.init(k_init))
-        loss_of = step_fn.loss
+        state = program.init(k_init)
+        if cfg.resume:  # the saved optimizer state is this plan's, as global tensors
+            like = {"params": params, "opt_state": tree_util.map(lambda a: ShapeDtype(a.shape, a.dtype),
+                                                                 state.opt_state)}
+            restored, meta = checkpoint.load(cfg.resume, like)
+            start = int(meta.get("step", 0))
+            state = program.put(restored["params"], restored["opt_state"])
+
+        def step_fn(state, x, y, key):
+            solved = program.remat_plan
+            state, metrics = program(state, (x, y), key)
+            if solved is None:  # remat=auto solves on the first batch: show it once
+                show_remat_plan(program.remat_plan, quiet=not (cfg.progress and 0 in mesh.local_ranks))
+            return state, metrics["loss"]
+        loss_of = program.loss
+        params_of = program.params
+        # one global copy for the single-file checkpoint (every process joins)
+        saved = lambda state: {"params": program.params(state), "opt_state": device_get(state.opt_state)}  # noqa: E731
     del restored
     is_main = mesh is None or 0 in mesh.local_ranks  # under torchrun only rank 0 reports and saves
     n_params = tree_util.tree_size(params)
 
     def save(step: int) -> None:
-        state = {"params": params, "opt_state": opt_state}
-        if mesh is not None:  # one global copy for the single-file checkpoint (every process joins)
-            state = device_get(state)
+        out = saved(state)
         if is_main:
-            checkpoint.save(cfg.save, state, metadata={"step": step, "config": dataclasses.asdict(cfg)})
+            checkpoint.save(cfg.save, out, metadata={"step": step, "config": dataclasses.asdict(cfg)})
 
     def evaluate_all() -> float:
-        return sum(loss_of(params, x, y) for x, y in val_batches) / len(val_batches)
+        return sum(loss_of(state, x, y) for x, y in val_batches) / len(val_batches)
 
     history = {"train": [], "eval": []}
     eval0 = evaluate_all()
@@ -176,7 +218,7 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     for step in bar:
         x, y = data_lib.sample_batch(train_data, jr.fold_in(k_data, step), cfg.batch, cfg.seq)
         t0 = time.perf_counter()
-        params, opt_state, loss = step_fn(params, opt_state, x, y, jr.fold_in(k_drop, step))
+        state, loss = step_fn(state, x, y, jr.fold_in(k_drop, step))
         loss = float(loss)
         train_time += time.perf_counter() - t0
         tokens += x.numel()
@@ -201,15 +243,15 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         "train_loss_last": ema if ema is not None else float("nan"),
         "eval_loss_first": eval0, "eval_loss_last": history["eval"][-1][1],
         "tokens_per_s": tokens / train_time if train_time else 0.0, "train_time_s": train_time,
-        "history": history, "params": params,
+        "history": history, "params": params_of(state),
     }
     if cfg.sample_bytes > 0:
         prompt, key = b"def ", jr.fold_in(k_drop, -1)
         if mesh is None:
-            text = sample_bytes(model, policy.cast_to_compute(params), prompt, steps=cfg.sample_bytes, key=key,
+            text = sample_bytes(model, policy.cast_to_compute(state[0]), prompt, steps=cfg.sample_bytes, key=key,
                                 context=cfg.seq)
         else:  # every process joins the sharded sample; rank 0 prints it
-            text = step_fn.sample(params, prompt, steps=cfg.sample_bytes, key=key, context=cfg.seq)
+            text = program.sample(state, prompt, steps=cfg.sample_bytes, key=key, context=cfg.seq)
         summary["sample"] = text.decode("utf-8", errors="replace")
     if not is_main:
         return summary

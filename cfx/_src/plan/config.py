@@ -1,0 +1,193 @@
+"""``Plan``'s fields, its text form and the checks that need no model.
+
+    Plan.parse("pipe=2,data=2,model=2 zero=2 remat=blocks microbatches=4")
+
+The text is whitespace-separated groups of comma-separated ``key=value`` pairs; a key that is a
+mesh axis (``pipe``, ``data``, ``seq``, ``model``) sets that axis's size, in the order given.
+``remat=auto:512MiB`` / ``offload=auto:64MiB`` carry their budgets. ``str(plan)`` writes the
+canonical form (defaults left out) and ``Plan.parse(str(plan)) == plan``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from cfx._src.remat.plan import parse_bytes
+
+AXES = ("pipe", "data", "seq", "model")
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "host", "nvme", "auto")
+REMATS = ("none", "blocks", "dots", "auto")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def format_bytes(n: int) -> str:
+    """The shortest exact form ``parse_bytes`` reads back: ``64MiB``, ``1536KiB``, ``1000``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % size == 0 and n >= size:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """The strategy as data; ``Plan`` adds the methods (see ``plan.py``)."""
+
+    mesh: tuple[tuple[str, int], ...] = ()     # (axis, size) in the order given; () is one device
+    zero: int = 0                              # ZeRO stage over ``data``
+    offload: str = "none"                      # Gemini placement of ZeRO-3 chunks
+    offload_budget: int | None = None          # device bytes for offload=auto (None: what is free)
+    remat: str = "none"                        # activation checkpointing per block, or auto (Rotor)
+    remat_budget: int | None = None            # activation bytes for remat=auto
+    schedule: str = "1f1b"                     # pipeline schedule (with a pipe axis)
+    microbatches: int = 1                      # per step, with a pipe axis
+    chunks: int = 1                            # virtual stages per pipe rank (interleaved)
+    precision: str = "fp32"
+
+    def __post_init__(self):
+        mesh = self.mesh
+        if isinstance(mesh, Mapping):
+            mesh = tuple(mesh.items())
+        object.__setattr__(self, "mesh", tuple((str(a), s) for a, s in mesh))
+        for name in ("offload_budget", "remat_budget"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, parse_bytes(v))
+        if self.schedule == "interleaved" and self.chunks == 1:
+            object.__setattr__(self, "chunks", 2)
+        self._check()
+
+    # -- the mesh ---------------------------------------------------------------------------------
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(s for _, s in self.mesh)
+
+    def size(self, axis: str) -> int:
+        return self.mesh_shape.get(axis, 1)
+
+    def has(self, axis: str) -> bool:
+        return axis in self.mesh_shape
+
+    # -- checks that need no model ----------------------------------------------------------------
+    def _check(self) -> None:
+        names = [a for a, _ in self.mesh]
+        for a, s in self.mesh:
+            if a not in AXES:
+                raise ValueError(f"Plan: unknown mesh axis {a!r}; a Plan's axes are {AXES}.")
+            if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+                raise ValueError(f"Plan: axis {a!r} has size {s!r}; sizes are positive ints.")
+        dup = sorted({a for a in names if names.count(a) > 1})
+        if dup:
+            raise ValueError(f"Plan: axis {dup[0]!r} appears twice in the mesh {list(self.mesh)}.")
+        _one_of("zero", self.zero, ZERO_STAGES)
+        _one_of("offload", self.offload, OFFLOADS)
+        _one_of("remat", self.remat, REMATS)
+        _one_of("schedule", self.schedule, SCHEDULES)
+        _one_of("precision", self.precision, PRECISIONS)
+        for name in ("microbatches", "chunks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Plan: {name}={v!r}; use a positive int.")
+        if self.has("seq"):
+            raise ValueError("Plan: a seq axis needs sequence parallelism (ring / Ulysses attention), "
+                             "which this Plan does not run yet; drop seq= from the mesh.")
+        if self.zero and not self.has("data"):
+            raise ValueError(f"Plan: zero={self.zero} shards over the data axis, and the mesh "
+                             f"{dict(self.mesh)} has none; add data=N to the mesh or use zero=0.")
+        if self.offload != "none" and self.zero != 3:
+            raise ValueError(f"Plan: offload={self.offload} places ZeRO-3 chunks (Gemini); it needs "
+                             f"zero=3, not zero={self.zero}.")
+        if self.offload_budget is not None and self.offload != "auto":
+            raise ValueError(f"Plan: only offload=auto takes a device budget, not offload={self.offload}.")
+        if (self.remat == "auto") != (self.remat_budget is not None):
+            raise ValueError("Plan: remat=auto needs an activation budget (remat=auto:512MiB, or "
+                             "--remat-budget) and only auto takes one.")
+        if not self.has("pipe"):
+            if self.microbatches != 1 or self.chunks != 1 or self.schedule != "1f1b":
+                raise ValueError("Plan: schedule / microbatches / chunks describe a pipeline; the mesh "
+                                 f"{dict(self.mesh)} has no pipe axis. Add pipe=N or drop them.")
+        elif self.chunks > 1 and self.schedule != "interleaved":
+            raise ValueError(f"Plan: chunks={self.chunks} (virtual stages per rank) needs "
+                             f"schedule=interleaved, not {self.schedule}.")
+
+    def check_batch(self, rows: int) -> None:
+        """ValueError unless a global batch of ``rows`` splits over ``data`` and then into the
+        pipeline's microbatches."""
+        data = self.size("data")
+        if rows % data:
+            raise ValueError(f"Plan {str(self)!r}: the batch of {rows} rows does not split over data={data}; "
+                             f"use a multiple of {data}.")
+        if self.has("pipe") and (rows // data) % self.microbatches:
+            raise ValueError(f"Plan {str(self)!r}: each data rank's {rows // data} rows do not split into "
+                             f"microbatches={self.microbatches}; use a batch of a multiple of "
+                             f"{data * self.microbatches} rows.")
+
+    # -- text ---------------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        d = PlanConfig()
+        groups = [",".join(f"{a}={s}" for a, s in self.mesh)] if self.mesh else []
+        if self.zero != d.zero:
+            groups.append(f"zero={self.zero}")
+        if self.offload != d.offload:
+            tail = f":{format_bytes(self.offload_budget)}" if self.offload_budget is not None else ""
+            groups.append(f"offload={self.offload}{tail}")
+        if self.remat != d.remat:
+            tail = f":{format_bytes(self.remat_budget)}" if self.remat_budget is not None else ""
+            groups.append(f"remat={self.remat}{tail}")
+        if self.schedule != d.schedule:
+            groups.append(f"schedule={self.schedule}")
+        if self.microbatches != d.microbatches:
+            groups.append(f"microbatches={self.microbatches}")
+        if self.chunks != (2 if self.schedule == "interleaved" else 1):
+            groups.append(f"chunks={self.chunks}")
+        if self.precision != d.precision:
+            groups.append(f"precision={self.precision}")
+        return " ".join(groups) or "single-device"
+
+    @classmethod
+    def parse_fields(cls, text: str) -> dict[str, Any]:
+        """The keyword arguments ``text`` names (module doc)."""
+        if not isinstance(text, str):
+            raise ValueError(f"Plan.parse: expected the plan's text, got {type(text).__name__}.")
+        if text.strip() == "single-device":
+            return {}
+        mesh, kw = [], {}
+        for pair in text.replace(",", " ").split():
+            key, eq, value = pair.partition("=")
+            if not eq or not value:
+                raise ValueError(f"Plan.parse({text!r}): {pair!r} is not key=value; e.g. "
+                                 "'pipe=2,data=2 zero=1 remat=blocks microbatches=4'.")
+            if key in kw:
+                raise ValueError(f"Plan.parse({text!r}): {key} is given twice.")
+            if key in AXES:
+                mesh.append((key, _int(text, key, value)))
+            elif key in ("zero", "microbatches", "chunks"):
+                kw[key] = _int(text, key, value)
+            elif key in ("offload", "remat"):
+                mode, _, budget = value.partition(":")
+                kw[key] = mode
+                if budget:
+                    kw[f"{key}_budget"] = budget
+            elif key in ("schedule", "precision"):
+                kw[key] = value
+            else:
+                raise ValueError(f"Plan.parse({text!r}): unknown key {key!r}; keys are the axes {AXES} "
+                                 "and zero, offload, remat, schedule, microbatches, chunks, precision.")
+        return dict(kw, mesh=tuple(mesh))
+
+
+def _int(text: str, key: str, value: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"Plan.parse({text!r}): {key}={value!r} is not a non-negative integer.")
+    return int(value)
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed or isinstance(value, bool):
+        raise ValueError(f"Plan: {name}={value!r}; use one of {', '.join(map(str, allowed))}.")

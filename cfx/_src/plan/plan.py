@@ -1,0 +1,54 @@
+"""``cfx.parallel.Plan``: one frozen object naming the whole training strategy.
+
+    plan = cfx.parallel.Plan.parse("pipe=2,data=2,model=2 zero=1 remat=blocks microbatches=2")
+    with plan.make_mesh() as mesh:
+        step = plan.step(model, tx, mesh=mesh)      # a Program: the pure, donated train step
+        state = step.init(key)                      # TrainState(params, opt_state) of ShardedArrays
+        for tokens, targets in batches:
+            state, metrics = step(state, (tokens, targets))
+        params = step.params(state)                 # the model's tree, global tensors
+
+The fields and their text are ``config.PlanConfig``; how params are stored, ``layout``; the
+step, ``program``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cfx._src.mesh.mesh import Mesh
+from cfx._src.plan.config import PlanConfig
+from cfx._src.plan.program import Program, TrainState, check_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan(PlanConfig):
+    """A training strategy over the mesh axes ``pipe``, ``data``, ``seq``, ``model`` (see the
+    module doc; the fields are documented on ``PlanConfig``)."""
+
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        """``Plan.parse("pipe=2,data=2 zero=1 remat=blocks")``; ``Plan.parse(str(p)) == p``."""
+        return cls(**cls.parse_fields(text))
+
+    def make_mesh(self, *, backend: str = "auto", **kwargs: Any) -> Mesh:
+        """The plan's mesh (local threads, or one process per rank under torchrun)."""
+        if not self.mesh:
+            raise ValueError("Plan: a single-device plan has no mesh; give it an axis, e.g. data=1.")
+        return Mesh(self.mesh_shape, backend=backend, **kwargs)
+
+    def check(self, model: Any) -> None:
+        """ValueError, naming the parts that do not fit and the fix, unless this plan can train
+        ``model`` (heads and vocabulary divisible by ``model``, blocks by ``pipe`` x ``chunks``,
+        the parts protocol under a pipe axis, ...). Needs no mesh."""
+        check_model(self, model)
+
+    def step(self, model: Any, tx: Any, *, mesh: Mesh, grad_clip: float = 0.0) -> Program:
+        """The train step ``step(state, batch) -> (state, metrics)`` (a ``Program``, which also
+        has ``init``, ``params``, ``put``, ``loss`` and ``sample``); every check runs here, before
+        any rank starts. ``grad_clip > 0`` clips by the global norm over every shard."""
+        return Program(self, model, tx, mesh, grad_clip=grad_clip)
+
+    def init(self, model: Any, tx: Any, key, *, mesh: Mesh) -> TrainState:
+        """Sharded params and optimizer state; ``plan.step(model, tx, mesh=mesh).init(key)``."""
+        return self.step(model, tx, mesh=mesh).init(key)
