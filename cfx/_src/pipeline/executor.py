@@ -58,6 +58,7 @@ from cfx._src.pipeline.backward import SplitBackward, full_backward
 from cfx._src.pipeline.partition import ModelParts, StagePlan, model_parts, partition
 from cfx._src.pipeline.schedule import Schedule
 from cfx._src.pipeline.validate import validate
+from cfx._src.zero.params import ShardedLeaf
 
 WHERE = "cfx.pipeline"
 
@@ -149,7 +150,7 @@ class _Run:
         self.valid = [int((t != IGNORE_INDEX).sum()) for t in self.targets]
         total = max(sum(self.valid), 1)
         self.weights = [v / total for v in self.valid]  # microbatch shares of the mean loss
-        w = tree_util.leaves(params)[0]
+        w = _grad_leaf(tree_util.leaves(params)[0])
         b, T = self.tokens[0].shape
         self.msg = dict(shape=(b, T, step.parts.width), dtype=w.dtype, device=w.device)
         # this rank's params as fresh leaves, and each stage's list of them
@@ -159,12 +160,12 @@ class _Run:
         held = step.held_blocks(rank)
         self.where = {i: (held.index(i) if step.local_blocks else i) for i in held}  # block -> params position
         self.local["blocks"] = {i: _leaves_of(params["blocks"][self.where[i]]) for i in held}
-        self.stage_leaves = {s: tree_util.leaves([self.local["blocks"][i] for i in plan.blocks(s)]
-                                                 + [self.local[k] for k in plan.extras(s)])
+        self.stage_leaves = {s: [_grad_leaf(x) for x in tree_util.leaves(
+                                 [self.local["blocks"][i] for i in plan.blocks(s)] + [self.local[k] for k in plan.extras(s)])]
                              for s in mine}
         # saved tensors are watched only while a cfx.memory tracker is active (the hook costs time)
         self.tracked = bool(memory._active.get())
-        self.param_storages = {t.untyped_storage()._cdata for t in tree_util.leaves(params)}
+        self.param_storages = {_grad_leaf(t).untyped_storage()._cdata for t in tree_util.leaves(params)}
         self.acc: dict[int, torch.Tensor] = {}    # id(leaf) -> accumulated gradient
         self.inputs: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> stage input
         self.outputs: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> output to send
@@ -288,7 +289,7 @@ class _Run:
     # -- results ----------------------------------------------------------------------------------
     def results(self) -> tuple[torch.Tensor, Any]:
         def held(tree):
-            return tree_util.map(lambda t: self.acc.get(id(t), torch.zeros_like(t)), tree)
+            return tree_util.map(lambda t: self.acc.get(id(_grad_leaf(t)), _zeros(t)), tree)
 
         grads = {}
         for k, v in self.params.items():
@@ -296,9 +297,9 @@ class _Run:
                 grads[k] = [held(self.local["blocks"][i]) for i in self.step.held_blocks(self.rank)]
             elif k == "blocks":
                 grads[k] = [held(self.local["blocks"][i]) if i in self.local["blocks"]
-                            else tree_util.map(torch.zeros_like, b) for i, b in enumerate(v)]
+                            else tree_util.map(_zeros, b) for i, b in enumerate(v)]
             else:
-                grads[k] = held(self.local[k]) if k in self.local else tree_util.map(torch.zeros_like, v)
+                grads[k] = held(self.local[k]) if k in self.local else tree_util.map(_zeros, v)
         axis = self.step.axis
         if not self.step.sum_grads:
             return lax.psum(self.loss, axis), grads
@@ -314,5 +315,19 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 def _leaves_of(tree: Any) -> Any:
-    """``tree`` with every tensor a fresh leaf that requires grad (sharing storage)."""
-    return tree_util.map(lambda t: t.detach().requires_grad_(True), tree)
+    """``tree`` with every tensor a fresh leaf that requires grad (sharing storage); a ZeRO-3
+    ``ShardedLeaf`` keeps its shape and gets a fresh piece (its gathered layer gathers it)."""
+    def fresh(t):
+        if isinstance(t, ShardedLeaf):
+            return dataclasses.replace(t, piece=t.piece.detach().requires_grad_(True))
+        return t.detach().requires_grad_(True)
+    return tree_util.map(fresh, tree)
+
+
+def _grad_leaf(x: Any) -> torch.Tensor:
+    """The tensor a params leaf's gradient is taken with respect to (a ZeRO-3 leaf's piece)."""
+    return x.piece if isinstance(x, ShardedLeaf) else x
+
+
+def _zeros(x: Any) -> torch.Tensor:
+    return torch.zeros_like(_grad_leaf(x))

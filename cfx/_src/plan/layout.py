@@ -20,6 +20,7 @@ optimizer then sees the model's tree (``opt_shapes`` / ``opt_specs``). ``init``,
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -32,10 +33,10 @@ from cfx._src.lax import collectives as lax
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.parallel.rules import Rules
-from cfx._src.shapes import eval_shape
+from cfx._src.shapes import ShapeDtype, eval_shape
 from cfx._src.shard_map import shard_map
-from cfx._src.zero.params import gather_params, shard_params
-from cfx._src.zero.params import init_params as zero_init_params
+from cfx._src.zero.flat import piece_size
+from cfx._src.zero.params import ZeroParams, gather_params, global_pieces, shard_params
 from cfx._src.zero.params import param_specs as zero_param_specs
 
 
@@ -47,58 +48,70 @@ class Layout:
         tp = cfg.has("model")
         self.rules = Rules({"batch": "data" if cfg.has("data") else None,
                             **({k: "model" for k in MEGATRON_RULES} if tp else {})})
-        axes = model.axes()
         self.model_shapes = eval_shape(model.init, random.key(0))
-        self.model_specs = self.rules.specs(axes, mesh=mesh)
-        self.stacked = cfg.has("pipe")
+        self.model_specs = self.rules.specs(model.axes(), mesh=mesh)
+        self.batch_spec = self.rules.spec(("batch", None))
+        self.stacked, self.zero3 = cfg.has("pipe"), cfg.zero == 3
         self.order: tuple[int, ...] = ()
         if self.stacked:
             self.order = stored_order(len(model.blocks), cfg.size("pipe"), cfg.chunks, type(model).__name__)
             _check_uniform(self.model_shapes["blocks"], type(model).__name__)
-            block_specs = self.model_specs["blocks"][0]
-            self.specs = {**self.model_specs, "blocks": tree_util.map(lambda s: P("pipe", *s), block_specs,
-                                                                       is_leaf=is_spec)}
-        else:
-            self.specs = self.model_specs
+        # the params as whole (tensor-parallel) leaves: what zero<3 stores
+        self.plain_specs = self.to_stored(self.model_specs, spec=True)
         self.shapes = self.to_stored(self.model_shapes)
-        self.batch_spec = self.rules.spec(("batch", None))
-        self.zero3 = cfg.zero == 3
-        self.opt_shapes, self.opt_specs = self.shapes, self.specs  # what ZeRO's optimizer is laid out over
-        if self.zero3:
-            self.specs = zero_param_specs(self.model_specs, self.model_shapes, axis="data", mesh=mesh)
-            self.opt_shapes, self.opt_specs = self.model_shapes, self.model_specs
-
-    # -- building and reading the stored params ---------------------------------------------------
-    def init(self, init, key) -> Any:
-        """``init(key)`` built straight into the stored layout; each process allocates its blocks."""
-        if self.zero3:
-            return zero_init_params(init, key, mesh=self.mesh, axis="data", param_specs=self.model_specs)
-        return init_sharded(lambda k: self.to_stored(init(k)), key, mesh=self.mesh, specs=self.specs)
-
-    def gather(self, stored: Any) -> Any:
-        """The model's params as global tensors (a collective: every process calls it)."""
-        if self.zero3:
-            stored = shard_map(lambda z: gather_params(z, axis="data"), mesh=self.mesh, in_specs=(self.specs,),
-                               out_specs=self.model_specs)(stored)
-        return self.to_model(device_get(stored))
-
-    def put(self, params: Any) -> Any:
-        """Global model params (a checkpoint) in the stored layout."""
-        if self.zero3:
-            arrays = put_tree(params, self.model_specs, self.mesh)
-            return shard_map(lambda p: shard_params(p, axis="data"), mesh=self.mesh, in_specs=(self.model_specs,),
-                             out_specs=self.specs)(arrays)
-        return put_tree(self.to_stored(params), self.specs, self.mesh)
+        self.specs = self.plain_specs
+        if self.zero3:  # each leaf's padded flat piece per data rank (cfx.zero.param_specs)
+            zp = zero_param_specs(self.model_specs, self.model_shapes, axis="data", mesh=mesh)
+            self.n = zp.n
+            self.specs = self.to_stored(zp.pieces, spec=True)
+            # one rank's ZeroParams: the model's tree with its own blocks, per-rank leaf shapes
+            local_shapes = tree_util.unflatten(tree_util.structure(self.model_shapes), list(zp.shapes))
+            self.local_shapes = self._local_tree(local_shapes)
+            self.local_specs = self._local_tree(self.model_specs, stage_axis=True)
 
     @property
     def rows_per_rank(self) -> int:
         return len(self.order) // self.cfg.size("pipe") if self.stacked else 0
 
+    # -- building and reading the stored params ---------------------------------------------------
+    def init(self, init, key) -> Any:
+        """``init(key)`` built straight into the stored layout; each process allocates its blocks."""
+        if self.zero3:
+            tp_specs = tree_util.leaves(self.model_specs, is_leaf=is_spec)
+
+            def pieces(k):
+                leaves, treedef = tree_util.flatten(init(k))
+                return self.to_stored(tree_util.unflatten(treedef, [
+                    global_pieces(x, s, self.mesh, self.n) for x, s in zip(leaves, tp_specs)]))
+            return init_sharded(pieces, key, mesh=self.mesh, specs=self.specs)
+        return init_sharded(lambda k: self.to_stored(init(k)), key, mesh=self.mesh, specs=self.specs)
+
+    def gather(self, stored: Any) -> Any:
+        """The model's params as global tensors (a collective: every process calls it)."""
+        if self.zero3:
+            stored = shard_map(lambda z: self.stack_local(gather_params(self.local_view(z), axis="data")),
+                               mesh=self.mesh, in_specs=(self.specs,), out_specs=self.plain_specs)(stored)
+        return self.to_model(device_get(stored))
+
+    def put(self, params: Any) -> Any:
+        """Global model params (a checkpoint) in the stored layout."""
+        arrays = put_tree(self.to_stored(params), self.plain_specs, self.mesh)
+        if not self.zero3:
+            return arrays
+
+        def shard(plain):
+            return self.stack_local(shard_params(self._rows(plain), axis="data").pieces)
+        return shard_map(shard, mesh=self.mesh, in_specs=(self.plain_specs,), out_specs=self.specs)(arrays)
+
     # -- global trees ----------------------------------------------------------------------------
-    def to_stored(self, params: Any) -> Any:
-        """The model's params tree (tensors or ShapeDtypes) in the stored layout."""
+    def to_stored(self, params: Any, *, spec: bool = False) -> Any:
+        """The model's params tree (tensors, ShapeDtypes or, with ``spec``, specs) in the stored
+        layout: blocks stacked in ``order`` under a pipe axis."""
         if not self.stacked:
             return params
+        if spec:  # every block has block 0's specs, split over pipe on the new leading dim
+            return {**params, "blocks": tree_util.map(lambda s: P("pipe", *s), params["blocks"][0],
+                                                      is_leaf=is_spec)}
         blocks = [params["blocks"][i] for i in self.order]
         return {**params, "blocks": tree_util.map(lambda *xs: _stack(xs), *blocks)}
 
@@ -114,29 +127,53 @@ class Layout:
 
     # -- one rank's views ------------------------------------------------------------------------
     def local_view(self, stored_local: Any) -> Any:
-        """A rank's stored blocks as the model's tree with ``blocks`` = its own blocks (row views)."""
+        """A rank's stored params as the model's tree whose ``blocks`` are its own (row views);
+        under ZeRO-3 the ``ZeroParams`` of that tree."""
+        tree = self._rows(stored_local)
+        if self.zero3:
+            return ZeroParams(tree, tree_util.leaves(self.local_shapes, is_leaf=_is_shape), self.n)
+        return tree
+
+    def local_abstract(self) -> ZeroParams:
+        """ZeRO-3: one rank's ``local_view`` as ShapeDtypes (every rank's has these shapes)."""
+        dtypes = self._local_tree(tree_util.map(lambda x: x.dtype, self.model_shapes))
+        shapes = tree_util.leaves(self.local_shapes, is_leaf=_is_shape)
+        pieces = [ShapeDtype((piece_size(math.prod(s), self.n),), d) for s, d in zip(shapes, tree_util.leaves(dtypes))]
+        return ZeroParams(tree_util.unflatten(tree_util.structure(dtypes), pieces), shapes, self.n)
+
+    def stack_local(self, tree: Any) -> Any:
+        """The inverse of ``local_view`` for a tree of tensors shaped like it (grads, updates, a
+        ZeroParams' pieces): the blocks' rows stacked."""
         if not self.stacked:
-            return stored_local
-        n = self.rows_per_rank
-        return {**stored_local, "blocks": [tree_util.map(lambda x, j=j: x[j], stored_local["blocks"])
-                                           for j in range(n)]}
+            return tree
+        return {**tree, "blocks": tree_util.map(lambda *xs: torch.stack(xs), *tree["blocks"])}
 
     def gather_blocks(self, stored_local: Any) -> Any:
         """Inside shard_map: the model's whole params tree on this rank, the other stages' blocks
         all-gathered over ``pipe``, ZeRO-3's pieces over ``data`` (for inference; the step never
         does this)."""
-        if self.zero3:
-            return gather_params(stored_local, axis="data")
+        plain = (self.stack_local(gather_params(self.local_view(stored_local), axis="data")) if self.zero3
+                 else stored_local)  # the stored layout's whole (tensor-parallel) leaves
+        if not self.stacked:
+            return plain
+        rows = tree_util.map(lambda x: lax.all_gather(x, "pipe", dim=0, tiled=True), plain["blocks"])
+        return self.to_model({**plain, "blocks": rows})
+
+    def _rows(self, stored_local: Any) -> Any:
         if not self.stacked:
             return stored_local
-        rows = tree_util.map(lambda x: lax.all_gather(x, "pipe", dim=0, tiled=True), stored_local["blocks"])
-        return self.to_model({**stored_local, "blocks": rows})
+        return {**stored_local, "blocks": [tree_util.map(lambda x, j=j: x[j], stored_local["blocks"])
+                                           for j in range(self.rows_per_rank)]}
 
-    def stack_local(self, tree: Any) -> Any:
-        """The inverse of ``local_view`` for a tree shaped like it (grads, updates): stacked rows."""
+    def _local_tree(self, tree: Any, *, stage_axis: bool = False) -> Any:
+        """A model-shaped tree of per-leaf metadata cut to one rank's blocks; with ``stage_axis``
+        the block specs also name ``pipe`` (each rank's blocks differ along it)."""
         if not self.stacked:
             return tree
-        return {**tree, "blocks": tree_util.map(lambda *xs: torch.stack(xs), *tree["blocks"])}
+        block = tree["blocks"][0]
+        if stage_axis:
+            block = tree_util.map(lambda s: P(("pipe", *s.all_axes())), block, is_leaf=is_spec)
+        return {**tree, "blocks": [block] * self.rows_per_rank}
 
 
 def put_tree(tree: Any, specs: Any, mesh) -> Any:
@@ -172,3 +209,7 @@ def _check_uniform(blocks: list, name: str) -> None:
         if tree_util.structure(got) != tree_util.structure(ref) or tree_util.leaves(got) != tree_util.leaves(ref):
             raise ValueError(f"Plan: {name}'s block {i} differs in params from block 0; a pipe axis stacks "
                              "each stage's blocks, so they must all have the same params shapes.")
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)

@@ -37,12 +37,14 @@ from cfx._src.pipeline import schedule as schedules
 from cfx._src.pipeline.executor import pipeline
 from cfx._src.plan.layout import Layout, put_tree, stored_order
 from cfx._src.remat import remat
+from cfx._src.mesh.context import Group, RankContext, installed
 from cfx._src.shapes import eval_shape
 from cfx._src.shard_map import shard_map
 from cfx._src.models.sample import sample_bytes
 from cfx._src.transforms import value_and_grad
 from cfx._src.zero.gathered import gathered
 from cfx._src.zero.optimizer import ZeroTransformation
+from cfx._src.zero.params import ZeroParams
 
 
 class TrainState(NamedTuple):
@@ -98,10 +100,14 @@ class Program:
         # the global norm through ZeRO's ghost leaf, otherwise the step clips across the shards
         if plan.zero and self.grad_clip > 0:
             tx = chain(clip_by_global_norm(self.grad_clip), tx)
-        self.opt = (ZeroTransformation(tx, plan.zero, "data", layout.opt_specs) if plan.zero else tx)
-        if plan.zero:
-            self.state_specs = self.opt.state_specs(layout.opt_shapes, mesh=mesh)
+        if layout.zero3:  # ZeRO-3 updates each rank's pieces: its view of the model's tree
+            self.opt = ZeroTransformation(tx, 3, "data", layout.local_specs)
+            self.state_specs = _per_rank_specs(mesh, self.opt.init, layout.local_abstract())
+        elif plan.zero:
+            self.opt = ZeroTransformation(tx, plan.zero, "data", layout.specs)
+            self.state_specs = self.opt.state_specs(layout.shapes, mesh=mesh)
         else:
+            self.opt = tx
             self.state_specs = state_specs(eval_shape(tx.init, layout.shapes), layout.shapes, layout.specs)
         specs = TrainState(layout.specs, self.state_specs)
         batch = (layout.batch_spec, layout.batch_spec)
@@ -115,7 +121,8 @@ class Program:
     def init(self, key: torch.Tensor) -> TrainState:
         """Params and optimizer state as ShardedArrays; each process builds only its blocks."""
         params = self.layout.init(self.model.init, key)
-        opt_state = shard_map(self.opt.init, mesh=self.mesh, in_specs=(self.layout.specs,),
+        opt_init = (lambda p: self.opt.init(self.layout.local_view(p))) if self.layout.zero3 else self.opt.init
+        opt_state = shard_map(opt_init, mesh=self.mesh, in_specs=(self.layout.specs,),
                               out_specs=self.state_specs)(params)
         return TrainState(params, opt_state)
 
@@ -160,6 +167,11 @@ class Program:
         scale = loss_scale(opt_state) if self.policy.needs_loss_scaling else None
         local = self.layout.local_view(params)
         loss, grads = self._loss_and_grads(local, tokens, targets, key, scale)
+        if self.layout.zero3:  # grads are already reduce-scattered pieces; update this rank's view
+            loss = lax.pmean(loss, "data")
+            with donation.donated(tree_util.leaves(grads)):
+                updates, opt_state = self.opt.update(grads, opt_state, local)
+            return TrainState(self.layout.stack_local(apply_updates(local, updates).pieces), opt_state), loss
         grads = self.layout.stack_local(grads)
         if self.plan.has("data"):
             loss = lax.pmean(loss, "data")
@@ -175,7 +187,10 @@ class Program:
 
     def _loss_and_grads(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale):
         compute = self.policy.cast_to_compute
-        if self.pipe_step is not None:
+        if self.pipe_step is not None and self.layout.zero3:  # the stages gather their own pieces
+            loss, pieces = self.pipe_step(compute(local).sharded_leaves(), tokens, targets)
+            grads = ZeroParams(pieces, local.shapes, local.n)
+        elif self.pipe_step is not None:
             loss, grads = self.pipe_step(compute(local), tokens, targets)
         else:
             def scaled(p):
@@ -189,7 +204,7 @@ class Program:
     def _eval_loss(self, params, tokens, targets):
         local = self.policy.cast_to_compute(self.layout.local_view(params))
         if self.pipe_step is not None:  # the stages' own blocks: run the schedule, drop the grads
-            loss, _ = self.pipe_step(local, tokens, targets)
+            loss, _ = self.pipe_step(local.sharded_leaves() if self.layout.zero3 else local, tokens, targets)
         else:
             with torch.no_grad():
                 loss = self.eval_model.loss(local, tokens, targets)
@@ -224,9 +239,6 @@ def check_model(plan, model) -> None:
     if plan.offload != "none":
         raise ValueError(f"{where}: offload (Gemini chunk placement) is not composed into a Plan step yet; "
                          "use offload=none, or cfx.zero.GeminiEngine by hand.")
-    if plan.zero == 3 and plan.has("pipe"):
-        raise ValueError(f"{where}: zero=3 with a pipe axis is not composed yet (ZeRO-3's pieces are not "
-                         "stacked per stage); use zero=1 or 2 with pipe, or drop the pipe axis.")
     if plan.remat == "auto" and plan.has("pipe"):
         raise ValueError(f"{where}: remat=auto solves one checkpointing schedule over all blocks, and the "
                          "pipe axis cuts them into stages; use remat=blocks or remat=dots with a pipe axis.")
@@ -234,6 +246,10 @@ def check_model(plan, model) -> None:
         raise ValueError(f"{where}: remat=auto runs the blocks as one solved chain over whole tensors, and "
                          "zero=3 hands each block its gathered pieces; use remat=blocks or remat=dots with "
                          "zero=3.")
+    if plan.zero == 3 and plan.schedule == "zb-h1":
+        raise ValueError(f"{where}: schedule=zb-h1 splits each backward into input (I) and weight (W) "
+                         "halves, and zero=3's gathered blocks free their re-gathered weights between them; "
+                         "use schedule=1f1b, gpipe or interleaved with zero=3.")
     if plan.precision == "fp16" and (plan.has("model") or plan.has("pipe")):
         raise ValueError(f"{where}: precision=fp16 with a model or pipe axis needs a loss-scale inf/nan "
                          "check across the whole mesh, which the Plan step does not make yet; use "
@@ -258,6 +274,18 @@ def _check_mesh(plan, mesh) -> None:
     if dict(mesh.shape) != plan.mesh_shape:
         raise ValueError(f"Plan {str(plan)!r}: the mesh {mesh!r} is not the plan's {plan.mesh_shape}; open "
                          "it with plan.make_mesh().")
+
+
+def _per_rank_specs(mesh, fn, *args) -> Any:
+    """Specs for what ``fn(*args)`` returns on each rank when every rank's result has the same
+    shapes but its own values (ZeRO's flat state): 1-D and larger leaves split over all of the
+    mesh's axes, scalars replicated. ``fn`` runs on fake tensors in rank 0's context (no comm)."""
+    coords = mesh.coords(0)
+    ctx = RankContext(mesh, 0, coords, lambda axes: Group(axes, mesh.axes_size(axes), mesh.index_in(axes, coords), None))
+    with installed(ctx):  # axis sizes and indices, no process groups: a collective would raise
+        out = eval_shape(fn, *args)
+    every = tuple(mesh.axis_names)
+    return tree_util.map(lambda x: P(every) if len(x.shape) else P(), out)
 
 
 def _check_batch(plan, tokens: Any) -> None:

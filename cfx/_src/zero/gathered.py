@@ -183,6 +183,14 @@ class Gathered:
         """``layer.loss`` (a model's) with this layer's own params gathered."""
         return self._call(self.layer.loss, params, args, kwargs)
 
+    def parts(self) -> Any:
+        """The wrapped model's parts protocol with this layer's own params gathered around the
+        embedding and around the head (each stage of a pipeline gathers what it runs)."""
+        inner = self.layer.parts()
+        return dataclasses.replace(
+            inner, embed=lambda p, tokens: self._call(inner.embed, p, (tokens,), {}),
+            head_loss=lambda p, x, targets: self._call(inner.head_loss, p, (x, targets), {}))
+
     def __getattr__(self, name: str) -> Any:  # config, blocks, ... of the wrapped layer
         if name.startswith("__") or name == "layer":
             raise AttributeError(name)

@@ -107,13 +107,13 @@ def init_params(init, *args: Any, mesh, axis: str = "data", param_specs: Any = N
 
     def pieces(*a):
         leaves, treedef = tree_util.flatten(init(*a))
-        return tree_util.unflatten(treedef, [_global_pieces(x, leaf_specs[i] if leaf_specs else P(), mesh, n)
+        return tree_util.unflatten(treedef, [global_pieces(x, leaf_specs[i] if leaf_specs else P(), mesh, n)
                                              for i, x in enumerate(leaves)])
     arrays = init_sharded(pieces, *args, mesh=mesh, specs=specs.pieces)
     return ZeroParams(arrays, specs.shapes, n)
 
 
-def _global_pieces(x: torch.Tensor, spec: P, mesh, n: int) -> torch.Tensor:
+def global_pieces(x: torch.Tensor, spec: P, mesh, n: int) -> torch.Tensor:
     """The global tensor whose blocks under ``P((*spec's axes, axis))`` are the pieces: for each
     block of ``x`` under ``spec`` (in the order of its axes), the block flattened and padded to
     ``n`` equal pieces."""
@@ -132,7 +132,7 @@ def _global_pieces(x: torch.Tensor, spec: P, mesh, n: int) -> torch.Tensor:
 
 
 def _block_order(spec: P, mesh) -> list[int]:
-    """Blocks enumerated by ``_global_pieces`` (dims in order, each dim's axes major to minor),
+    """Blocks enumerated by ``global_pieces`` (dims in order, each dim's axes major to minor),
     listed in the order of the spec's axes linearised major to minor (``P((axes..., data))``)."""
     axes = list(spec.all_axes())
     dim_axes = [spec.axes_of(d) for d in range(len(spec))]
