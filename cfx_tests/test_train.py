@@ -120,7 +120,7 @@ def test_remat_flag_keeps_the_loss_trajectory(remat, mesh, text_file):
 @pytest.mark.parametrize("flags", [dict(mesh="data=2,model=2", zero=1), dict(mesh="pipe=2,data=2", zero=2, microbatches=2),
                                    dict(mesh="data=2", remat="auto", remat_budget="64MiB"),
                                    dict(mesh="data=2,model=2", zero=3, remat="blocks"),
-                                   dict(mesh="pipe=2,data=2", zero=3, microbatches=2, sample_bytes=8)])
+                                   dict(mesh="pipe=2,data=2", zero=3, microbatches=2)])
 def test_strategy_flags_keep_the_loss_trajectory(flags, text_file):
     base = dict(SMALL, steps=3, data=text_file, weight_decay=0.0)
     ref = train(TrainConfig(**base))
