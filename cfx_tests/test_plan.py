@@ -164,3 +164,35 @@ def test_bad_combinations_are_refused_before_any_rank_runs():
     with cfx.Mesh({"data": 4}) as mesh:
         with pytest.raises(ValueError, match="not the plan's.*plan.make_mesh"):
             plan.step(gpt2(), tx, mesh=mesh)
+
+
+@pytest.mark.timeout(120)
+def test_zero3_on_pipe_data_model_holds_what_describe_says_and_the_formula():
+    model = cfx.models.gpt2("tiny", vocab_size=256, n_positions=64)
+    plan = Plan.parse("pipe=2,data=2,model=2 zero=3 microbatches=2")
+    described = plan.describe(model)  # before any rank starts
+    psi = described.n_params
+    tokens = cfx.random.randint(cfx.random.key(1), (8, 65), 0, 256)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    with plan.make_mesh() as mesh:
+        step = plan.step(model, cfx.optim.adamw(1e-3), mesh=mesh)
+        state, _ = step(step.init(cfx.random.key(0)), batch)
+        with cfx.memory.track() as mem:
+            state, _ = step(state, batch)
+        for rank in range(mesh.size):
+            peak = mem.peak_by_kind("device", rank=rank)
+            measured = peak["param"] + peak["grad"] + peak["optim"]
+            assert 0.9 <= measured / described.model_state <= 1.1, (rank, measured, described.bytes)
+            assert peak["gathered"] == described.bytes["gathered block"]
+            formula = 16 * psi / 8 + described.bytes["gathered block"]
+            assert 0.9 <= (measured + peak["gathered"]) / formula <= 1.1, (rank, measured, formula)
+
+
+def test_describe_divides_block_params_by_pipe():
+    model = MODELS["gpt2"]
+    one, piped = Plan.parse("data=1").describe(model), Plan.parse("pipe=2").describe(model)
+    shapes = cfx.eval_shape(model.init, cfx.random.key(0))
+    blocks = sum(x.numel() * 4 for x in cfx.tree.leaves(shapes["blocks"]))
+    assert one.bytes["params"] - piped.bytes["params"] == blocks // 2
+    assert "optimizer" in str(piped)
+    assert 0 < piped.model_state - 4 * piped.bytes["params"] <= 16  # AdamW: m, v and a step count

@@ -139,3 +139,26 @@ def _dist_initialised_or_launched() -> bool:
     import torch.distributed as dist
     return (dist.is_available() and dist.is_initialized()) or "TORCHELASTIC_RUN_ID" in os.environ \
         or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+
+
+class AbstractMesh(Mesh):
+    """A mesh's axes and sizes without ranks or process groups (JAX's ``AbstractMesh``): enough
+    to lay arrays out and plan a strategy before any rank starts (``Plan.describe``)."""
+
+    def __init__(self, axes: Mapping[str, int]):
+        if not isinstance(axes, Mapping) or not axes:
+            raise ValueError(f"AbstractMesh: axes must be a non-empty mapping of axis name -> size, got {axes!r}.")
+        self.axis_names = tuple(axes)
+        self.shape = dict(axes)
+        self.size = math.prod(axes.values())
+        self.backend = None
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k!r}: {v}" for k, v in self.shape.items())
+        return f"AbstractMesh({{{inner}}})"
+
+    def run(self, fn):
+        raise ValueError(f"{self!r} has no ranks to run on; open a cfx.Mesh with these axes.")
+
+    def close(self) -> None:
+        pass

@@ -18,6 +18,7 @@ from typing import Any
 
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.plan.config import PlanConfig
+from cfx._src.plan.describe import Description, describe
 from cfx._src.plan.program import Program, TrainState, check_model
 
 
@@ -42,6 +43,11 @@ class Plan(PlanConfig):
         ``model`` (heads and vocabulary divisible by ``model``, blocks by ``pipe`` x ``chunks``,
         the parts protocol under a pipe axis, ...). Needs no mesh."""
         check_model(self, model)
+
+    def describe(self, model: Any, tx: Any = None) -> Description:
+        """Per-rank bytes of params, grads, optimizer state (``tx``, default AdamW) and, under
+        ZeRO-3, one gathered block, computed on shapes before anything runs (``print`` it)."""
+        return describe(self, model, tx)
 
     def step(self, model: Any, tx: Any, *, mesh: Mesh, grad_clip: float = 0.0) -> Program:
         """The train step ``step(state, batch) -> (state, metrics)`` (a ``Program``, which also

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cfx._src.remat import policies as cp
-from cfx._src import amp, donation
+from cfx._src import amp, donation, memory
 from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.spec import P
@@ -74,6 +74,20 @@ def make_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> sched
     raise ValueError(f"schedule {name!r}: expected gpipe, 1f1b, interleaved or zb-h1.")
 
 
+def make_optimizer(plan, tx, layout: Layout, mesh, *, grad_clip: float = 0.0) -> tuple[Any, Any]:
+    """``(the optimizer a step runs, its state's specs)``: ``tx`` itself over the stored layout,
+    or wrapped in ZeRO 1/2 over it, or ZeRO-3 over each rank's view of the model's tree."""
+    if plan.zero and grad_clip > 0:
+        tx = chain(clip_by_global_norm(grad_clip), tx)
+    if layout.zero3:  # ZeRO-3 updates each rank's pieces: its view of the model's tree
+        opt = ZeroTransformation(tx, 3, "data", layout.local_specs)
+        return opt, per_rank_specs(mesh, opt.init, layout.local_abstract())
+    if plan.zero:
+        opt = ZeroTransformation(tx, plan.zero, "data", layout.specs)
+        return opt, opt.state_specs(layout.shapes, mesh=mesh)
+    return tx, state_specs(eval_shape(tx.init, layout.shapes), layout.shapes, layout.specs)
+
+
 class Program:
     """``plan`` applied to ``model``, ``tx`` on ``mesh``; callable as the train step."""
 
@@ -98,17 +112,7 @@ class Program:
             self.pipe_step = pipeline(local, sched, local_blocks=True)
         # 4-5. data parallelism and the optimizer, over the stored layout; under ZeRO the clip sees
         # the global norm through ZeRO's ghost leaf, otherwise the step clips across the shards
-        if plan.zero and self.grad_clip > 0:
-            tx = chain(clip_by_global_norm(self.grad_clip), tx)
-        if layout.zero3:  # ZeRO-3 updates each rank's pieces: its view of the model's tree
-            self.opt = ZeroTransformation(tx, 3, "data", layout.local_specs)
-            self.state_specs = _per_rank_specs(mesh, self.opt.init, layout.local_abstract())
-        elif plan.zero:
-            self.opt = ZeroTransformation(tx, plan.zero, "data", layout.specs)
-            self.state_specs = self.opt.state_specs(layout.shapes, mesh=mesh)
-        else:
-            self.opt = tx
-            self.state_specs = state_specs(eval_shape(tx.init, layout.shapes), layout.shapes, layout.specs)
+        self.opt, self.state_specs = make_optimizer(plan, tx, layout, mesh, grad_clip=self.grad_clip)
         specs = TrainState(layout.specs, self.state_specs)
         batch = (layout.batch_spec, layout.batch_spec)
         self._step = shard_map(self._body, mesh=mesh, in_specs=(specs, batch, P()), out_specs=(specs, P()),
@@ -166,7 +170,10 @@ class Program:
         tokens, targets = batch
         scale = loss_scale(opt_state) if self.policy.needs_loss_scaling else None
         local = self.layout.local_view(params)
+        _watch(params, "param")  # booked while a cfx.memory tracker is active
+        _watch(opt_state, "optim")
         loss, grads = self._loss_and_grads(local, tokens, targets, key, scale)
+        _watch(grads, "grad")
         if self.layout.zero3:  # grads are already reduce-scattered pieces; update this rank's view
             loss = lax.pmean(loss, "data")
             with donation.donated(tree_util.leaves(grads)):
@@ -276,16 +283,28 @@ def _check_mesh(plan, mesh) -> None:
                          "it with plan.make_mesh().")
 
 
-def _per_rank_specs(mesh, fn, *args) -> Any:
-    """Specs for what ``fn(*args)`` returns on each rank when every rank's result has the same
-    shapes but its own values (ZeRO's flat state): 1-D and larger leaves split over all of the
-    mesh's axes, scalars replicated. ``fn`` runs on fake tensors in rank 0's context (no comm)."""
+def _watch(tree: Any, kind: str) -> None:
+    if memory.is_tracking():
+        for x in tree_util.leaves(tree):
+            if isinstance(x, torch.Tensor):
+                memory.watch(x, tier="device", kind=kind)
+
+
+def eval_on_rank(mesh, fn, *args) -> Any:
+    """``eval_shape(fn, *args)`` in rank 0's context: axis sizes and indices, no process groups
+    (a collective would raise), no allocation. ``mesh`` may be an ``AbstractMesh``."""
     coords = mesh.coords(0)
     ctx = RankContext(mesh, 0, coords, lambda axes: Group(axes, mesh.axes_size(axes), mesh.index_in(axes, coords), None))
-    with installed(ctx):  # axis sizes and indices, no process groups: a collective would raise
-        out = eval_shape(fn, *args)
+    with installed(ctx):
+        return eval_shape(fn, *args)
+
+
+def per_rank_specs(mesh, fn, *args) -> Any:
+    """Specs for what ``fn(*args)`` returns on each rank when every rank's result has the same
+    shapes but its own values (ZeRO's flat state): 1-D and larger leaves split over all of the
+    mesh's axes, scalars replicated."""
     every = tuple(mesh.axis_names)
-    return tree_util.map(lambda x: P(every) if len(x.shape) else P(), out)
+    return tree_util.map(lambda x: P(every) if len(x.shape) else P(), eval_on_rank(mesh, fn, *args))
 
 
 def _check_batch(plan, tokens: Any) -> None:

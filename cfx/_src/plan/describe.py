@@ -1,0 +1,84 @@
+"""``Plan.describe(model)``: what one rank holds, by kind, before anything runs.
+
+Everything is computed on shapes: the stored layout's blocks (``layout``), the optimizer's
+state from a shape-only ``init`` in a rank's context (``program.eval_on_rank``) on an
+``AbstractMesh`` -- the same code the step runs, so the figures are the step's, not a formula's.
+Every rank of a Plan holds the same shapes, so one rank speaks for all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from cfx._src import tree as tree_util
+from cfx._src.layout import block_shape
+from cfx._src.mesh.mesh import AbstractMesh
+from cfx._src.mesh.spec import is_spec
+from cfx._src.optim.alias import adamw
+from cfx._src.plan.layout import Layout
+from cfx._src.plan.program import check_model, eval_on_rank, make_optimizer
+from cfx._src.shapes import ShapeDtype
+from cfx._src.table import format_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Description:
+    """Per-rank bytes by kind (``bytes``) of ``plan`` for a model of ``n_params`` parameters."""
+
+    plan: str
+    n_params: int
+    bytes: dict[str, int]
+
+    @property
+    def model_state(self) -> int:
+        """Params + grads + optimizer state: what ZeRO's 16 Psi / N counts."""
+        return self.bytes["params"] + self.bytes["grads"] + self.bytes["optimizer"]
+
+    def rows(self) -> list[tuple[str, str]]:
+        out = [(k, f"{v:,}") for k, v in self.bytes.items()]
+        return out + [("model state (params + grads + optimizer)", f"{self.model_state:,}")]
+
+    def __str__(self) -> str:
+        return str(format_table(self.rows(), [f"per rank: {self.plan}", "bytes"]))
+
+
+def describe(plan, model: Any, tx: Any = None) -> Description:
+    """Per-rank bytes of params, grads, optimizer state and (ZeRO-3) one gathered block; ``tx``
+    defaults to AdamW. Raises the ValueErrors ``plan.check(model)`` raises."""
+    check_model(plan, model)
+    mesh = AbstractMesh(plan.mesh_shape or {"data": 1})
+    layout = Layout(plan, model, mesh)
+    opt, _ = make_optimizer(plan, tx if tx is not None else adamw(1e-3), layout, mesh)
+    if layout.zero3:
+        local = layout.local_abstract()
+        gathered = max(_nbytes(_block_leaves(layout, i)) for i in range(len(layout.model_shapes["blocks"])))
+    else:
+        specs = tree_util.leaves(layout.specs, is_leaf=is_spec)
+        leaves, treedef = tree_util.flatten(layout.shapes)
+        local = tree_util.unflatten(treedef, [ShapeDtype(block_shape(x.shape, s, mesh), x.dtype)
+                                              for x, s in zip(leaves, specs)])
+        gathered = 0
+    state = eval_on_rank(mesh, opt.init, local)
+    params = _nbytes(tree_util.leaves(local))
+    out = {"params": params, "grads": params, "optimizer": _nbytes(tree_util.leaves(state))}
+    if layout.zero3:
+        out["gathered block"] = gathered
+    n_params = sum(math.prod(x.shape) for x in tree_util.leaves(layout.model_shapes))
+    return Description(str(plan), n_params, out)
+
+
+def _block_leaves(layout: Layout, i: int) -> list[ShapeDtype]:
+    """Block ``i``'s leaves as one rank gathers them: its tensor-parallel shapes, padded to the
+    data axis like the gathered buffer."""
+    specs = tree_util.leaves(layout.model_specs["blocks"][i], is_leaf=is_spec)
+    n = layout.n
+    out = []
+    for x, s in zip(tree_util.leaves(layout.model_shapes["blocks"][i]), specs):
+        numel = math.prod(block_shape(x.shape, s, layout.mesh))
+        out.append(ShapeDtype((-(-numel // n) * n,), x.dtype))
+    return out
+
+
+def _nbytes(leaves: list) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if hasattr(x, "dtype"))
