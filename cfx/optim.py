@@ -12,7 +12,8 @@ An optimizer is ``GradientTransformation(init, update)``, a pair of pure functio
 The state is a pytree of tensors (step counts included), so it checkpoints like params; ``update``
 never modifies grads, params or the old state. ``sgd``, ``adam`` and ``adamw`` match
 ``torch.optim`` step for step. For fp16, wrap the optimizer in ``dynamic_loss_scale`` and
-differentiate ``scale_loss(loss, state)``.
+differentiate ``scale_loss(loss, state)``. Inside a sharded step, ``with cfx.optim.sharded(...)``
+makes global norms (clipping, LAMB / LARS trust ratios) and inf/nan checks span every rank's part.
 """
 from cfx._src.optim.alias import adam, adamw, lamb, lars, sgd
 from cfx._src.optim.base import (
@@ -32,6 +33,7 @@ from cfx._src.optim.loss_scale import (
     loss_scale,
     scale_loss,
 )
+from cfx._src.optim.reduction import sharded
 from cfx._src.optim.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -59,6 +61,6 @@ __all__ = [
     "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "cosine_decay_schedule",
     "dynamic_loss_scale", "global_norm", "identity", "join_schedules", "lamb", "lars",
     "linear_schedule", "loss_scale", "scale", "scale_by_adam", "scale_by_lars",
-    "scale_by_learning_rate", "scale_by_schedule", "scale_by_trust_ratio", "scale_loss", "sgd",
+    "scale_by_learning_rate", "scale_by_schedule", "scale_by_trust_ratio", "scale_loss", "sgd", "sharded",
     "trace", "warmup_cosine_decay_schedule",
 ]

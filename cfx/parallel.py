@@ -4,7 +4,7 @@ from cfx._src.parallel.megatron import MEGATRON_RULES, TensorParallelBlock, tens
 from cfx._src.parallel.rules import Rules
 from cfx._src.plan.plan import Plan
 from cfx._src.plan.program import Program, TrainState
-from cfx._src.parallel.state import sharded_global_norm, state_specs, tree_pmean, tree_psum
+from cfx._src.parallel.state import state_specs, tree_pmean, tree_psum
 
-__all__ = ["MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "TensorParallelBlock", "sharded_global_norm", "state_specs", "tensor_parallel",
+__all__ = ["MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "TensorParallelBlock", "state_specs", "tensor_parallel",
            "tree_pmean", "tree_psum"]

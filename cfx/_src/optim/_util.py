@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from cfx._src import tree as tree_util
+from cfx._src.optim import reduction
 
 PyTree = Any
 
@@ -51,6 +52,15 @@ def bias_correction(decay: float, count: torch.Tensor) -> torch.Tensor:
     if decay == 0.0:
         return torch.ones((), dtype=torch.float32, device=count.device)
     return -torch.expm1(count.to(torch.float32) * math.log(decay))
+
+
+def leaf_norms_global(xs: list[torch.Tensor], idx: list[int], n_leaves: int, where: str) -> torch.Tensor:
+    """The L2 norm of each of ``xs`` (leaves ``idx`` of a tree of ``n_leaves``), float32 (k,),
+    across the shards of a ``cfx.optim.sharded`` step (``reduction``)."""
+    norms = torch.stack(leaf_norms(xs))
+    if not reduction.is_sharded():
+        return norms
+    return reduction.leaf_sq_sums(norms.square(), idx, n_leaves, where).sqrt()
 
 
 def leaf_norms(xs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 
 from cfx._src import donation
 from cfx._src import tree as tree_util
-from cfx._src.optim import _util
+from cfx._src.optim import _util, reduction
 
 PyTree = Any
 
@@ -89,8 +89,13 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
 
 def global_norm(tree: PyTree) -> torch.Tensor:
-    """``sqrt(sum of squares)`` over every tensor leaf, accumulated in float32 (0-d tensor)."""
-    xs = [x for x in tree_util.leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()]
-    if not xs:
+    """``sqrt(sum of squares)`` over every tensor leaf, accumulated in float32 (0-d tensor);
+    inside ``cfx.optim.sharded`` over every rank's part of the tree."""
+    leaves = tree_util.leaves(tree)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not idx:
         return torch.zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(_util.leaf_norms(xs)))
+    norms = torch.stack(_util.leaf_norms([leaves[i] for i in idx]))
+    if not reduction.is_sharded():
+        return torch.linalg.vector_norm(norms)
+    return reduction.leaf_sq_sums(norms.square(), idx, len(leaves), "cfx.optim.global_norm", total=True).sum().sqrt()

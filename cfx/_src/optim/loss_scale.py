@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cfx._src import tree as tree_util
-from cfx._src.optim import _util
+from cfx._src.optim import _util, reduction
 from cfx._src.optim.base import GradientTransformation
 
 PyTree = Any
@@ -44,7 +44,10 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     if not xs:
         return torch.ones((), dtype=torch.bool)
     flags = [torch.isfinite(x).all() for x in xs]
-    return torch.stack([f.to(xs[0].device, non_blocking=True) for f in flags]).all()
+    ok = torch.stack([f.to(xs[0].device, non_blocking=True) for f in flags]).all()
+    if reduction.is_sharded():  # an inf/nan on any rank counts everywhere
+        ok = reduction.count_everywhere((~ok).to(torch.float32)) == 0
+    return ok
 
 
 def _unscale_and_check(gs: list[torch.Tensor], scale: torch.Tensor) -> tuple[list[torch.Tensor],
@@ -63,7 +66,7 @@ def _unscale_and_check(gs: list[torch.Tensor], scale: torch.Tensor) -> tuple[lis
         found = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.to(device))
         found_inf = found_inf + found.to(scale.device)
-    return out, found_inf == 0
+    return out, reduction.count_everywhere(found_inf) == 0
 
 
 def dynamic_loss_scale(inner: GradientTransformation, *, init_scale: float = 2.0 ** 16,

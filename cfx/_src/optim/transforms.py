@@ -155,9 +155,12 @@ def add_decayed_weights(weight_decay: float = 0.0, *, mask: Any = None) -> Gradi
     return GradientTransformation(init_empty_state, update)
 
 
-def _layer_norms(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Per-leaf L2 norms (float32), stacked into a vector on the first leaf's device."""
-    return torch.stack(_util.leaf_norms(xs))
+def _layer_norms(xs: list[torch.Tensor], idx: list[int] | None = None, n_leaves: int | None = None,
+                 where: str = "cfx.optim") -> torch.Tensor:
+    """Per-leaf L2 norms (float32) of leaves ``idx`` (default: all) of a tree, stacked into a
+    vector; inside ``cfx.optim.sharded`` each across the shards of its leaf."""
+    idx = list(range(len(xs))) if idx is None else idx
+    return _util.leaf_norms_global(xs, idx, len(xs) if n_leaves is None else n_leaves, where)
 
 
 def _scale_leaves(us: list[torch.Tensor], ratios: torch.Tensor) -> list[torch.Tensor]:
@@ -181,8 +184,8 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
                                treedef, updates)
         if not us:
             return updates, state
-        p_norm = _layer_norms(ps).clamp_min(min_norm)
-        u_norm = _layer_norms(us).clamp_min(min_norm)
+        p_norm = _layer_norms(ps, where="cfx.optim.scale_by_trust_ratio").clamp_min(min_norm)
+        u_norm = _layer_norms(us, where="cfx.optim.scale_by_trust_ratio").clamp_min(min_norm)
         ratio = torch.where((p_norm == 0) | (u_norm == 0), 1.0,
                             trust_coefficient * p_norm / (u_norm + eps))
         return tree_util.unflatten(treedef, _scale_leaves(us, ratio)), state
@@ -213,7 +216,8 @@ def scale_by_lars(trust_coefficient: float = 1e-3, *, weight_decay: float = 0.0,
         if not idx:
             return updates, state
         g_sel, p_sel = [gs[i] for i in idx], [ps[i] for i in idx]
-        p_norm, g_norm = _layer_norms(p_sel), _layer_norms(g_sel)
+        p_norm = _layer_norms(p_sel, idx, len(gs), "cfx.optim.scale_by_lars")
+        g_norm = _layer_norms(g_sel, idx, len(gs), "cfx.optim.scale_by_lars")
         lam = torch.where((p_norm == 0) | (g_norm == 0), 1.0,
                           trust_coefficient * p_norm / (g_norm + weight_decay * p_norm + eps))
         d = torch._foreach_add(g_sel, p_sel, alpha=weight_decay) if weight_decay else g_sel

@@ -1,4 +1,5 @@
-"""Specs for optimizer state, and data-parallel gradient averaging in one flat all-reduce."""
+"""Specs for optimizer state, and data-parallel gradient averaging in one flat all-reduce
+(global norms across shards: ``cfx.optim.sharded``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -59,18 +60,3 @@ def _flat_reduce(tree: Any, axis: str, *, mean: bool) -> Any:
         out[i] = flat[offset:offset + n].view_as(items[i]).to(items[i].dtype)
         offset += n
     return tree_util.unflatten(treedef, out)
-
-
-def sharded_global_norm(tree: Any, specs: Any) -> torch.Tensor:
-    """The global L2 norm of a tree whose leaves are shards under ``specs`` (inside shard_map):
-    each leaf's sum of squares is summed over the axes that split it, and only those."""
-    spec_leaves = tree_util.leaves(specs, is_leaf=is_spec)
-    by_axes: dict[tuple[str, ...], torch.Tensor] = {}
-    for x, spec in zip(tree_util.leaves(tree), spec_leaves):
-        axes = tuple(sorted(set(spec.all_axes())))
-        s = x.detach().float().pow(2).sum()
-        by_axes[axes] = by_axes[axes] + s if axes in by_axes else s
-    total = torch.zeros(())
-    for axes, s in by_axes.items():
-        total = total + (lax.psum(s, axes) if axes else s)
-    return total.sqrt()

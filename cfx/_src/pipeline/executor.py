@@ -104,9 +104,13 @@ class PipelineStep:
         """The blocks pipe rank ``rank`` runs, its stages in ascending order."""
         return [i for s in self.schedule.stages_of(rank) for i in self.plan.blocks(s)]
 
-    def __call__(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor):
+    def __call__(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
+                 scale: torch.Tensor | float | None = None):
+        """``(loss, grads)``; with ``scale`` (fp16 loss scaling) the grads are those of
+        ``loss * scale`` and the loss is returned unscaled."""
         ctx = self._check(params, tokens, targets)
         run = _Run(self, params, tokens, targets, ctx.coords[self.axis])
+        run.scale = scale
         run.execute(ctx)
         return run.results()
 
@@ -174,6 +178,7 @@ class _Run:
         self.live: dict[tuple, tuple] = {}        # (stage, mb) -> (root, x) awaiting B / I
         self.split: dict[tuple, SplitBackward] = {}  # (stage, mb) -> awaiting W
         self.sends: list = []
+        self.scale = None
         self.loss = torch.zeros((), dtype=torch.float32, device=w.device)
 
     # -- the action loop ------------------------------------------------------------------------
@@ -233,7 +238,10 @@ class _Run:
     def _backward_inputs(self, s: int, mb: int) -> tuple:
         root, x = self.live.pop((s, mb))
         last = s == self.step.schedule.n_stages - 1
-        grad = torch.ones_like(root) if last else self.out_grads.pop((s, mb))
+        if last:  # the backward's seed: d(loss * scale) / d(loss)
+            grad = torch.ones_like(root) if self.scale is None else torch.ones_like(root) * self.scale
+        else:
+            grad = self.out_grads.pop((s, mb))
         return root, grad, x
 
     def _hand_back(self, s: int, mb: int, gx: torch.Tensor | None) -> None:

@@ -53,6 +53,8 @@ def describe(plan, model: Any, tx: Any = None) -> Description:
     if layout.zero3:
         local = layout.local_abstract()
         gathered = max(_nbytes(_block_leaves(layout, i)) for i in range(len(layout.model_shapes["blocks"])))
+    elif layout.opt_on_local:  # the optimizer steps each rank's blocks one by one
+        local, gathered = layout.local_abstract(), 0
     else:
         specs = tree_util.leaves(layout.specs, is_leaf=is_spec)
         leaves, treedef = tree_util.flatten(layout.shapes)

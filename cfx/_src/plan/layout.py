@@ -30,6 +30,7 @@ from cfx._src import tree as tree_util
 from cfx._src.arrays import device_get, device_put
 from cfx._src.init_sharded import init_sharded
 from cfx._src.lax import collectives as lax
+from cfx._src.layout import block_shape
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.parallel.rules import Rules
@@ -134,12 +135,38 @@ class Layout:
             return ZeroParams(tree, tree_util.leaves(self.local_shapes, is_leaf=_is_shape), self.n)
         return tree
 
-    def local_abstract(self) -> ZeroParams:
-        """ZeRO-3: one rank's ``local_view`` as ShapeDtypes (every rank's has these shapes)."""
+    @property
+    def opt_on_local(self) -> bool:
+        """Whether the optimizer runs on each rank's ``local_view`` (its blocks one by one: per-leaf
+        rules like LAMB's trust ratio see blocks, not stacks) rather than on the stored layout."""
+        return self.zero3 or (self.stacked and self.cfg.zero == 0)
+
+    def local_abstract(self) -> Any:
+        """One rank's ``local_view`` as ShapeDtypes (every rank's has these shapes)."""
+        if not self.zero3:
+            specs = tree_util.leaves(self.model_specs, is_leaf=is_spec)
+            leaves, treedef = tree_util.flatten(self.model_shapes)
+            return self._local_tree(tree_util.unflatten(treedef, [
+                ShapeDtype(block_shape(x.shape, s, self.mesh), x.dtype) for x, s in zip(leaves, specs)]))
         dtypes = self._local_tree(tree_util.map(lambda x: x.dtype, self.model_shapes))
         shapes = tree_util.leaves(self.local_shapes, is_leaf=_is_shape)
         pieces = [ShapeDtype((piece_size(math.prod(s), self.n),), d) for s, d in zip(shapes, tree_util.leaves(dtypes))]
         return ZeroParams(tree_util.unflatten(tree_util.structure(dtypes), pieces), shapes, self.n)
+
+    def norm_axes(self) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+        """Per leaf of what the optimizer sees (zero < 3): the axes it is split over, and those
+        plus the axes over which other ranks hold other leaves (``cfx.optim.sharded``)."""
+        if self.opt_on_local:
+            local = self._local_tree(self.model_specs)
+            split = [tuple(a for a in s.all_axes() if a != "data") for s in tree_util.leaves(local, is_leaf=is_spec)]
+            if not self.stacked:
+                return split, split
+            marked = tree_util.leaves({**tree_util.map(lambda s: False, local, is_leaf=is_spec),  # flat positions
+                                       "blocks": tree_util.map(lambda s: True, local["blocks"], is_leaf=is_spec)})
+            blocks = {i for i, m in enumerate(marked) if m}  # of a stage's blocks: summed over pipe in totals
+            return split, [a + ("pipe",) if i in blocks else a for i, a in enumerate(split)]
+        split = [tuple(a for a in s.all_axes() if a != "data") for s in tree_util.leaves(self.specs, is_leaf=is_spec)]
+        return split, split
 
     def stack_local(self, tree: Any) -> Any:
         """The inverse of ``local_view`` for a tree of tensors shaped like it (grads, updates, a

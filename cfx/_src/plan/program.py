@@ -17,6 +17,7 @@ step (the outputs are written into its buffers); nothing is ever gathered whole.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -31,8 +32,9 @@ from cfx._src.models.parts import parts_of
 from cfx._src.optim.base import apply_updates, chain
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.loss_scale import loss_scale
+from cfx._src.optim.reduction import sharded
 from cfx._src.parallel.megatron import tensor_parallel
-from cfx._src.parallel.state import sharded_global_norm, state_specs, tree_pmean
+from cfx._src.parallel.state import state_specs, tree_pmean
 from cfx._src.pipeline import schedule as schedules
 from cfx._src.pipeline.executor import pipeline
 from cfx._src.plan.layout import Layout, put_tree, stored_order
@@ -77,7 +79,7 @@ def make_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> sched
 def make_optimizer(plan, tx, layout: Layout, mesh, *, grad_clip: float = 0.0) -> tuple[Any, Any]:
     """``(the optimizer a step runs, its state's specs)``: ``tx`` itself over the stored layout,
     or wrapped in ZeRO 1/2 over it, or ZeRO-3 over each rank's view of the model's tree."""
-    if plan.zero and grad_clip > 0:
+    if grad_clip > 0:  # the global norm over every shard: cfx.optim.sharded, or ZeRO's ghost leaf
         tx = chain(clip_by_global_norm(grad_clip), tx)
     if layout.zero3:  # ZeRO-3 updates each rank's pieces: its view of the model's tree
         opt = ZeroTransformation(tx, 3, "data", layout.local_specs)
@@ -85,6 +87,8 @@ def make_optimizer(plan, tx, layout: Layout, mesh, *, grad_clip: float = 0.0) ->
     if plan.zero:
         opt = ZeroTransformation(tx, plan.zero, "data", layout.specs)
         return opt, opt.state_specs(layout.shapes, mesh=mesh)
+    if layout.opt_on_local:  # pipe stages: each rank's state for its own blocks, one by one
+        return tx, per_rank_specs(mesh, tx.init, layout.local_abstract())
     return tx, state_specs(eval_shape(tx.init, layout.shapes), layout.shapes, layout.specs)
 
 
@@ -125,7 +129,7 @@ class Program:
     def init(self, key: torch.Tensor) -> TrainState:
         """Params and optimizer state as ShardedArrays; each process builds only its blocks."""
         params = self.layout.init(self.model.init, key)
-        opt_init = (lambda p: self.opt.init(self.layout.local_view(p))) if self.layout.zero3 else self.opt.init
+        opt_init = (lambda p: self.opt.init(self.layout.local_view(p))) if self.layout.opt_on_local else self.opt.init
         opt_state = shard_map(opt_init, mesh=self.mesh, in_specs=(self.layout.specs,),
                               out_specs=self.state_specs)(params)
         return TrainState(params, opt_state)
@@ -179,26 +183,33 @@ class Program:
             with donation.donated(tree_util.leaves(grads)):
                 updates, opt_state = self.opt.update(grads, opt_state, local)
             return TrainState(self.layout.stack_local(apply_updates(local, updates).pieces), opt_state), loss
-        grads = self.layout.stack_local(grads)
         if self.plan.has("data"):
             loss = lax.pmean(loss, "data")
             if not self.plan.zero:  # plain data parallel: one flat all-reduce (ZeRO reduce-scatters)
                 grads = tree_pmean(grads, "data")
-        if self.grad_clip > 0 and not self.plan.zero:  # the global norm over every shard
-            norm = sharded_global_norm(grads, self.layout.specs) / (1.0 if scale is None else scale)
-            coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
-            grads = tree_util.map(lambda g: g * coef, grads)
-        with donation.donated(tree_util.leaves(grads)):  # spent: the update may reuse them
-            updates, opt_state = self.opt.update(grads, opt_state, params)
-        return TrainState(apply_updates(params, updates), opt_state), loss
+        on = local if self.layout.opt_on_local else params  # what the optimizer steps
+        if on is params:
+            grads = self.layout.stack_local(grads)
+        # norms (clipping, LAMB/LARS) and the fp16 inf/nan check span every rank's part; ZeRO's
+        # ghost leaf does the same for its flat shards
+        with donation.donated(tree_util.leaves(grads)), self._sharded():  # spent grads: reusable
+            updates, opt_state = self.opt.update(grads, opt_state, on)
+        new = apply_updates(on, updates)
+        return TrainState(self.layout.stack_local(new) if on is local else new, opt_state), loss
+
+    def _sharded(self):
+        if self.plan.zero or not self.plan.mesh:
+            return contextlib.nullcontext()
+        split, total = self.layout.norm_axes()
+        return sharded(split, total_axes=total, every=tuple(self.mesh.axis_names), psum=lax.psum)
 
     def _loss_and_grads(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale):
         compute = self.policy.cast_to_compute
         if self.pipe_step is not None and self.layout.zero3:  # the stages gather their own pieces
-            loss, pieces = self.pipe_step(compute(local).sharded_leaves(), tokens, targets)
+            loss, pieces = self.pipe_step(compute(local).sharded_leaves(), tokens, targets, scale=scale)
             grads = ZeroParams(pieces, local.shapes, local.n)
         elif self.pipe_step is not None:
-            loss, grads = self.pipe_step(compute(local), tokens, targets)
+            loss, grads = self.pipe_step(compute(local), tokens, targets, scale=scale)
         else:
             def scaled(p):
                 loss = self.local_model.loss(compute(p), tokens, targets, key=key)
@@ -257,10 +268,6 @@ def check_model(plan, model) -> None:
         raise ValueError(f"{where}: schedule=zb-h1 splits each backward into input (I) and weight (W) "
                          "halves, and zero=3's gathered blocks free their re-gathered weights between them; "
                          "use schedule=1f1b, gpipe or interleaved with zero=3.")
-    if plan.precision == "fp16" and (plan.has("model") or plan.has("pipe")):
-        raise ValueError(f"{where}: precision=fp16 with a model or pipe axis needs a loss-scale inf/nan "
-                         "check across the whole mesh, which the Plan step does not make yet; use "
-                         "precision=bf16 (or fp32).")
     if plan.has("model"):
         n = plan.size("model")
         for block in tensor_parallel(model, "model").blocks:

@@ -88,8 +88,13 @@ def decay_mask(model) -> Any:
     axes = model.axes()
 
     def mask(params: Any) -> Any:
-        stacked = not isinstance(params.get("blocks"), list)  # a pipe Plan's stored layout
-        tree = {**axes, "blocks": axes["blocks"][0]} if stacked else axes
+        blocks = params.get("blocks")
+        if not isinstance(blocks, list):  # a pipe Plan's stacked blocks
+            tree = {**axes, "blocks": axes["blocks"][0]}
+        elif len(blocks) != len(axes["blocks"]):  # a pipe stage's own blocks (all alike under a Plan)
+            tree = {**axes, "blocks": [axes["blocks"][0]] * len(blocks)}
+        else:
+            tree = axes
         return tree_util.map(lambda names: len(names) >= 2, tree, is_leaf=is_axes_leaf)
     return mask
 

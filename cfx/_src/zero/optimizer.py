@@ -41,6 +41,7 @@ import torch
 from cfx._src import donation, memory
 from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
+from cfx._src.optim import reduction
 from cfx._src.mesh.spec import is_spec
 from cfx._src.transforms import value_and_grad as _value_and_grad
 from cfx._src.zero.flat import GroupLayout, make_groups
@@ -169,7 +170,8 @@ class ZeroTransformation:
             derived = self._masters(leaves, plan) if any(m is None for m in state.master) else None
             masters = [m if m is not None else derived[g] for g, m in enumerate(state.master)]
             ghost = ghost_leaf(shards, plan)
-            with donation.donated(shards):  # our own flat copies: the inner update may reuse them
+            # the ghost leaf already carries the rest of the mesh: norms and checks stay local
+            with donation.donated(shards), reduction.local():  # our flat copies: the update may reuse them
                 (us, _), inner = self.tx.update((tuple(shards), ghost), state.inner,
                                                 (tuple(masters), torch.zeros(1)))
             new_master = tuple(None if m is None else masters[g] + us[g] for g, m in enumerate(state.master))
