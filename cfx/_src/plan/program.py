@@ -4,13 +4,17 @@ The strategy is applied in one readable order (torchtitan's habit), each part a 
 runtime already has:
 
 1. tensor parallelism: every block Megatron-split over ``model``, the vocabulary too;
-2. activation checkpointing per block (``remat``), wrapping the tensor-parallel blocks;
-3. pipeline stages over ``pipe``: each rank runs and *stores* only its own blocks (``layout``);
+2. ZeRO-3 (``zero=3``): each block, then the rest of the model, gathered just before use;
+3. activation checkpointing per block (``remat``), outermost (it re-gathers while recomputing),
+   or ``remat=auto``: one Rotor schedule over the blocks, solved on the first batch;
+4. pipeline stages over ``pipe``: each rank runs and *stores* only its own blocks (``layout``);
    gradients accumulate over the microbatches and leave the pipeline once per step;
-4. data parallelism over ``data``: one flat all-reduce of the gradients (``zero=0``), or ZeRO
-   1/2 (``cfx.zero``): one reduce-scatter per step into this rank's shard of the flat optimizer
-   state, the update all-gathered back;
-5. the optimizer, on the stored layout: its state mirrors the stored params' specs.
+5. data parallelism over ``data``: one flat all-reduce of the gradients (``zero=0``), or ZeRO
+   1/2: one reduce-scatter per step into this rank's shard of the flat optimizer state, the
+   update all-gathered back (ZeRO-3's gathered blocks reduce-scatter in backward);
+6. the optimizer: on each rank's view of the model's tree where that differs from the stored
+   layout (pipe stages' blocks one by one; ZeRO-3's pieces), on the stored layout otherwise,
+   inside ``cfx.optim.sharded`` so global norms and inf/nan checks span every rank's part.
 
 State between steps is ``TrainState(params, opt_state)`` of ShardedArrays, donated to each
 step (the outputs are written into its buffers); nothing is ever gathered whole.
@@ -23,7 +27,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cfx._src.remat import policies as cp
 from cfx._src import amp, donation, memory
 from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
@@ -38,6 +41,7 @@ from cfx._src.parallel.state import state_specs, tree_pmean
 from cfx._src.pipeline import schedule as schedules
 from cfx._src.pipeline.executor import pipeline
 from cfx._src.plan.layout import Layout, put_tree, stored_order
+from cfx._src.remat import policies as cp
 from cfx._src.remat import remat
 from cfx._src.mesh.context import Group, RankContext, installed
 from cfx._src.shapes import eval_shape
