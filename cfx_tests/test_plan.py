@@ -225,12 +225,14 @@ def test_clipping_sees_the_global_norm_across_every_shard(text):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["lamb", "lars"])
-def test_trust_ratios_use_norms_reduced_over_the_shards(name):
+@pytest.mark.parametrize("name, text", [("lamb", "pipe=2,model=2 microbatches=2"), ("lars", "pipe=2,model=2 microbatches=2"),
+                                        ("lamb", "data=2,model=2 zero=1"), ("lamb", "pipe=2,data=2 zero=2 microbatches=2"),
+                                        ("lars", "data=2,model=2 zero=3"), ("lamb", "pipe=2,data=2 zero=3 microbatches=2")])
+def test_trust_ratios_use_norms_reduced_over_the_shards(name, text):
     model, batches = MODELS["llama"], data(3)
-    make = (lambda: cfx.optim.lamb(1e-3)) if name == "lamb" else (lambda: cfx.optim.lars(0.1))
+    make = (lambda: cfx.optim.lamb(1e-3, weight_decay=0.1)) if name == "lamb" else (lambda: cfx.optim.lars(0.1))
     ref_losses, ref_params = single_device(model, make(), batches)
-    losses, params, _ = _trajectory("pipe=2,model=2 microbatches=2", model, make(), batches)
+    losses, params, _ = _trajectory(text, model, make(), batches)
     torch.testing.assert_close(losses, ref_losses)
     cfx.tree.assert_tree_close(params, ref_params)
 

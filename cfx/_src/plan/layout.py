@@ -68,7 +68,6 @@ class Layout:
             # one rank's ZeroParams: the model's tree with its own blocks, per-rank leaf shapes
             local_shapes = tree_util.unflatten(tree_util.structure(self.model_shapes), list(zp.shapes))
             self.local_shapes = self._local_tree(local_shapes)
-            self.local_specs = self._local_tree(self.model_specs, stage_axis=True)
 
     @property
     def rows_per_rank(self) -> int:
@@ -139,7 +138,7 @@ class Layout:
     def opt_on_local(self) -> bool:
         """Whether the optimizer runs on each rank's ``local_view`` (its blocks one by one: per-leaf
         rules like LAMB's trust ratio see blocks, not stacks) rather than on the stored layout."""
-        return self.zero3 or (self.stacked and self.cfg.zero == 0)
+        return self.zero3 or self.stacked
 
     def local_abstract(self) -> Any:
         """One rank's ``local_view`` as ShapeDtypes (every rank's has these shapes)."""
@@ -154,7 +153,7 @@ class Layout:
         return ZeroParams(tree_util.unflatten(tree_util.structure(dtypes), pieces), shapes, self.n)
 
     def norm_axes(self) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
-        """Per leaf of what the optimizer sees (zero < 3): the axes it is split over, and those
+        """Per leaf of what the optimizer sees: the axes it is split over (not data), and those
         plus the axes over which other ranks hold other leaves (``cfx.optim.sharded``)."""
         if self.opt_on_local:
             local = self._local_tree(self.model_specs)
@@ -192,15 +191,16 @@ class Layout:
         return {**stored_local, "blocks": [tree_util.map(lambda x, j=j: x[j], stored_local["blocks"])
                                            for j in range(self.rows_per_rank)]}
 
-    def _local_tree(self, tree: Any, *, stage_axis: bool = False) -> Any:
-        """A model-shaped tree of per-leaf metadata cut to one rank's blocks; with ``stage_axis``
-        the block specs also name ``pipe`` (each rank's blocks differ along it)."""
+    def _local_tree(self, tree: Any) -> Any:
+        """A model-shaped tree of per-leaf metadata cut to one rank's blocks (all alike)."""
         if not self.stacked:
             return tree
-        block = tree["blocks"][0]
-        if stage_axis:
-            block = tree_util.map(lambda s: P(("pipe", *s.all_axes())), block, is_leaf=is_spec)
-        return {**tree, "blocks": [block] * self.rows_per_rank}
+        return {**tree, "blocks": [tree["blocks"][0]] * self.rows_per_rank}
+
+    @property
+    def local_specs(self) -> Any:
+        """The tensor-parallel specs of one rank's ``local_view`` (what splits each of its leaves)."""
+        return self._local_tree(self.model_specs)
 
 
 def put_tree(tree: Any, specs: Any, mesh) -> Any:

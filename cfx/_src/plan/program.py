@@ -85,8 +85,10 @@ def make_optimizer(plan, tx, layout: Layout, mesh, *, grad_clip: float = 0.0) ->
     or wrapped in ZeRO 1/2 over it, or ZeRO-3 over each rank's view of the model's tree."""
     if grad_clip > 0:  # the global norm over every shard: cfx.optim.sharded, or ZeRO's ghost leaf
         tx = chain(clip_by_global_norm(grad_clip), tx)
-    if layout.zero3:  # ZeRO-3 updates each rank's pieces: its view of the model's tree
-        opt = ZeroTransformation(tx, 3, "data", layout.local_specs)
+    if plan.zero and layout.opt_on_local:  # ZeRO over each rank's view: its blocks, its pieces
+        split, total = layout.norm_axes()
+        opt = ZeroTransformation(tx, plan.zero, "data", layout.local_specs,
+                                 owner_axes=[t[len(s):] for s, t in zip(split, total)])
         return opt, per_rank_specs(mesh, opt.init, layout.local_abstract())
     if plan.zero:
         opt = ZeroTransformation(tx, plan.zero, "data", layout.specs)

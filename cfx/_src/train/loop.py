@@ -156,10 +156,6 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     else:  # the optimizer's weight-decay mask needs shapes only
         plan.check(model)  # every flag combination trains or is refused here, before any rank starts
         plan.check_batch(cfg.batch)
-        if plan.zero and cfg.weight_decay > 0:
-            raise ValueError(f"--zero {plan.zero} with --weight-decay {cfg.weight_decay}: ZeRO's optimizer sees "
-                             "flat shards, so the per-leaf weight-decay mask (matrices only) cannot apply yet; "
-                             "pass --weight-decay 0 or --zero 0.")
         params = eval_shape(model.init, k_init)
     tx = build_optimizer(cfg, model)
     start, restored, mesh = 0, None, None

@@ -19,13 +19,12 @@ elements, one dtype; ``flat.make_groups``). Per group, stage by stage:
 - 3: params are ``ZeroParams`` (pieces, see ``params``) run through ``cfx.zero.gathered`` layers,
   whose backward already reduce-scatters; the update is local, nothing is gathered.
 
-The wrapped ``tx`` sees ``((shard per group, ...), ghost)``: flat fp32 shards, plus one *ghost*
-leaf of shape (1,) that carries the rest of the world: ``ghost = sqrt(global sum of squares -
-this rank's)``, so any norm over all leaves (``clip_by_global_norm``) is the true global norm, and
-``ghost = nan`` when any rank of the mesh found an inf/nan, so ``dynamic_loss_scale`` skips the
-step on every rank. One all-reduce of 2 numbers per step (per set of tensor-parallel axes).
-Transformations that look at single leaves (``lamb``/``lars`` trust ratios, weight-decay masks)
-see flat shards, not parameters, and are not supported under ZeRO.
+The wrapped ``tx`` sees the params' own tree whose every leaf is this rank's 1-D *piece* of that
+leaf (views into the group shards; at stage 0 the whole flattened leaf), and runs inside
+``cfx.optim.sharded``: each piece's sum of squares is ``psum``'d over the ZeRO axis and the
+leaf's other axes, so per-leaf rules (``lamb`` / ``lars`` trust ratios, weight-decay masks, which
+are functions of the tree) and global norms (``clip_by_global_norm``) see the whole parameter, and
+an inf/nan on any rank skips the step on every rank (``dynamic_loss_scale``).
 
 Mixed precision is the ZeRO paper's: params (and grads) in fp16/bf16, an fp32 master shard in
 the state (``ZeroState.master``); fp32 params are their own master (no copy).
@@ -34,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -44,7 +44,7 @@ from cfx._src.lax import collectives as lax
 from cfx._src.optim import reduction
 from cfx._src.mesh.spec import is_spec
 from cfx._src.transforms import value_and_grad as _value_and_grad
-from cfx._src.zero.flat import GroupLayout, make_groups
+from cfx._src.zero.flat import GroupLayout, make_groups, piece_size
 from cfx._src.zero.params import ZeroParams, check_axis_size
 
 
@@ -63,6 +63,8 @@ class Plan:
     paths: tuple[str, ...]
     axes: tuple[tuple[str, ...], ...]        # per leaf: the axes a piece's sum of squares sums over
     groups: tuple[tuple[tuple[int, ...], GroupLayout, torch.dtype], ...]
+    treedef: Any = None                      # the params' (pieces') structure
+    total_axes: tuple[tuple[str, ...], ...] = ()  # per leaf: + axes where other ranks hold other leaves
 
 
 def _watch(tree: Any, kind: str) -> None:
@@ -81,6 +83,7 @@ class ZeroTransformation:
     axis: str
     param_specs: Any = None
     bucket_numel: int = 1 << 22
+    owner_axes: Any = None  # per params leaf: axes over which other ranks hold *other* leaves there
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -118,8 +121,11 @@ class ZeroTransformation:
         extra = self._extra_axes(len(paths))
         own = (self.axis,) if self.stage else ()
         groups = make_groups(paths, shapes, [x.dtype for _, x in items], n, max_numel=self.bucket_numel)
-        return Plan(n, paths, tuple(own + e for e in extra),
-                    tuple((tuple(idx), lay, items[idx[0]][1].dtype) for idx, lay in groups))
+        owners = (list(self.owner_axes) if self.owner_axes is not None else [()] * len(paths))
+        axes = tuple(own + e for e in extra)
+        treedef = tree_util.structure(params.pieces if self.stage == 3 else params)
+        return Plan(n, paths, axes, tuple((tuple(idx), lay, items[idx[0]][1].dtype) for idx, lay in groups),
+                    treedef, tuple(a + tuple(o) for a, o in zip(axes, owners)))
 
     def _extra_axes(self, n_leaves: int) -> list[tuple[str, ...]]:
         if self.param_specs is None:
@@ -149,7 +155,7 @@ class ZeroTransformation:
         plan = self.plan(params)
         with torch.no_grad():
             masters = self._masters(self._param_leaves(params), plan)
-            inner = self.tx.init((tuple(masters), torch.zeros(1)))
+            inner = self.tx.init(_piece_tree(masters, plan))
         keep = tuple(m if dt != torch.float32 else None for m, (_, _, dt) in zip(masters, plan.groups))
         state = ZeroState(keep, inner)
         _watch(params.pieces if isinstance(params, ZeroParams) else params, "param")
@@ -169,16 +175,19 @@ class ZeroTransformation:
             shards = self._reduce(grads, plan)
             derived = self._masters(leaves, plan) if any(m is None for m in state.master) else None
             masters = [m if m is not None else derived[g] for g, m in enumerate(state.master)]
-            ghost = ghost_leaf(shards, plan)
-            # the ghost leaf already carries the rest of the mesh: norms and checks stay local
-            with donation.donated(shards), reduction.local():  # our flat copies: the update may reuse them
-                (us, _), inner = self.tx.update((tuple(shards), ghost), state.inner,
-                                                (tuple(masters), torch.zeros(1)))
+            # per-leaf pieces; norms and inf/nan checks over every rank's pieces of each leaf
+            with donation.donated(shards), self._sharded(plan):  # our flat copies: the update may reuse them
+                u_tree, inner = self.tx.update(_piece_tree(shards, plan), state.inner, _piece_tree(masters, plan))
+            us = _group_shards(u_tree, plan)
             new_master = tuple(None if m is None else masters[g] + us[g] for g, m in enumerate(state.master))
             updates = self._expand(us, new_master, plan, leaves, params)
         new_state = ZeroState(new_master, inner)
         _watch(new_state, "optim")
         return updates, new_state
+
+    def _sharded(self, plan: Plan):
+        every = sorted({a for axes in plan.total_axes for a in axes} | ({self.axis} if self.stage else set()))
+        return reduction.sharded(plan.axes, total_axes=plan.total_axes, every=tuple(every), psum=lax.psum)
 
     def _reduce(self, grads: Any, plan: Plan) -> list[torch.Tensor]:
         """Per group, this rank's fp32 shard of the gradient averaged over the axis."""
@@ -224,9 +233,10 @@ class ZeroTransformation:
 
     def state_specs(self, params: Any, *, mesh) -> ZeroState:
         """Specs of the ``ZeroState`` that ``init`` makes from ``params`` (the global, unsharded
-        params, even at stage 3) on ``mesh``, for ``shard_map`` in/out specs across steps: 1-D
-        leaves are this rank's shards (split over the params' other axes, then ``axis``; at
-        stage 0 over the other axes only), 0-d leaves (counts, scales) are replicated."""
+        params, even at stage 3) on ``mesh``, for ``shard_map`` in/out specs across steps: a state
+        leaf shaped like a param's piece is split as that piece (the leaf's own axes, then
+        ``axis``; at stage 0 the own axes only), fp32 master shards over every axis they vary over,
+        0-d leaves (counts, scales) replicated."""
         from cfx._src.mesh.spec import P
         from cfx._src.zero.params import param_specs as zero_param_specs
         if self.axis not in mesh.shape:
@@ -235,15 +245,26 @@ class ZeroTransformation:
         zp = zero_param_specs(self.param_specs, params, axis=self.axis, mesh=mesh)  # local shapes
         items = tree_util.leaves(params)
         paths = tuple(tree_util.leaf_paths(params))
+        extra = self._extra_axes(len(items))
+        own = (self.axis,) if self.stage else ()
         groups = make_groups(paths, zp.shapes, [x.dtype for x in items], n, max_numel=self.bucket_numel)
+        sizes = [piece_size(math.prod(s), n) for s in zp.shapes]
+        piece_specs = {p: (sizes[i], P(tuple(extra[i]) + own) if extra[i] or own else P())
+                       for i, p in enumerate(paths)}
         with torch.device("meta"):
-            masters = [torch.empty(lay.size) for _, lay in groups]
-            inner = self.tx.init((tuple(masters), torch.empty(1)))
-        extra = sorted({a for e in self._extra_axes(len(items)) for a in e})
-        axes = tuple(extra) + ((self.axis,) if self.stage else ())
-        spec = lambda x: P(axes) if x.dim() == 1 and axes else P()  # noqa: E731
-        keep = tuple(P(axes) if items[idx[0]].dtype != torch.float32 else None for idx, _ in groups)
-        return ZeroState(keep, tree_util.map(spec, inner))
+            tree = tree_util.unflatten(tree_util.structure(params), [torch.empty(k) for k in sizes])
+            inner = self.tx.init(tree)
+
+        def spec(path: str, x) -> P:
+            parts = path.split(".")
+            for i in range(len(parts)):
+                hit = piece_specs.get(".".join(parts[i:]))
+                if hit is not None and tuple(x.shape) == (hit[0],):
+                    return hit[1]
+            return P()
+        union = tuple(sorted({a for e in extra for a in e})) + own
+        keep = tuple(P(union) if items[idx[0]].dtype != torch.float32 else None for idx, _ in groups)
+        return ZeroState(keep, tree_util.map_with_path(spec, inner))
 
     def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
         """``cfx.value_and_grad(fun)`` w.r.t. the first argument (the params), stage-aware:
@@ -264,33 +285,23 @@ class ZeroTransformation:
         return wrapped
 
 
-def ghost_leaf(shards: list[torch.Tensor], plan: Plan) -> torch.Tensor:
-    """(1,) fp32: ``sqrt(global sum of squares - this rank's)``, or nan if any rank has inf/nan."""
-    sums: dict[tuple[str, ...], torch.Tensor] = {}
-    for (idx, lay, _), s in zip(plan.groups, shards):
-        axes = {plan.axes[i] for i in idx}
-        if len(axes) == 1:
-            key = axes.pop()
-            sums[key] = sums.get(key, 0.0) + s.pow(2).sum()
-            continue
-        for i, piece in zip(idx, s.split(lay.pieces if plan.n > 1 else lay.numels)):
-            sums[plan.axes[i]] = sums.get(plan.axes[i], 0.0) + piece.pow(2).sum()
-    local = sum(sums.values(), torch.zeros(()))
-    bad = sum((~torch.isfinite(s)).sum() for s in shards).to(torch.float32) if shards else torch.zeros(())
-    union = tuple(sorted({a for axes in plan.axes for a in axes}))
-    sums.setdefault(union, torch.zeros(()))
-    total, flag = torch.zeros(()), torch.zeros(())
-    for axes, s in sorted(sums.items()):
-        v = torch.stack([torch.as_tensor(s, dtype=torch.float32), bad if axes == union else torch.zeros(())])
-        if axes:
-            v = lax.psum(v, axes)
-        total, flag = total + v[0], flag + v[1]
-    ghost = (total - local).clamp_min(0.0).sqrt()
-    return torch.where(flag > 0, torch.full((), float("nan")), ghost).reshape(1)
+def _piece_tree(shards: list[torch.Tensor], plan: Plan) -> Any:
+    """The params' tree whose leaves are this rank's pieces: views into the group shards."""
+    out: list = [None] * len(plan.paths)
+    for (idx, lay, _), shard in zip(plan.groups, shards):
+        for i, piece in zip(idx, shard.split(lay.pieces if plan.n > 1 else lay.numels)):
+            out[i] = piece
+    return tree_util.unflatten(plan.treedef, out)
+
+
+def _group_shards(tree: Any, plan: Plan) -> list[torch.Tensor]:
+    """The inverse of ``_piece_tree``: one flat shard per group."""
+    leaves = tree_util.leaves(tree)
+    return [torch.cat([leaves[i].reshape(-1) for i in idx]) for idx, _, _ in plan.groups]
 
 
 def chunk_ghosts(shards: list[torch.Tensor], axis: str, n: int) -> list[torch.Tensor]:
-    """``ghost_leaf`` for each shard seen alone (``GeminiEngine`` steps one chunk at a time): the
+    """A *ghost* leaf (1,) for each shard seen alone (``GeminiEngine`` steps one chunk at a time): the
     rest of the world's sum of squares for that chunk; nan everywhere if any rank has inf/nan."""
     del n
     sums = [s.pow(2).sum() for s in shards]
