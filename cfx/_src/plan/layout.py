@@ -13,10 +13,12 @@ stages, chunk 0 first, then rank 1's, ...), so rank ``r``'s block along ``pipe``
 keeps a tied embedding's two uses in sync). ``to_model`` / ``to_stored`` convert global trees;
 ``local_view`` / ``stack_local`` convert a rank's blocks (views, no copies, one way).
 
-With ``zero=3`` (no pipe axis) the stored params are ZeRO-3's ``ZeroParams``: each leaf's
-padded flat piece per rank, spec ``P((*leaf_axes, "data"))`` (``cfx.zero.param_specs``); the
-optimizer then sees the model's tree (``opt_shapes`` / ``opt_specs``). ``init``, ``gather`` and
-``put`` hide which form is stored.
+With ``zero=3`` the stored params are ZeRO-3's pieces: each leaf's padded flat piece per data
+rank, spec ``P((*leaf_axes, "data"))`` (``cfx.zero.param_specs``), a stage's blocks stacked the
+same way (``P("pipe", (*leaf_axes, "data"))``); ``local_view`` gives the rank's ``ZeroParams``.
+``init``, ``gather`` and ``put`` hide which form is stored. Where the stored layout differs from
+the model's tree (stacked stages, ZeRO-3) the optimizer steps the rank's ``local_view``
+(``opt_on_local``), so per-leaf rules see blocks, not stacks.
 """
 from __future__ import annotations
 
