@@ -270,10 +270,6 @@ def check_model(plan, model) -> None:
         raise ValueError(f"{where}: remat=auto runs the blocks as one solved chain over whole tensors, and "
                          "zero=3 hands each block its gathered pieces; use remat=blocks or remat=dots with "
                          "zero=3.")
-    if plan.zero == 3 and plan.schedule == "zb-h1":
-        raise ValueError(f"{where}: schedule=zb-h1 splits each backward into input (I) and weight (W) "
-                         "halves, and zero=3's gathered blocks free their re-gathered weights between them; "
-                         "use schedule=1f1b, gpipe or interleaved with zero=3.")
     if plan.has("model"):
         n = plan.size("model")
         for block in tensor_parallel(model, "model").blocks:

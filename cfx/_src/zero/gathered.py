@@ -204,7 +204,9 @@ class Gathered:
         if not own:
             return fn(tree, *args, **kwargs)
         src = self._source([items[i] for i in own])
-        views = _GatherFn.apply(src, *src.inputs())
+        # one autograd node per leaf after the shared gather: a zero-bubble W reaching one weight
+        # must not run through the other nodes that share the gather (pipeline/backward.py)
+        views = [v.view_as(v) for v in _GatherFn.apply(src, *src.inputs())]
         leaves = [x for _, x in items]
         for i, view in zip(own, views):
             leaves[i] = view
