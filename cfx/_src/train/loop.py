@@ -153,7 +153,7 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     plan = plan_of(cfg) if cfg.mesh else None
     if plan is None:
         params = model.init(k_init)
-    else:  # the optimizer's weight-decay mask needs shapes only
+    else:  # shapes only: the parameter count and a checkpoint's layout
         plan.check(model)  # every flag combination trains or is refused here, before any rank starts
         plan.check_batch(cfg.batch)
         params = eval_shape(model.init, k_init)
