@@ -20,6 +20,7 @@ from cfx._src.plan.layout import Layout
 from cfx._src.plan.program import check_model, eval_on_rank, make_optimizer
 from cfx._src.shapes import ShapeDtype
 from cfx._src.table import format_table
+from cfx._src.zero.flat import piece_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ def _block_leaves(layout: Layout, i: int) -> list[ShapeDtype]:
     out = []
     for x, s in zip(tree_util.leaves(layout.model_shapes["blocks"][i]), specs):
         numel = math.prod(block_shape(x.shape, s, layout.mesh))
-        out.append(ShapeDtype((-(-numel // n) * n,), x.dtype))
+        out.append(ShapeDtype((piece_size(numel, n) * n,), x.dtype))
     return out
 
 

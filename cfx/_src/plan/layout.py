@@ -29,7 +29,7 @@ import torch
 
 from cfx._src import random
 from cfx._src import tree as tree_util
-from cfx._src.arrays import device_get, device_put
+from cfx._src.arrays import device_get
 from cfx._src.init_sharded import init_sharded
 from cfx._src.lax import collectives as lax
 from cfx._src.layout import block_shape
@@ -206,13 +206,9 @@ class Layout:
 
 
 def put_tree(tree: Any, specs: Any, mesh) -> Any:
-    """``device_put`` of every leaf of a global tree with its spec."""
-    leaves, treedef = tree_util.flatten(tree)
-    spec_leaves = tree_util.leaves(specs, is_leaf=is_spec)
-    if len(leaves) != len(spec_leaves):
-        raise ValueError(f"Plan: {len(leaves)} leaves for {len(spec_leaves)} specs on {mesh!r}; the state must "
-                         "come from a run of the same plan on the same model.")
-    return tree_util.unflatten(treedef, [device_put(x, mesh, s) for x, s in zip(leaves, spec_leaves)])
+    """A global tree laid out by ``specs`` (``device_put``'s one ``shard_map`` for the whole tree:
+    a mismatch names the first differing leaf path)."""
+    return shard_map(lambda t: t, mesh=mesh, in_specs=(specs,), out_specs=specs)(tree)
 
 
 def stored_order(n_blocks: int, p: int, v: int, name: str) -> tuple[int, ...]:
