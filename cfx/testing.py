@@ -78,11 +78,14 @@ def pytrees(draw, leaf_shapes: Sequence[tuple[int, ...]], *, dtype=torch.float32
 
 @st.composite
 def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, zero: Sequence[int] = (0, 1, 2, 3),
-          remat: Sequence[str] = ("none", "blocks", "dots", "auto"), remat_budget: str = "64MiB"):
+          remat: Sequence[str] = ("none", "blocks", "dots", "auto"), remat_budget: str = "64MiB",
+          offload: Sequence[str] = ("none", "host", "auto"), offload_budget: str = "64MiB"):
     """A ``cfx.parallel.Plan`` that can train ``model`` on a batch of ``batch`` rows: a mesh over
     ``pipe`` / ``data`` / ``model`` (a random subset, in a random order) of at most ``max_ranks``
-    ranks, a ZeRO stage (only with a data axis), a remat mode (``auto`` solves for
-    ``remat_budget``) and, with a pipe axis, a schedule and microbatches. Draws that the model rules out (heads not divisible, ...) are rejected.
+    ranks, a ZeRO stage (only with a data axis), with ZeRO-3 an offload (``auto`` places chunks
+    within ``offload_budget`` device bytes), a remat mode (``auto`` solves for ``remat_budget``)
+    and, with a pipe axis, a schedule and microbatches. Draws that the model rules out (heads not
+    divisible, ...) are rejected.
 
         @given(cfx.testing.plans(my_model))
         def test_my_model_trains_the_same_sharded(plan): ...
@@ -103,6 +106,10 @@ def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, zero: Sequenc
         fields["remat_budget"] = remat_budget
     if "data" in shape:
         fields["zero"] = draw(st.sampled_from(list(zero)))
+        if fields["zero"] == 3:
+            fields["offload"] = draw(st.sampled_from(list(offload)))
+            if fields["offload"] == "auto":
+                fields["offload_budget"] = offload_budget
     if "pipe" in shape:
         per_rank = batch // shape.get("data", 1)
         fields["schedule"] = draw(st.sampled_from(SCHEDULES))

@@ -143,6 +143,7 @@ class MemoryTracker:
         self._timeline: dict[tuple, list] = collections.defaultdict(list)
         self._events = 0
         self._token = None
+        self.ops_in_ranks = False  # track(ops=True): Mesh.run books each rank's op outputs
 
     # -- activation -----------------------------------------------------------------------------
     def __enter__(self) -> "MemoryTracker":
@@ -314,6 +315,20 @@ def _cdata(t: torch.Tensor):
     return None if s is None else s._cdata
 
 
-def track() -> MemoryTracker:
-    """A tracker; use as ``with cfx.memory.track() as mem:`` and query it during or after."""
-    return MemoryTracker()
+def track(*, ops: bool = False) -> MemoryTracker:
+    """A tracker; use as ``with cfx.memory.track() as mem:`` and query it during or after.
+    ``ops=True``: inside each rank of a mesh run in the block (``Mesh.run``), every op output is
+    booked too, as ``track_ops()`` does (device activations, backward included)."""
+    tracker = MemoryTracker()
+    tracker.ops_in_ranks = bool(ops)
+    return tracker
+
+
+def rank_ops() -> contextlib.ExitStack:
+    """``track_ops()`` of every active tracker made with ``track(ops=True)`` (``Mesh.run`` enters
+    it in each rank, after installing the rank's context)."""
+    stack = contextlib.ExitStack()
+    for tracker in _active.get():
+        if tracker.ops_in_ranks:
+            stack.enter_context(tracker.track_ops())
+    return stack

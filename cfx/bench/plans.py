@@ -2,8 +2,9 @@
 against ``Plan.describe``, bytes sent per axis.
 
 For each plan the model state one rank books while a step runs (``cfx.memory``: params, grads
-and optimizer state as the step watches them) is set against what ``plan.describe(model)``
-computed before anything ran (target 0.9-1.1), and the counted collectives of one step
+and optimizer state as the step watches them, on the device or, offloaded, on the host) is set
+against what ``plan.describe(model)`` computed before anything ran (target 0.9-1.1), beside
+the rank's device peak (model state, gathered blocks, chunk copies; activations are not booked), and the counted collectives of one step
 (``cfx.comm_stats``) give the payload bytes a rank hands to collectives per mesh axis. ``--quick``: GPT-2
 tiny-shaped (4 blocks of 128, byte vocabulary, batch 16 x 64); full: GPT-2 small's blocks with a 1024 vocabulary, batch 8 x 128.
 """
@@ -23,6 +24,7 @@ PLANS = (
     "pipe=2,data=2,model=2 zero=1 remat=blocks microbatches=2",
     "pipe=2,data=2,model=2 zero=3 microbatches=2",
     "pipe=2,data=4 zero=2 schedule=interleaved microbatches=2",
+    "pipe=2,data=2,model=2 zero=3 offload=host microbatches=2",
 )
 
 
@@ -47,14 +49,15 @@ def measure(text: str, model, batch: int, seq: int, steps: int) -> dict:
             times.append(time.perf_counter() - t0)
         with cfx.memory.track() as mem, cfx.comm_stats() as stats:
             state, _ = step(state, (tokens[0, :, :-1], tokens[0, :, 1:]))
-        peaks = [mem.peak_by_kind("device", rank=r) for r in mesh.local_ranks]
-        measured = max(p.get("param", 0) + p.get("grad", 0) + p.get("optim", 0) for p in peaks)
+        measured = max(sum(mem.peak_by_kind(tier, rank=r).get(k, 0) for tier in ("device", "host", "nvme")
+                           for k in ("param", "grad", "optim")) for r in mesh.local_ranks)
+        device = max(mem.peak("device", rank=r) for r in mesh.local_ranks)
         sent: dict[str, int] = {}  # collective payload bytes per mesh axis (group), mean per rank
         for r in stats.records:
             key = ".".join(r.axes)
             sent[key] = sent.get(key, 0) + r.nbytes
         ranks = len(mesh.local_ranks)
-    return dict(plan=text, step_s=sorted(times)[len(times) // 2], measured=measured,
+    return dict(plan=text, step_s=sorted(times)[len(times) // 2], measured=measured, device=device,
                 described=described.model_state, sent={a: b / ranks for a, b in sent.items()})
 
 
@@ -69,6 +72,7 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
                         0.9 <= ratio <= 1.1))
         rows.append(Row(f"plan[{text}]_step_s", round(m["step_s"], 4), "s", "info"))
         rows.append(Row(f"plan[{text}]_model_state_per_rank", round(m["measured"] / 2**20, 3), "MiB", "info"))
+        rows.append(Row(f"plan[{text}]_device_peak_per_rank", round(m["device"] / 2**20, 3), "MiB", "info"))
         for axis, b in sorted(m["sent"].items()):
             rows.append(Row(f"plan[{text}]_sent[{axis}]", round(b / 2**20, 3), "MiB payload per rank per step", "info"))
     return report("plans", rows, json_path)

@@ -79,6 +79,16 @@ class _MemoryStore(_Store):
         self._book(key, copy.numel() * copy.element_size(), kind)
         return copy
 
+    def empty(self, key, shape: tuple[int, ...], dtype: torch.dtype, *, kind: str = "chunk") -> torch.Tensor:
+        """A new uninitialised tensor stored under ``key`` (replacing any), to be filled in place."""
+        if key in self._data:
+            self.delete(key)
+        with memory.ops_unwatched():
+            out = self._alloc(torch.empty(shape, dtype=dtype, device="meta"))
+        self._data[key] = out
+        self._book(key, out.numel() * out.element_size(), kind)
+        return out
+
     def get(self, key) -> torch.Tensor:
         if key not in self._data:
             raise self._missing(key)

@@ -108,13 +108,14 @@ class Mesh:
 
         Each rank runs in a copy of the caller's ``contextvars`` context, so whatever the caller
         has active (``comm_stats``, ``activation_stats``, ``cfx.memory`` trackers) is active in
-        the ranks too.
+        the ranks too (with ``cfx.memory.track(ops=True)``, op outputs are booked per rank).
         """
+        from cfx._src import memory
         from cfx._src.mesh import context as ctx_lib
         caller = contextvars.copy_context()
 
         def in_rank(rank_ctx, rank: int):
-            with ctx_lib.installed(rank_ctx):
+            with ctx_lib.installed(rank_ctx), memory.rank_ops():
                 return fn(rank)
 
         def in_caller_context(rank: int):

@@ -64,14 +64,16 @@ WHERE = "cfx.pipeline"
 
 
 def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StagePlan | None = None,
-             sum_grads: bool = True, local_blocks: bool = False) -> "PipelineStep":
+             sum_grads: bool = True, local_blocks: bool = False, chain: Any = None) -> "PipelineStep":
     """A ``step(params, tokens, targets) -> (loss, grads)`` running ``schedule`` over ``axis``.
 
     ``plan`` (default ``partition(model, schedule.n_stages)``) says which blocks each stage runs.
     ``local_blocks``: ``params["blocks"]`` holds only this rank's blocks (its stages in order, see
     ``PipelineStep.held_blocks``) and so do the returned grads, whose block entries are then this
     rank's own (not summed over the axis): stages keep only their own blocks' params and grads.
-    Raises ``ValueError`` / ``ScheduleError`` here for a bad schedule or plan; the mesh-dependent
+    ``chain``: a ``cfx.remat.solve`` plan for a chain of one stage's blocks, under which every
+    stage runs its blocks (activation checkpointing solved per stage; a split backward's I then
+    computes the weight gradients too, and W hands them over). Raises ``ValueError`` / ``ScheduleError`` here for a bad schedule or plan; the mesh-dependent
     checks run in the step, on every rank, before any communication.
     """
     if not isinstance(schedule, Schedule):
@@ -85,7 +87,12 @@ def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StageP
                          f"blocks; the schedule needs {schedule.n_stages} stages (p*v) over the "
                          f"model's {len(model.blocks)}. Make it with partition(model, "
                          f"{schedule.n_stages}).")
-    return PipelineStep(model, schedule, axis, plan, parts, bool(sum_grads), bool(local_blocks))
+    if chain is not None:
+        sizes = {len(plan.blocks(s)) for s in range(plan.n_stages)}
+        if sizes != {chain.chain.n}:
+            raise ValueError(f"{WHERE}: the remat plan is for a chain of {chain.chain.n} blocks but the "
+                             f"stages run {sorted(sizes)}; solve it for one stage's blocks.")
+    return PipelineStep(model, schedule, axis, plan, parts, bool(sum_grads), bool(local_blocks), chain)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +106,7 @@ class PipelineStep:
     parts: ModelParts
     sum_grads: bool
     local_blocks: bool = False
+    chain: Any = None  # a remat plan each stage runs its blocks under
 
     def held_blocks(self, rank: int) -> list[int]:
         """The blocks pipe rank ``rank`` runs, its stages in ascending order."""
@@ -219,7 +227,11 @@ class _Run:
             memory.watch(x, tier="device", kind="activation")
         with saved_tensors_hooks(self._pack, _same) if self.tracked else contextlib.nullcontext():
             h = step.parts.embed(self.local, self.tokens[mb]) if s == 0 else x  # (b, T, C)
-            for i in step.plan.blocks(s):
+            blocks = step.plan.blocks(s)
+            if step.chain is not None:  # the stage's blocks as one checkpointed chain
+                h = step.chain.run([step.model.blocks[i].apply for i in blocks],
+                                   [self.local["blocks"][i] for i in blocks], h, [dict(mask=None, key=None)] * len(blocks))
+            for i in blocks if step.chain is None else ():
                 h = step.model.blocks[i].apply(self.local["blocks"][i], h, mask=None, key=None)
             if s == last and self.valid[mb] == 0:  # nothing to predict: a zero that still
                 h = h.float().sum() * 0.0              # routes (zero) gradients back

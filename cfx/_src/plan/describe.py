@@ -17,7 +17,7 @@ from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import is_spec
 from cfx._src.optim.alias import adamw
 from cfx._src.plan.layout import Layout
-from cfx._src.plan.program import check_model, eval_on_rank, make_optimizer
+from cfx._src.plan.build import check_model, eval_on_rank, gathered_model, make_optimizer, make_placement
 from cfx._src.shapes import ShapeDtype
 from cfx._src.table import format_table
 from cfx._src.zero.flat import piece_size
@@ -30,23 +30,26 @@ class Description:
     plan: str
     n_params: int
     bytes: dict[str, int]
+    tiers: dict[str, str]  # per kind: device or host
 
     @property
     def model_state(self) -> int:
         """Params + grads + optimizer state: what ZeRO's 16 Psi / N counts."""
         return self.bytes["params"] + self.bytes["grads"] + self.bytes["optimizer"]
 
-    def rows(self) -> list[tuple[str, str]]:
-        out = [(k, f"{v:,}") for k, v in self.bytes.items()]
-        return out + [("model state (params + grads + optimizer)", f"{self.model_state:,}")]
+    def rows(self) -> list[tuple[str, str, str]]:
+        out = [(k, self.tiers[k], f"{v:,}") for k, v in self.bytes.items()]
+        state = {self.tiers[k] for k in ("params", "grads", "optimizer")}
+        return out + [("model state (params + grads + optimizer)", "/".join(sorted(state)), f"{self.model_state:,}")]
 
     def __str__(self) -> str:
-        return str(format_table(self.rows(), [f"per rank: {self.plan}", "bytes"]))
+        return str(format_table(self.rows(), [f"per rank: {self.plan}", "tier", "bytes"]))
 
 
 def describe(plan, model: Any, tx: Any = None) -> Description:
-    """Per-rank bytes of params, grads, optimizer state and (ZeRO-3) one gathered block; ``tx``
-    defaults to AdamW. Raises the ValueErrors ``plan.check(model)`` raises."""
+    """Per-rank bytes of params, grads, optimizer state, (ZeRO-3) one gathered block and (offload)
+    the chunk copies on the device at once (``host``: one; ``auto``: at most the budget), with
+    the tier each lives on; ``tx`` defaults to AdamW. Raises the ValueErrors ``plan.check(model)`` raises."""
     check_model(plan, model)
     mesh = AbstractMesh(plan.mesh_shape or {"data": 1})
     layout = Layout(plan, model, mesh)
@@ -67,8 +70,16 @@ def describe(plan, model: Any, tx: Any = None) -> Description:
     out = {"params": params, "grads": params, "optimizer": _nbytes(tree_util.leaves(state))}
     if layout.zero3:
         out["gathered block"] = gathered
+    if plan.offload != "none":  # the model state at home; the device holds chunk copies
+        local_model = gathered_model(plan, model)
+        budget = plan.offload_budget or 1 << 62
+        chunks = make_placement(plan, local_model, layout, budget).chunk_bytes
+        out["device chunks"] = chunks[0] if plan.offload == "host" else min(sum(chunks), budget)
+    home = {"none": "device", "nvme": "nvme"}.get(plan.offload, "host")
+    tiers = dict.fromkeys(out, "device")
+    tiers.update(params=home, optimizer=home, grads="device" if home == "device" else "host")
     n_params = sum(math.prod(x.shape) for x in tree_util.leaves(layout.model_shapes))
-    return Description(str(plan), n_params, out)
+    return Description(str(plan), n_params, out, tiers)
 
 
 def _block_leaves(layout: Layout, i: int) -> list[ShapeDtype]:

@@ -19,7 +19,8 @@ from typing import Any
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.plan.config import PlanConfig
 from cfx._src.plan.describe import Description, describe
-from cfx._src.plan.program import Program, TrainState, check_model
+from cfx._src.plan.build import check_model
+from cfx._src.plan.program import Program, TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +50,14 @@ class Plan(PlanConfig):
         ZeRO-3, one gathered block, computed on shapes before anything runs (``print`` it)."""
         return describe(self, model, tx)
 
-    def step(self, model: Any, tx: Any, *, mesh: Mesh, grad_clip: float = 0.0) -> Program:
+    def step(self, model: Any, tx: Any, *, mesh: Mesh, grad_clip: float = 0.0,
+             nvme_dir: str | None = None) -> Program:
         """The train step ``step(state, batch) -> (state, metrics)`` (a ``Program``, which also
         has ``init``, ``params``, ``put``, ``loss`` and ``sample``); every check runs here, before
-        any rank starts. ``grad_clip > 0`` clips by the global norm over every shard."""
-        return Program(self, model, tx, mesh, grad_clip=grad_clip)
+        any rank starts. ``grad_clip > 0`` clips by the global norm over every shard;
+        ``nvme_dir``: where ``offload=nvme`` keeps the state's files (default: a new temporary
+        directory)."""
+        return Program(self, model, tx, mesh, grad_clip=grad_clip, nvme_dir=nvme_dir)
 
     def init(self, model: Any, tx: Any, key, *, mesh: Mesh) -> TrainState:
         """Sharded params and optimizer state; ``plan.step(model, tx, mesh=mesh).init(key)``."""

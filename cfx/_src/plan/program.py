@@ -6,7 +6,11 @@ runtime already has:
 1. tensor parallelism: every block Megatron-split over ``model``, the vocabulary too;
 2. ZeRO-3 (``zero=3``): each block, then the rest of the model, gathered just before use;
 3. activation checkpointing per block (``remat``), outermost (it re-gathers while recomputing),
-   or ``remat=auto``: one Rotor schedule over the blocks, solved on the first batch;
+   or ``remat=auto``: one Rotor schedule over the blocks (with a pipe axis: over one stage's
+   blocks, for one microbatch, run by every stage), solved on the first batch;
+   ``offload`` (with ZeRO-3): the pieces, their grads and the optimizer state live on the host
+   and the gathered layers read their shards from Gemini chunk copies on the device
+   (``zero.placed``: one chunk at a time, or what ``auto``'s plan fits in its budget);
 4. pipeline stages over ``pipe``: each rank runs and *stores* only its own blocks (``layout``);
    gradients accumulate over the microbatches and leave the pipeline once per step;
 5. data parallelism over ``data``: one flat all-reduce of the gradients (``zero=0``), or ZeRO
@@ -23,96 +27,55 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import tempfile
 from typing import Any, NamedTuple
 
 import torch
 
 from cfx._src import amp, donation, memory
 from cfx._src import tree as tree_util
+from cfx._src.gemini.mapped import mapped_copy
 from cfx._src.lax import collectives as lax
+from cfx._src.mesh.context import current_or_none
 from cfx._src.mesh.spec import P
 from cfx._src.models.parts import parts_of
-from cfx._src.optim.base import apply_updates, chain
-from cfx._src.optim.clipping import clip_by_global_norm
+from cfx._src.models.sample import sample_bytes
+from cfx._src.optim.base import apply_updates
 from cfx._src.optim.loss_scale import loss_scale
 from cfx._src.optim.reduction import sharded
 from cfx._src.parallel.megatron import tensor_parallel
-from cfx._src.parallel.state import state_specs, tree_pmean
-from cfx._src.pipeline import schedule as schedules
+from cfx._src.parallel.state import tree_pmean
 from cfx._src.pipeline.executor import pipeline
-from cfx._src.plan.layout import Layout, put_tree, stored_order
-from cfx._src.remat import policies as cp
+from cfx._src.plan.build import (check_mesh, check_model, free_device_bytes, make_optimizer, make_placement, make_schedule,
+                                 wrap_blocks)
+from cfx._src.plan.layout import Layout, put_tree
 from cfx._src.remat import remat
-from cfx._src.mesh.context import Group, RankContext, installed
-from cfx._src.shapes import eval_shape
 from cfx._src.shard_map import shard_map
-from cfx._src.models.sample import sample_bytes
+from cfx._src.sharded import ShardedArray
 from cfx._src.transforms import value_and_grad
 from cfx._src.zero.gathered import gathered
-from cfx._src.zero.optimizer import ZeroTransformation
+from cfx._src.zero.offload import probe_nvme_dir
 from cfx._src.zero.params import ZeroParams
-
+from cfx._src.zero.placed import Placement
 
 class TrainState(NamedTuple):
     params: Any      # the stored layout (``Layout``), ShardedArrays
     opt_state: Any   # the optimizer's state over the stored params, ShardedArrays
 
 
-def remat_blocks(model: Any, mode: str) -> Any:
-    """``model`` with every block under ``cfx.remat``: ``blocks`` keeps only each block's input,
-    ``dots`` also its matmul outputs; ``none`` returns the model."""
-    if mode == "none":
-        return model
-    policy = {"blocks": cp.nothing_saveable, "dots": cp.dots_saveable}[mode]
-    return model.map_blocks(lambda b: remat(b, policy=policy))
-
-
-def make_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> schedules.Schedule:
-    """The pipeline schedule named ``name`` for ``pipe`` ranks."""
-    if name == "gpipe":
-        return schedules.gpipe(pipe, microbatches)
-    if name == "1f1b":
-        return schedules.one_f_one_b(pipe, microbatches)
-    if name == "interleaved":
-        return schedules.interleaved_1f1b(pipe, microbatches, chunks)
-    if name == "zb-h1":
-        return schedules.zb_h1(pipe, microbatches)
-    raise ValueError(f"schedule {name!r}: expected gpipe, 1f1b, interleaved or zb-h1.")
-
-
-def make_optimizer(plan, tx, layout: Layout, mesh, *, grad_clip: float = 0.0) -> tuple[Any, Any]:
-    """``(the optimizer a step runs, its state's specs)``: ``tx`` itself over the stored layout,
-    or wrapped in ZeRO 1/2 over it, or ZeRO-3 over each rank's view of the model's tree."""
-    if grad_clip > 0:  # the global norm over every shard: cfx.optim.sharded, or ZeRO's ghost leaf
-        tx = chain(clip_by_global_norm(grad_clip), tx)
-    if plan.zero and layout.opt_on_local:  # ZeRO over each rank's view: its blocks, its pieces
-        split, total = layout.norm_axes()
-        opt = ZeroTransformation(tx, plan.zero, "data", layout.local_specs,
-                                 owner_axes=[t[len(s):] for s, t in zip(split, total)])
-        return opt, per_rank_specs(mesh, opt.init, layout.local_abstract())
-    if plan.zero:
-        opt = ZeroTransformation(tx, plan.zero, "data", layout.specs)
-        return opt, opt.state_specs(layout.shapes, mesh=mesh)
-    if layout.opt_on_local:  # pipe stages: each rank's state for its own blocks, one by one
-        return tx, per_rank_specs(mesh, tx.init, layout.local_abstract())
-    return tx, state_specs(eval_shape(tx.init, layout.shapes), layout.shapes, layout.specs)
-
-
 class Program:
     """``plan`` applied to ``model``, ``tx`` on ``mesh``; callable as the train step."""
 
-    def __init__(self, plan, model, tx, mesh, *, grad_clip: float = 0.0):
+    def __init__(self, plan, model, tx, mesh, *, grad_clip: float = 0.0, nvme_dir: str | None = None):
         self.plan, self.model, self.tx, self.mesh, self.grad_clip = plan, model, tx, mesh, float(grad_clip)
         check_model(plan, model)
-        _check_mesh(plan, mesh)
+        check_mesh(plan, mesh)
         self.layout = layout = Layout(plan, model, mesh)
         self.policy = amp.policy(plan.precision)
         # 1. tensor parallelism, 2. ZeRO-3: each block gathered just before use, 3. remat per
         # block (outermost; it re-gathers while recomputing), 4. pipeline stages
-        local = tensor_parallel(model, "model") if plan.has("model") else model
-        if layout.zero3:
-            local = local.map_blocks(lambda b: gathered(b, axis="data"))
-        self._blocks_wrapped = remat_blocks(local, plan.remat if plan.remat != "auto" else "none")
+        self._blocks_wrapped = wrap_blocks(plan, model, plan.remat if plan.remat != "auto" else "none")
         self.local_model = local = self._outer(self._blocks_wrapped)
         self.eval_model = self._outer(tensor_parallel(model, "model") if plan.has("model") else model)
         self.remat_plan = None  # remat=auto: the Rotor schedule, solved on the first batch
@@ -123,6 +86,15 @@ class Program:
         # 4-5. data parallelism and the optimizer, over the stored layout; under ZeRO the clip sees
         # the global norm through ZeRO's ghost leaf, otherwise the step clips across the shards
         self.opt, self.state_specs = make_optimizer(plan, tx, layout, mesh, grad_clip=self.grad_clip)
+        # offload: each rank's placement of its pieces (kept across steps: auto's warm-up record),
+        # one built now on shapes so that a budget below one chunk fails before any rank runs
+        self.home = {"none": "device", "nvme": "nvme"}.get(plan.offload, "host")
+        self.nvme_dir = None
+        if plan.offload == "nvme":  # a directory this process can write, or a ValueError now
+            self.nvme_dir = os.fspath(nvme_dir) if nvme_dir is not None else tempfile.mkdtemp(prefix="cfx-nvme-")
+            probe_nvme_dir(self.nvme_dir)
+        self._placements: dict[int, Placement] = {}
+        self.chunking = self._new_placement().chunks if plan.offload != "none" else None
         specs = TrainState(layout.specs, self.state_specs)
         batch = (layout.batch_spec, layout.batch_spec)
         self._step = shard_map(self._body, mesh=mesh, in_specs=(specs, batch, P()), out_specs=(specs, P()),
@@ -138,7 +110,15 @@ class Program:
         opt_init = (lambda p: self.opt.init(self.layout.local_view(p))) if self.layout.opt_on_local else self.opt.init
         opt_state = shard_map(opt_init, mesh=self.mesh, in_specs=(self.layout.specs,),
                               out_specs=self.state_specs)(params)
-        return TrainState(params, opt_state)
+        return self._at_home(TrainState(params, opt_state))
+
+    def _at_home(self, state: TrainState) -> TrainState:
+        """offload=nvme: every block of the state moved into a file (``gemini.mapped``); the step
+        writes into those blocks (donation), so the state stays there."""
+        if self.nvme_dir is None:
+            return state
+        return tree_util.map(lambda a: ShardedArray(a.shape, a.spec, a.mesh, {
+            r: mapped_copy(b, self.nvme_dir) for r, b in a.blocks.items()}), state)
 
     def params(self, state: TrainState) -> Any:
         """The model's params as global tensors (``device_get``: every process calls it)."""
@@ -147,7 +127,7 @@ class Program:
     def put(self, params: Any, opt_state: Any) -> TrainState:
         """A ``TrainState`` from global trees: the model's params and a state saved from this plan's
         ``device_get(state.opt_state)`` (a checkpoint)."""
-        return TrainState(self.layout.put(params), put_tree(opt_state, self.state_specs, self.mesh))
+        return self._at_home(TrainState(self.layout.put(params), put_tree(opt_state, self.state_specs, self.mesh)))
 
     def _outer(self, model: Any) -> Any:
         """ZeRO-3: what is left of the model (embeddings, final norm) gathered around its use."""
@@ -171,19 +151,41 @@ class Program:
         meta = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"),
                              self.layout.model_shapes)
         rows = tokens[:tokens.shape[0] // self.plan.size("data")]
-        _, self.remat_plan = remat.solve(self.model, meta, rows, budget=self.plan.remat_budget, key=key)
-        self.local_model = self._outer(dataclasses.replace(self._blocks_wrapped, remat_plan=self.remat_plan))
         self._solve = False
+        if self.pipe_step is None:
+            _, self.remat_plan = remat.solve(self.model, meta, rows, budget=self.plan.remat_budget, key=key)
+            self.local_model = self._outer(dataclasses.replace(self._blocks_wrapped, remat_plan=self.remat_plan))
+            return
+        # a pipe axis: one stage's blocks on one microbatch, the chain every stage runs
+        k = len(self.model.blocks) // (self.plan.size("pipe") * self.plan.chunks)
+        x = torch.empty((rows.shape[0] // self.plan.microbatches, rows.shape[1], parts_of(self.model, "Plan").width),
+                        device="meta")
+        _, self.remat_plan = remat.solve([b.apply for b in self.model.blocks[:k]], meta["blocks"][:k], x,
+                                         budget=self.plan.remat_budget)
+        self.pipe_step = dataclasses.replace(self.pipe_step, chain=self.remat_plan)
+
+    def _new_placement(self) -> Placement:
+        return make_placement(self.plan, self.local_model, self.layout, self.plan.offload_budget
+                              or free_device_bytes(self.mesh), home=self.home)
+
+    def placement_of(self, rank: int) -> Placement | None:
+        """Rank ``rank``'s placement of its offloaded pieces (its chunks, ``traffic`` and, under
+        ``auto``, ``placer.record``); None without offload."""
+        if self.plan.offload == "none":
+            return None
+        if rank not in self._placements:
+            self._placements[rank] = self._new_placement()
+        return self._placements[rank]
 
     def _body(self, state: TrainState, batch: tuple, key) -> tuple[TrainState, torch.Tensor]:
         params, opt_state = state
         tokens, targets = batch
         scale = loss_scale(opt_state) if self.policy.needs_loss_scaling else None
         local = self.layout.local_view(params)
-        _watch(params, "param")  # booked while a cfx.memory tracker is active
-        _watch(opt_state, "optim")
+        _watch(params, "param", self.home)  # booked while a cfx.memory tracker is active
+        _watch(opt_state, "optim", self.home)
         loss, grads = self._loss_and_grads(local, tokens, targets, key, scale)
-        _watch(grads, "grad")
+        _watch(grads, "grad", "device" if self.home == "device" else "host")
         if self.layout.zero3:  # grads are already reduce-scattered pieces; update this rank's view
             loss = lax.pmean(loss, "data")
             with donation.donated(tree_util.leaves(grads)):
@@ -210,15 +212,25 @@ class Program:
         return sharded(split, total_axes=total, every=tuple(self.mesh.axis_names), psum=lax.psum)
 
     def _loss_and_grads(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale):
-        compute = self.policy.cast_to_compute
+        placement = self.placement_of(current_or_none().rank)
+        if placement is None:
+            return self._run(local, tokens, targets, key, scale, _ZeroView(self.policy.cast_to_compute))
+        agree = [a for a in ("data", "model") if self.plan.has(a)]  # ranks that run the same accesses
+        with placement.step(local, agree=lambda v: lax.pmax(v, tuple(agree)) if agree else v):
+            # the chunk copies are cast to the compute dtype; the pieces stay as stored
+            return self._run(local, tokens, targets, key, scale, _ZeroView(placement.tree, placed=True))
+
+    def _run(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale, view):
+        """Loss and grads of ``local`` (what the rank stores, as the model's tree): ``view`` turns it
+        into what the model runs on (cast; ZeRO-3's ShardedLeaf tree)."""
         if self.pipe_step is not None and self.layout.zero3:  # the stages gather their own pieces
-            loss, pieces = self.pipe_step(compute(local).sharded_leaves(), tokens, targets, scale=scale)
+            loss, pieces = self.pipe_step(view.leaves(local), tokens, targets, scale=scale)
             grads = ZeroParams(pieces, local.shapes, local.n)
         elif self.pipe_step is not None:
-            loss, grads = self.pipe_step(compute(local), tokens, targets, scale=scale)
+            loss, grads = self.pipe_step(view(local), tokens, targets, scale=scale)
         else:
             def scaled(p):
-                loss = self.local_model.loss(compute(p), tokens, targets, key=key)
+                loss = self.local_model.loss(view(p), tokens, targets, key=key)
                 return (loss if scale is None else loss * scale), loss
             grad_fn = self.opt.value_and_grad if self.layout.zero3 else value_and_grad
             (_, loss), grads = grad_fn(scaled, has_aux=True)(local)
@@ -256,64 +268,26 @@ class Program:
         return shard_map(body, mesh=self.mesh, in_specs=(self.layout.specs,), out_specs=P())(state.params)
 
 
-def check_model(plan, model) -> None:
-    """What the plan needs of the model, checked without a mesh: ValueErrors naming the two parts
-    that do not fit and the fix."""
-    where = f"Plan {str(plan)!r}"
-    if plan.offload != "none":
-        raise ValueError(f"{where}: offload (Gemini chunk placement) is not composed into a Plan step yet; "
-                         "use offload=none, or cfx.zero.GeminiEngine by hand.")
-    if plan.remat == "auto" and plan.has("pipe"):
-        raise ValueError(f"{where}: remat=auto solves one checkpointing schedule over all blocks, and the "
-                         "pipe axis cuts them into stages; use remat=blocks or remat=dots with a pipe axis.")
-    if plan.remat == "auto" and plan.zero == 3:
-        raise ValueError(f"{where}: remat=auto runs the blocks as one solved chain over whole tensors, and "
-                         "zero=3 hands each block its gathered pieces; use remat=blocks or remat=dots with "
-                         "zero=3.")
-    if plan.has("model"):
-        n = plan.size("model")
-        for block in tensor_parallel(model, "model").blocks:
-            block.check(n)
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if vocab is not None and vocab % n:
-            raise ValueError(f"{where}: the vocabulary of {vocab} does not split over model={n} (vocab-parallel "
-                             "embedding and loss); use a model axis size dividing it, or pad the vocabulary.")
-    if plan.has("pipe"):
-        parts_of(model, f"{where} (pipe axis)")
-        if getattr(getattr(model, "config", None), "dropout", 0.0) > 0:
-            raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
-        stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
-        make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
-
-
-def _check_mesh(plan, mesh) -> None:
-    if dict(mesh.shape) != plan.mesh_shape:
-        raise ValueError(f"Plan {str(plan)!r}: the mesh {mesh!r} is not the plan's {plan.mesh_shape}; open "
-                         "it with plan.make_mesh().")
-
-
-def _watch(tree: Any, kind: str) -> None:
+def _watch(tree: Any, kind: str, tier: str) -> None:
     if memory.is_tracking():
         for x in tree_util.leaves(tree):
             if isinstance(x, torch.Tensor):
-                memory.watch(x, tier="device", kind=kind)
+                memory.watch(x, tier=tier, kind=kind)
 
 
-def eval_on_rank(mesh, fn, *args) -> Any:
-    """``eval_shape(fn, *args)`` in rank 0's context: axis sizes and indices, no process groups
-    (a collective would raise), no allocation. ``mesh`` may be an ``AbstractMesh``."""
-    coords = mesh.coords(0)
-    ctx = RankContext(mesh, 0, coords, lambda axes: Group(axes, mesh.axes_size(axes), mesh.index_in(axes, coords), None))
-    with installed(ctx):
-        return eval_shape(fn, *args)
+class _ZeroView:
+    """How the step hands a rank's params to the model: ``cast`` (the compute dtype) or, with
+    ``placed``, a placement's ``tree`` (which casts its chunk copies itself)."""
 
+    def __init__(self, fn, *, placed: bool = False):
+        self.fn, self.placed = fn, placed
 
-def per_rank_specs(mesh, fn, *args) -> Any:
-    """Specs for what ``fn(*args)`` returns on each rank when every rank's result has the same
-    shapes but its own values (ZeRO's flat state): 1-D and larger leaves split over all of the
-    mesh's axes, scalars replicated."""
-    every = tuple(mesh.axis_names)
-    return tree_util.map(lambda x: P(every) if len(x.shape) else P(), eval_on_rank(mesh, fn, *args))
+    def __call__(self, params: Any) -> Any:
+        return self.fn(params)
+
+    def leaves(self, params: ZeroParams) -> Any:
+        """The ``ShardedLeaf`` tree a pipeline's gathered stages take."""
+        return self.fn(params) if self.placed else self.fn(params).sharded_leaves()
 
 
 def _check_batch(plan, tokens: Any) -> None:

@@ -6,7 +6,9 @@ so each stage's graph is its own); its backward executes the rest: the recomputa
 asks for and each ``B(i)`` as ``torch.autograd.grad`` of stage i's output, which yields the
 gradient of its input ``d[i-1]`` and of its parameters. Randomness is explicit (stages take keys),
 so every recomputation replays the forward exactly; a collective inside a stage is re-issued by
-every rank at the same operation, since all ranks run the same schedule.
+every rank at the same operation, since all ranks run the same schedule. A stage's params may hold
+ZeRO-3 ``ShardedLeaf``s: their pieces are the chain's inputs, and every (re)computation of the
+stage gathers them again through its gathered layer.
 
 While it runs, the executor measures the activation memory the schedule holds — the distinct
 storages of plain activations ``a[j]``, of every tensor autograd saved for ``B(j)``, and of the
@@ -15,6 +17,7 @@ counts as the operation's peak). The peak goes to active ``cfx.activation_stats(
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,6 +25,7 @@ import torch
 from cfx._src import tree as tree_util
 from cfx._src.remat import engine
 from cfx._src.remat.solver import B, DISCARD, F_ALL, F_CK, F_N, Schedule
+from cfx._src.zero.params import is_sharded_leaf
 
 
 class _Saved:
@@ -36,8 +40,9 @@ class _Saved:
 class _Execution:
     """One run of the schedule: the state that lives from the forward into the backward."""
 
-    def __init__(self, fns, kwargs, treedefs, schedule: Schedule):
+    def __init__(self, fns, kwargs, treedefs, wraps, schedule: Schedule):
         self.fns, self.kwargs, self.treedefs, self.schedule = fns, kwargs, treedefs, schedule
+        self.wraps = wraps  # per stage, per leaf: the ShardedLeaf its tensor is the piece of, or None
         self.a: dict[int, torch.Tensor] = {}      # plain activations a[j]
         self.abar: dict[int, _Saved] = {}         # stage graphs kept for B(j)
         self.d: dict[int, torch.Tensor] = {}      # gradient d[j] of a[j]
@@ -70,7 +75,8 @@ class _Execution:
         return self.abar[i - 1].out  # a[i-1] lives as the output of F_all(i-1)
 
     def _stage_params(self, i: int):
-        return tree_util.unflatten(self.treedefs[i - 1], self.params[i - 1])
+        leaves = [t if w is None else dataclasses.replace(w, piece=t) for t, w in zip(self.params[i - 1], self.wraps[i - 1])]
+        return tree_util.unflatten(self.treedefs[i - 1], leaves)
 
     def _forward(self, op) -> None:
         i = op.stage
@@ -151,6 +157,8 @@ class _ChainFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
+        if ctx.run is None:  # again, for other inputs (a pipeline's W after its I): the same grads
+            return ctx.grads
         run: _Execution = ctx.run
         run.grads = {}
         run.run(upto_backward=False, d_out=d_out)
@@ -158,7 +166,8 @@ class _ChainFunction(torch.autograd.Function):
         d_x = run.d.pop(0, None) if run.x_requires_grad else None
         flat = [run.grads.get(id(p)) for ps in run.params for p in ps]
         ctx.run = None
-        return (None, d_x, *flat)
+        ctx.grads = (None, d_x, *flat)
+        return ctx.grads
 
 
 def _report(run: _Execution) -> None:
@@ -177,12 +186,13 @@ def run_chain(fns: Sequence[Callable], params: Sequence[Any], x: torch.Tensor, k
         for fn, p, kw in zip(fns, params, kwargs):
             x = fn(p, x, **kw)
         return x
-    flat, treedefs = [], []
+    flat, treedefs, wraps = [], [], []
     for p in params:
-        leaves, td = tree_util.flatten(p)
-        if not all(isinstance(t, torch.Tensor) for t in leaves):
-            raise ValueError("remat: every leaf of a chain stage's params must be a tensor.")
-        flat += leaves
+        leaves, td = tree_util.flatten(p, is_leaf=is_sharded_leaf)
+        if not all(isinstance(t, torch.Tensor) or is_sharded_leaf(t) for t in leaves):
+            raise ValueError("remat: every leaf of a chain stage's params must be a tensor (or a ZeRO-3 piece).")
+        flat += [t.piece if is_sharded_leaf(t) else t for t in leaves]
+        wraps.append([t if is_sharded_leaf(t) else None for t in leaves])
         treedefs.append(td)
-    run = _Execution(list(fns), list(kwargs), treedefs, schedule)
+    run = _Execution(list(fns), list(kwargs), treedefs, wraps, schedule)
     return _ChainFunction.apply(run, x, *flat)

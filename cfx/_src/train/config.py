@@ -34,6 +34,7 @@ class TrainConfig:
     zero: int = 0                  # ZeRO stage over the data axis
     offload: str = "none"          # none | host | nvme | auto: Gemini placement of ZeRO-3 chunks
     offload_budget: str | None = None  # device budget of --offload auto (default: what is free)
+    nvme_dir: str | None = None    # files of --offload nvme (default: a new temporary directory)
     schedule: str = "1f1b"         # pipeline schedule with a pipe axis: gpipe | 1f1b | interleaved | zb-h1
     microbatches: int = 4          # micro-batches per step with a pipe axis
     chunks: int = 2                # virtual stages per rank for --schedule interleaved
@@ -79,9 +80,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=d.zero,
                    help="ZeRO stage over the data axis of --mesh (1: optimizer state, 2: + gradients, 3: + params)")
     p.add_argument("--offload", choices=["none", "host", "nvme", "auto"], default=d.offload,
-                   help="Gemini placement of ZeRO-3 chunks (needs --zero 3)")
+                   help="where ZeRO-3's params and optimizer state live: host RAM (host; auto keeps "
+                        "chunks on the device within --offload-budget) or files (nvme); needs --zero 3")
     p.add_argument("--offload-budget", default=d.offload_budget,
                    help="device memory budget of --offload auto, e.g. 64MiB")
+    p.add_argument("--nvme-dir", default=d.nvme_dir,
+                   help="directory for --offload nvme's files (default: a new temporary directory)")
     p.add_argument("--schedule", default=d.schedule, choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
                    help="pipeline schedule when --mesh has a pipe axis")
     p.add_argument("--microbatches", type=int, default=d.microbatches,

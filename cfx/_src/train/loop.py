@@ -24,7 +24,7 @@ from cfx._src.train.config import TrainConfig
 from cfx._src.models.sample import sample_bytes
 from cfx._src.plan.config import AXES
 from cfx._src.plan.plan import Plan
-from cfx._src.plan.program import remat_blocks
+from cfx._src.plan.build import remat_blocks
 from cfx._src.train.step import scaled_loss_grad
 
 
@@ -176,7 +176,7 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         saved = lambda state: {"params": state[0], "opt_state": state[1]}  # noqa: E731
     else:
         mesh = stack.enter_context(plan.make_mesh())
-        program = plan.step(model, tx, mesh=mesh, grad_clip=cfg.grad_clip)
+        program = plan.step(model, tx, mesh=mesh, grad_clip=cfg.grad_clip, nvme_dir=cfg.nvme_dir)
         # params and optimizer state live as ShardedArrays: each process builds only its blocks
         state = program.init(k_init)
         if cfg.resume:  # the saved optimizer state is this plan's, as global tensors

@@ -15,9 +15,7 @@ elements, default twice the largest layer shard, is ``engine.chunk_search``): th
 placement, fetch/evict and optimizer step; grads and optimizer state are chunked alike.
 ``backward(fn)`` runs ``fn`` on a params tree whose leaves point at the chunks: each gathered
 layer asks for its group's shard (an *access* of its chunk), which applies the policy's evictions
-and fetches (``auto``: its plan, prefetches at their planned accesses, 0.1% of the budget held
-back), then gathers that slice
-of the chunk; the backward's reduce-scatter adds the gradient shard into the chunk's gradient
+and fetches (``gemini.placer``), then gathers that slice of the chunk; the backward's reduce-scatter adds the gradient shard into the chunk's gradient
 (accumulated over calls: micro-batches). ``update()`` runs ``tx`` chunk by chunk where the
 optimizer state lives, with the ``ghost`` leaf of ``optimizer`` (global norm, inf/nan across
 ranks) per chunk. Each group's tensor state follows ``cfx.gemini.states``' checked transitions.
@@ -28,12 +26,12 @@ that of ``cfx.zero(tx, stage=3)`` on fp32 params, whatever the policy.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 
 import torch
 
 from cfx._src import memory, tree as tree_util
+from cfx._src.gemini.placer import Placer
 from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, WarmupRecord
 from cfx._src.gemini.states import TensorState as S, transition
 from cfx._src.gemini.store import make_stores
@@ -43,7 +41,6 @@ from cfx._src.zero.flat import GroupLayout
 from cfx._src.zero.offload import ChunkRef, Offload, gather_groups
 from cfx._src.zero.optimizer import chunk_ghosts
 from cfx._src.zero.params import ShardedLeaf, ZeroParams, check_axis_size
-from cfx._src.zero.warmup import Recorder
 
 
 class GeminiEngine:
@@ -77,12 +74,10 @@ class GeminiEngine:
         self.stores = make_stores(nvme_dir=nvme)
         self.refs = [ChunkRef(self, g) for g in range(len(self.groups))]
         self.states = {g: S.FREE for g in range(len(self.groups))}  # per group (layer)
-        self.resident: set[int] = set()  # chunks on the device
+        self.placer = Placer(offload.policy, self.chunk_bytes, fetch=self._fetch, evict=self._evict)
         self.traffic: collections.Counter = collections.Counter()  # bytes by "src->dst"
-        self.record: WarmupRecord | None = None
         self.anchor: torch.Tensor | None = None
-        self._position, self._recorder, self._inner_defs = 0, None, {}
-        self._plan = None  # auto: per access, (the chunks on the device before it, its step)
+        self._inner_defs = {}
         pieces = [x for _, x in items]
         with torch.no_grad():
             shards = [torch.cat([pieces[i].detach().reshape(-1) for i in g]) for g in self.groups]
@@ -96,7 +91,17 @@ class GeminiEngine:
             del shards
         if isinstance(offload.policy, DevicePolicy):
             for c in range(self.chunks.n_chunks):
-                self._fetch(c)
+                self.placer.fetch(c)
+
+    @property
+    def record(self) -> WarmupRecord | None:
+        """``auto``'s warm-up measurement (None before the first step)."""
+        return self.placer.record
+
+    @property
+    def resident(self) -> set[int]:
+        """The chunks on the device."""
+        return self.placer.resident
 
     # -- stores --------------------------------------------------------------------------------
     def _put(self, tier, key, x, kind):
@@ -133,49 +138,15 @@ class GeminiEngine:
         return self.chunks.view(self.stores["device"].get(key), g)
 
     def _fetch(self, c) -> None:
-        if c in self.resident or self.cfg.param_home == "device":
-            self.resident.add(c)
+        if self.cfg.param_home == "device":
             return
-        home = self.cfg.param_home
-        x = self._get(home, ("param", c))
+        x = self._get(self.cfg.param_home, ("param", c))
         self._put("device", ("copy", c), x, "chunk")
         self.traffic["host->device"] += self.chunk_bytes[c]
-        self.resident.add(c)
 
     def _evict(self, c) -> None:
-        if self.cfg.param_home != "device" and c in self.resident:
+        if self.cfg.param_home != "device":
             self.stores["device"].delete(("copy", c))  # a clean cache copy: nothing to write back
-        self.resident.discard(c)
-
-    def _auto_step(self, t: int):
-        """Access ``t``'s planned step (prefetches included); re-planned from ``t`` when the resident
-        chunks are not the plan's (the first step after the warm-up, a micro-batch, ...)."""
-        planned = self._plan[t] if self._plan else None
-        if planned is None or planned[0] != frozenset(self.resident):
-            self._plan = [None] * t + self.cfg.policy.plan_from(self.record, t, sorted(self.resident),
-                                                                 reserve=self._reserve())
-        return self._plan[t][1]
-
-    def _reserve(self) -> int:
-        """0.1% of the budget, left out of the plan: for what the warm-up cannot see (losses kept)."""
-        return self.cfg.policy.device_budget_bytes // 1000
-
-    def _place(self, c: int) -> None:
-        """The policy's moves before access ``self._position`` (which needs chunk ``c``)."""
-        t, policy, rec = self._position, self.cfg.policy, self.record
-        if isinstance(policy, DevicePolicy):
-            evict, fetch = (), (c,)
-        elif isinstance(policy, AutoPolicy) and rec is not None and t < len(rec.accesses) \
-                and rec.accesses[t] == (c,):
-            step = self._auto_step(t)
-            evict, fetch = step.evict, step.fetch
-        else:  # host, the warm-up step, or an access pattern the warm-up did not see
-            evict, fetch = tuple(self.resident - {c}), (c,)
-        for e in evict:
-            self._evict(e)
-        for f in fetch:
-            self._fetch(f)
-        self._fetch(c)
 
     # -- called by the gathered layers (through ChunkSource) ------------------------------------
     def check_layout(self, g, layout: GroupLayout, axis: str) -> None:
@@ -191,13 +162,7 @@ class GeminiEngine:
 
     def acquire(self, g: int, *, backward: bool) -> torch.Tensor:
         """Group ``g``'s shard on the device, after the policy's moves for this access of its chunk."""
-        c = self.chunks.chunk_of[g]
-        if self._recorder is not None:
-            self._recorder.end_access()
-        self._place(c)
-        if self._recorder is not None:
-            self._recorder.begin_access(c, sum(self.chunk_bytes[r] for r in self.resident))
-        self._position += 1
+        self.placer.access(self.chunks.chunk_of[g])
         if backward and self.states[g] is S.HOLD_AFTER_FWD:
             self._move(g, S.FREE)
         self._move(g, S.HOLD)
@@ -234,24 +199,13 @@ class GeminiEngine:
 
     def backward(self, fn, *args, **kwargs) -> torch.Tensor:
         """``fn(params_tree, *args, **kwargs)`` (a scalar loss) and its backward; accumulates grads."""
-        warm = isinstance(self.cfg.policy, AutoPolicy) and self.record is None
-        self._position, self.anchor = 0, torch.zeros((), requires_grad=True)
-        self._recorder = Recorder() if warm else None
+        self.anchor = torch.zeros((), requires_grad=True)
         try:
-            with (self._recorder.tracking() if warm else contextlib.nullcontext()):
+            with self.placer.step(agree=lambda v: lax.pmax(v, self.axis)):
                 loss = fn(self.tree(), *args, **kwargs)
                 torch.autograd.backward(loss, inputs=[self.anchor])
-                if warm:
-                    self._recorder.end_access()
         finally:
             self.anchor = None
-        if warm:
-            rec = self._recorder.record(self.chunk_bytes)
-            # the same record on every rank (frees are timed by the garbage collector): the max
-            worst = lax.pmax(torch.tensor(rec.non_model_bytes, dtype=torch.float64), self.axis)
-            self.record = WarmupRecord(rec.accesses, tuple(int(v) for v in worst.tolist()), rec.chunk_bytes)
-            self._recorder = None
-            self.cfg.policy.plan_from(self.record, 0, (), reserve=self._reserve())  # ValueError if B is too small
         return loss.detach()
 
     def update(self) -> None:
@@ -267,7 +221,7 @@ class GeminiEngine:
                     self.stores["device"].get(("copy", c)).copy_(self._get(self.cfg.param_home, ("param", c)))
                     self.traffic["host->device"] += self.chunk_bytes[c]
             else:
-                self._evict(c)
+                self.placer.evict(c)
 
     def _grad(self, c) -> torch.Tensor:
         key = ("grad", c)
@@ -314,7 +268,7 @@ class GeminiEngine:
         """Drop every chunk, gradient and optimizer state from the stores (NVMe files included)."""
         for store in self.stores.values():
             store.clear()
-        self.resident.clear()
+        self.placer.resident.clear()
 
     def inner_state(self, c: int = 0):
         """The optimizer state of chunk ``c`` (e.g. to read a loss scale: every chunk's is the same)."""

@@ -225,7 +225,7 @@ class Gathered:
                              "made one way.")
         first = own[0][1]
         if first.source is not None:
-            return first.source.for_layout(layout, self.axis)
+            return first.source.for_layout(layout, self.axis, [x.piece for _, x in own])
         for (path, x), k in zip(own, layout.pieces):
             if x.n != n or x.piece.numel() != k:
                 raise ValueError(f"cfx.zero.gathered: param {path!r} was sharded over {x.n} ranks "

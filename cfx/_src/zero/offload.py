@@ -149,6 +149,7 @@ class ChunkRef:
         # keeps every chunk's tensors alive until the garbage collector happens to run
         self.engine, self.group = weakref.proxy(engine), group
 
-    def for_layout(self, layout, axis: str) -> ChunkSource:
+    def for_layout(self, layout, axis: str, pieces: list) -> ChunkSource:
+        del pieces  # None: the engine's chunks are the params
         self.engine.check_layout(self.group, layout, axis)
         return ChunkSource(self.engine, self.group, layout, axis)

@@ -67,10 +67,10 @@ class Plan:
     total_axes: tuple[tuple[str, ...], ...] = ()  # per leaf: + axes where other ranks hold other leaves
 
 
-def _watch(tree: Any, kind: str) -> None:
+def _watch(tree: Any, kind: str, tier: str) -> None:
     for x in tree_util.leaves(tree):
         if isinstance(x, torch.Tensor):
-            memory.watch(x, tier="device", kind=kind)
+            memory.watch(x, tier=tier, kind=kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,7 @@ class ZeroTransformation:
     param_specs: Any = None
     bucket_numel: int = 1 << 22
     owner_axes: Any = None  # per params leaf: axes over which other ranks hold *other* leaves there
+    tier: str = "device"    # where cfx.memory books its params, grads and state (host: offloaded)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -158,8 +159,8 @@ class ZeroTransformation:
             inner = self.tx.init(_piece_tree(masters, plan))
         keep = tuple(m if dt != torch.float32 else None for m, (_, _, dt) in zip(masters, plan.groups))
         state = ZeroState(keep, inner)
-        _watch(params.pieces if isinstance(params, ZeroParams) else params, "param")
-        _watch(state, "optim")
+        _watch(params.pieces if isinstance(params, ZeroParams) else params, "param", self.tier)
+        _watch(state, "optim", self.tier)
         return state
 
     def update(self, grads: Any, state: ZeroState, params: Any) -> tuple[Any, ZeroState]:
@@ -182,7 +183,7 @@ class ZeroTransformation:
             new_master = tuple(None if m is None else masters[g] + us[g] for g, m in enumerate(state.master))
             updates = self._expand(us, new_master, plan, leaves, params)
         new_state = ZeroState(new_master, inner)
-        _watch(new_state, "optim")
+        _watch(new_state, "optim", self.tier)
         return updates, new_state
 
     def _sharded(self, plan: Plan):
@@ -272,14 +273,14 @@ class ZeroTransformation:
 
         @functools.wraps(fun)
         def wrapped(params, *args, **kwargs):
-            _watch(params.pieces if isinstance(params, ZeroParams) else params, "param")
+            _watch(params.pieces if isinstance(params, ZeroParams) else params, "param", self.tier)
             if self.stage == 2:
                 from cfx._src.zero.buckets import bucketed_value_and_grad
                 out, grads = bucketed_value_and_grad(fun, self.plan(params), self.axis, params, args,
                                                      kwargs, has_aux=has_aux)
             else:
                 out, grads = _value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
-            _watch(grads, "grad")
+            _watch(grads, "grad", self.tier)
             return out, grads
 
         return wrapped

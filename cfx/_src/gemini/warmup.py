@@ -1,6 +1,6 @@
 """The warm-up measurement behind ``auto`` placement: non-model device bytes per chunk access.
 
-During the first step the engine tracks device memory with ``cfx.memory`` (op outputs included,
+During the first step the ``Placer`` tracks device memory with ``cfx.memory`` (op outputs included,
 ``track_ops``) and marks each chunk access. Access ``t`` spans from its placement to the next
 access; its *non-model* bytes are the highest device bytes live in that span minus the chunk
 bytes resident during it (fixed within the span: chunks move only at access boundaries). So

@@ -1,0 +1,147 @@
+"""What a ``Program`` is built from, each decided by the plan alone: the model each rank runs
+(tensor parallel, ZeRO-3 gathered, checkpointed), the pipeline schedule, the optimizer over the
+stored layout, the offload placement, and the checks of the model against the plan (``check_model``,
+run before any rank starts). ``eval_on_rank`` / ``per_rank_specs`` run code on shapes in a rank's
+context, for specs and ``Plan.describe``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from cfx._src import amp
+from cfx._src import tree as tree_util
+from cfx._src.gemini.policy import auto as auto_policy, host as host_policy
+from cfx._src.mesh.context import Group, RankContext, installed
+from cfx._src.mesh.spec import P
+from cfx._src.models.parts import parts_of
+from cfx._src.optim.base import chain
+from cfx._src.optim.clipping import clip_by_global_norm
+from cfx._src.parallel.megatron import tensor_parallel
+from cfx._src.parallel.state import state_specs
+from cfx._src.pipeline import schedule as schedules
+from cfx._src.plan.layout import Layout, stored_order
+from cfx._src.remat import policies as cp
+from cfx._src.remat import remat
+from cfx._src.shapes import eval_shape
+from cfx._src.zero.gathered import gathered
+from cfx._src.zero.optimizer import ZeroTransformation
+from cfx._src.zero.placed import Placement
+
+
+def remat_blocks(model: Any, mode: str) -> Any:
+    """``model`` with every block under ``cfx.remat``: ``blocks`` keeps only each block's input,
+    ``dots`` also its matmul outputs; ``none`` returns the model."""
+    if mode == "none":
+        return model
+    policy = {"blocks": cp.nothing_saveable, "dots": cp.dots_saveable}[mode]
+    return model.map_blocks(lambda b: remat(b, policy=policy))
+
+
+def wrap_blocks(plan, model: Any, remat_mode: str) -> Any:
+    """Steps 1-3 of the module doc: the tensor-parallel model whose blocks are gathered (ZeRO-3)
+    and checkpointed (``remat_mode``)."""
+    local = tensor_parallel(model, "model") if plan.has("model") else model
+    if plan.zero == 3:
+        local = local.map_blocks(lambda b: gathered(b, axis="data"))
+    return remat_blocks(local, remat_mode)
+
+
+def gathered_model(plan, model: Any) -> Any:
+    """The model a rank runs (without remat): ZeRO-3 also gathers what is left of it."""
+    local = wrap_blocks(plan, model, "none")
+    return gathered(local, axis="data") if plan.zero == 3 else local
+
+
+def make_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> schedules.Schedule:
+    """The pipeline schedule named ``name`` for ``pipe`` ranks."""
+    if name == "gpipe":
+        return schedules.gpipe(pipe, microbatches)
+    if name == "1f1b":
+        return schedules.one_f_one_b(pipe, microbatches)
+    if name == "interleaved":
+        return schedules.interleaved_1f1b(pipe, microbatches, chunks)
+    if name == "zb-h1":
+        return schedules.zb_h1(pipe, microbatches)
+    raise ValueError(f"schedule {name!r}: expected gpipe, 1f1b, interleaved or zb-h1.")
+
+
+def make_optimizer(plan, tx, layout: Layout, mesh, *, grad_clip: float = 0.0) -> tuple[Any, Any]:
+    """``(the optimizer a step runs, its state's specs)``: ``tx`` itself over the stored layout,
+    or wrapped in ZeRO 1/2 over it, or ZeRO-3 over each rank's view of the model's tree."""
+    if grad_clip > 0:  # the global norm over every shard: cfx.optim.sharded, or ZeRO's ghost leaf
+        tx = chain(clip_by_global_norm(grad_clip), tx)
+    if plan.zero and layout.opt_on_local:  # ZeRO over each rank's view: its blocks, its pieces
+        split, total = layout.norm_axes()
+        opt = ZeroTransformation(tx, plan.zero, "data", layout.local_specs,
+                                 owner_axes=[t[len(s):] for s, t in zip(split, total)],
+                                 tier={"none": "device", "nvme": "nvme"}.get(plan.offload, "host"))
+        return opt, per_rank_specs(mesh, opt.init, layout.local_abstract())
+    if plan.zero:
+        opt = ZeroTransformation(tx, plan.zero, "data", layout.specs)
+        return opt, opt.state_specs(layout.shapes, mesh=mesh)
+    if layout.opt_on_local:  # pipe stages: each rank's state for its own blocks, one by one
+        return tx, per_rank_specs(mesh, tx.init, layout.local_abstract())
+    return tx, state_specs(eval_shape(tx.init, layout.shapes), layout.shapes, layout.specs)
+
+
+def make_placement(plan, local_model, layout: Layout, budget: int, *, home: str = "host") -> Placement:
+    """One rank's placement of its ZeRO-3 pieces for ``offload`` (``host`` and ``nvme``: a chunk at
+    a time; ``auto`` within ``budget`` device bytes); ValueError if the budget cannot hold one chunk."""
+    policy = auto_policy(budget) if plan.offload == "auto" else host_policy()
+    return Placement(local_model, layout.local_abstract(), policy, home=home,
+                     dtype=amp.policy(plan.precision).compute_dtype, where=f"Plan {str(plan)!r}")
+
+
+def check_model(plan, model) -> None:
+    """What the plan needs of the model, checked without a mesh: ValueErrors naming the two parts
+    that do not fit and the fix."""
+    where = f"Plan {str(plan)!r}"
+    if plan.has("model"):
+        n = plan.size("model")
+        for block in tensor_parallel(model, "model").blocks:
+            block.check(n)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is not None and vocab % n:
+            raise ValueError(f"{where}: the vocabulary of {vocab} does not split over model={n} (vocab-parallel "
+                             "embedding and loss); use a model axis size dividing it, or pad the vocabulary.")
+    if plan.has("pipe"):
+        parts_of(model, f"{where} (pipe axis)")
+        if getattr(getattr(model, "config", None), "dropout", 0.0) > 0:
+            raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
+        stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
+        make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
+
+
+def check_mesh(plan, mesh) -> None:
+    if dict(mesh.shape) != plan.mesh_shape:
+        raise ValueError(f"Plan {str(plan)!r}: the mesh {mesh!r} is not the plan's {plan.mesh_shape}; open "
+                         "it with plan.make_mesh().")
+
+
+def free_device_bytes(mesh) -> int:
+    """offload=auto without a budget: the device memory free now, shared by this process's ranks."""
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    else:  # a CPU-only machine: the device is host memory
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, free // len(mesh.local_ranks))
+
+
+def eval_on_rank(mesh, fn, *args) -> Any:
+    """``eval_shape(fn, *args)`` in rank 0's context: axis sizes and indices, no process groups
+    (a collective would raise), no allocation. ``mesh`` may be an ``AbstractMesh``."""
+    coords = mesh.coords(0)
+    ctx = RankContext(mesh, 0, coords, lambda axes: Group(axes, mesh.axes_size(axes), mesh.index_in(axes, coords), None))
+    with installed(ctx):
+        return eval_shape(fn, *args)
+
+
+def per_rank_specs(mesh, fn, *args) -> Any:
+    """Specs for what ``fn(*args)`` returns on each rank when every rank's result has the same
+    shapes but its own values (ZeRO's flat state): 1-D and larger leaves split over all of the
+    mesh's axes, scalars replicated."""
+    every = tuple(mesh.axis_names)
+    return tree_util.map(lambda x: P(every) if len(x.shape) else P(), eval_on_rank(mesh, fn, *args))
