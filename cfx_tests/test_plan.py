@@ -264,3 +264,29 @@ def test_fp16_loss_scaling_skips_together_across_model_and_pipe():
     assert int(scale.skipped) >= 1  # 2**40 overflows fp16: the first steps are skipped ...
     assert float(scale.scale) == 2.0 ** 40 * 0.5 ** int(scale.skipped)  # ... by every rank alike
     assert torch.isfinite(losses).all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text", ["data=2,model=2 zero=1", "pipe=2,data=2 zero=3 microbatches=2",
+                                  "pipe=2,data=2,model=2 zero=2 remat=blocks schedule=zb-h1 microbatches=2"])
+def test_describe_rehearses_the_step_collectives_and_activations_on_shapes(text):
+    plan, model = Plan.parse(text), MODELS["gpt2"]
+    described = plan.describe(model, batch=(B, T))  # every rank's step on fake tensors, nothing sent
+    x, y = data(1)[0]
+    with plan.make_mesh() as mesh:
+        step = plan.step(model, cfx.optim.adamw(1e-3), mesh=mesh)
+        state, _ = step(step.init(cfx.random.key(0)), (x, y))
+        with cfx.comm_stats() as stats, cfx.memory.track(ops=True) as mem:
+            step(state, (x, y))
+    measured: dict = {}
+    for r in range(mesh.size):
+        per: dict = {}
+        for rec in stats.select(rank=r):
+            key = (".".join(rec.axes), "backward" if rec.backward else "forward")
+            per[key] = per.get(key, 0) + rec.nbytes
+        for (axes, phase), b in per.items():
+            measured.setdefault(axes, {})[phase] = max(measured.get(axes, {}).get(phase, 0), b)
+    assert described.collectives == measured  # the step's own code, byte for byte
+    peak = max(mem.peak_by_kind("device", rank=r)["activation"] for r in range(mesh.size))
+    assert 0.8 <= described.bytes["activations"] / peak <= 1.25, (described.bytes["activations"], peak)
+    assert "collectives over" in str(described)

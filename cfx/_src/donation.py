@@ -19,7 +19,7 @@ _donated: contextvars.ContextVar[frozenset] = contextvars.ContextVar("cfx_donate
 
 
 def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    return t.untyped_storage()._cdata  # the storage itself (a fake tensor's has no address)
 
 
 @contextlib.contextmanager

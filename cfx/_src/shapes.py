@@ -6,7 +6,7 @@ import math
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 from cfx._src import tree as tree_util
 
@@ -58,6 +58,11 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             return x
         out = fn(*tree_util.map(fake, args), **tree_util.map(fake, kwargs))
     return tree_util.map(lambda x: ShapeDtype(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x, out)
+
+
+def is_abstract(t: Any) -> bool:
+    """True for a tensor without values (fake or meta): checks of its values do not apply."""
+    return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
 
 
 def _is_array(x: Any) -> bool:

@@ -26,6 +26,7 @@ import torch
 
 from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, WarmupRecord
 from cfx._src.gemini.warmup import Recorder
+from cfx._src.shapes import is_abstract
 
 
 class Placer:
@@ -65,6 +66,8 @@ class Placer:
             if warm:
                 rec = self._recorder.record(self.chunk_bytes)
                 worst = agree(torch.tensor(rec.non_model_bytes, dtype=torch.int64))
+                if is_abstract(worst):  # a shape-only run (Plan.describe) measures nothing
+                    return
                 self.record = WarmupRecord(rec.accesses, tuple(int(v) for v in worst.tolist()), rec.chunk_bytes)
                 self.policy.plan_from(self.record, 0, (), reserve=self.reserve)  # ValueError if too small
         finally:

@@ -11,6 +11,7 @@ from cfx._src import tree as tree_util
 from cfx._src.lax.collectives import pvary
 from cfx._src.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_embed
 from cfx._src.quant import quantized_as_leaves
+from cfx._src.shapes import is_abstract
 from cfx_kernels.cross_entropy import cross_entropy as _cross_entropy
 
 IGNORE_INDEX = -100
@@ -62,7 +63,10 @@ def check_inputs(where: str, tokens: Any, mask: Any, *, vocab_size: int, max_len
     if T > max_len:
         raise ValueError(f"{where}: sequence length {T} exceeds {max_len_name}={max_len}. Crop the "
                          f"sequence, or build the model with {max_len_name}>={T}.")
-    lo, hi = (int(v) for v in torch.aminmax(tokens))  # one reduction: cheap next to the forward
+    if is_abstract(tokens):  # a shape-only run: no ids to check
+        lo, hi = 0, 0
+    else:
+        lo, hi = (int(v) for v in torch.aminmax(tokens))  # one reduction: cheap next to the forward
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{where}: token ids must lie in [0, vocab_size={vocab_size}), got ids in "
                          f"[{lo}, {hi}].")
@@ -80,6 +84,8 @@ def check_targets(where: str, tokens: torch.Tensor, targets: Any, *, vocab_size:
         raise ValueError(f"{where}: targets shape {tuple(targets.shape)} differs from tokens shape "
                          f"{tuple(tokens.shape)}; targets[b, t] is the token that should follow "
                          "tokens[b, t] (use -100 to ignore a position).")
+    if is_abstract(targets):  # a shape-only run: no ids to check
+        return
     valid = targets[targets != IGNORE_INDEX]
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
         raise ValueError(f"{where}: target ids must lie in [0, vocab_size={vocab_size}) or be -100, "

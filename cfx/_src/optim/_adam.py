@@ -24,6 +24,7 @@ import torch
 
 from cfx._src import donation
 from cfx._src.optim import _util
+from cfx._src.shapes import is_abstract
 
 
 class AdamOut(NamedTuple):
@@ -47,6 +48,12 @@ def adam_sweep(gs: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], nus: Seq
                     flags, neg_lr)
 
 
+def _per(xs: list, t: Any) -> Any:
+    """A 0-d tensor operand of a foreach op; per tensor when it has no value (a shape-only run,
+    whose fake tensors cannot take the one-scalar form without reading it)."""
+    return [t] * len(xs) if is_abstract(t) else t
+
+
 def _foreach(gs, mus, nus, ps, b1, b2, scale, eps_t, l2, decay, flags, neg_lr) -> AdamOut:
     if not gs:
         return AdamOut([], [], [])
@@ -67,21 +74,21 @@ def _foreach(gs, mus, nus, ps, b1, b2, scale, eps_t, l2, decay, flags, neg_lr) -
         denom = gs
         torch._foreach_copy_(denom, nu)
         torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps_t)
+        torch._foreach_add_(denom, _per(denom, eps_t))
         for m, d in zip(mu, denom):
             torch.div(m, d, out=d)
         u = denom
     else:
         denom = torch._foreach_sqrt(nu)
-        torch._foreach_add_(denom, eps_t)
+        torch._foreach_add_(denom, _per(denom, eps_t))
         u = torch._foreach_div(mu, denom)
     del denom
-    torch._foreach_mul_(u, scale)
+    torch._foreach_mul_(u, _per(u, scale))
     idx = [i for i, f in enumerate(flags) if f]
     if idx:
         torch._foreach_add_([u[i] for i in idx], [ps[i] for i in idx], alpha=decay)
     if neg_lr is not None:
-        torch._foreach_mul_(u, neg_lr)
+        torch._foreach_mul_(u, _per(u, neg_lr))
     return AdamOut(mu, nu, u)
 
 

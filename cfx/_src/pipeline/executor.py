@@ -39,6 +39,7 @@ on every rank before any message.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -58,6 +59,7 @@ from cfx._src.pipeline.backward import SplitBackward, full_backward
 from cfx._src.pipeline.partition import ModelParts, StagePlan, model_parts, partition
 from cfx._src.pipeline.schedule import Schedule
 from cfx._src.pipeline.validate import validate
+from cfx._src.shapes import is_abstract
 from cfx._src.zero.params import ShardedLeaf
 
 WHERE = "cfx.pipeline"
@@ -159,7 +161,8 @@ class _Run:
         sched, plan = step.schedule, step.plan
         m = sched.n_microbatches
         self.tokens, self.targets = tokens.chunk(m), targets.chunk(m)  # m x (b, T)
-        self.valid = [int((t != IGNORE_INDEX).sum()) for t in self.targets]
+        self.valid = [t.numel() if is_abstract(t) else int((t != IGNORE_INDEX).sum())  # shape-only: all count
+                      for t in self.targets]
         total = max(sum(self.valid), 1)
         self.weights = [v / total for v in self.valid]  # microbatch shares of the mean loss
         w = _grad_leaf(tree_util.leaves(params)[0])
@@ -179,6 +182,7 @@ class _Run:
         self.tracked = bool(memory._active.get())
         self.param_storages = {_grad_leaf(t).untyped_storage()._cdata for t in tree_util.leaves(params)}
         self.acc: dict[int, torch.Tensor] = {}    # id(leaf) -> accumulated gradient
+        self.owned: set[int] = set()              # the ids whose sum this run may add into
         self.inputs: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> stage input
         self.outputs: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> output to send
         self.out_grads: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> gradient of its output
@@ -265,10 +269,22 @@ class _Run:
             self.in_grads[s, mb] = gx
 
     def _accumulate(self, s: int, grads: list) -> None:
+        """Add a backward's param grads into the step's sums: in place where the sum is a tensor
+        nothing else holds (no second gradient of a microbatch alive beside the sum)."""
+        shared = collections.Counter(g.untyped_storage()._cdata for g in grads if g is not None)
         for leaf, g in zip(self.stage_leaves[s], grads):
-            if g is not None:
-                k = id(leaf)
-                self.acc[k] = self.acc[k] + g if k in self.acc else g
+            if g is None:
+                continue
+            k = id(leaf)
+            if k not in self.acc:
+                self.acc[k] = g
+                if g._base is None and shared[g.untyped_storage()._cdata] == 1:
+                    self.owned.add(k)  # a fresh tensor of its own: safe to add into
+            elif k in self.owned:
+                self.acc[k].add_(g)
+            else:
+                self.acc[k] = self.acc[k] + g
+                self.owned.add(k)
 
     def _B(self, s: int, mb: int, peer) -> None:
         root, grad, x = self._backward_inputs(s, mb)

@@ -122,7 +122,10 @@ def check_mesh(plan, mesh) -> None:
 
 
 def free_device_bytes(mesh) -> int:
-    """offload=auto without a budget: the device memory free now, shared by this process's ranks."""
+    """offload=auto without a budget: the device memory free now, shared by this process's ranks
+    (no bound on an ``AbstractMesh``: nothing runs there)."""
+    if mesh.backend is None:
+        return 1 << 62
     if torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]
     else:  # a CPU-only machine: the device is host memory

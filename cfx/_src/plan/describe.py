@@ -11,12 +11,16 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
+
 from cfx._src import tree as tree_util
 from cfx._src.layout import block_shape
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import is_spec
 from cfx._src.optim.alias import adamw
 from cfx._src.plan.layout import Layout
+from cfx._src.plan.program import Program
+from cfx._src.plan.rehearse import rehearse
 from cfx._src.plan.build import check_model, eval_on_rank, gathered_model, make_optimizer, make_placement
 from cfx._src.shapes import ShapeDtype
 from cfx._src.table import format_table
@@ -31,6 +35,10 @@ class Description:
     n_params: int
     bytes: dict[str, int]
     tiers: dict[str, str]  # per kind: device or host
+    # with a batch: per mesh axes ("data", "model", "data.model", ...) and phase ("forward", which
+    # includes the optimizer's, or "backward"), the payload bytes one rank hands to collectives in a
+    # step (the most of any rank)
+    collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def model_state(self) -> int:
@@ -43,13 +51,21 @@ class Description:
         return out + [("model state (params + grads + optimizer)", "/".join(sorted(state)), f"{self.model_state:,}")]
 
     def __str__(self) -> str:
-        return str(format_table(self.rows(), [f"per rank: {self.plan}", "tier", "bytes"]))
+        out = str(format_table(self.rows(), [f"per rank: {self.plan}", "tier", "bytes"]))
+        if self.collectives:
+            rows = [(axes, phase, f"{b:,}") for axes, by in sorted(self.collectives.items())
+                    for phase, b in sorted(by.items())]
+            out += "\n\n" + str(format_table(rows, ["collectives over", "phase", "bytes per rank and step"]))
+        return out
 
 
-def describe(plan, model: Any, tx: Any = None) -> Description:
+def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None = None) -> Description:
     """Per-rank bytes of params, grads, optimizer state, (ZeRO-3) one gathered block and (offload)
     the chunk copies on the device at once (``host``: one; ``auto``: at most the budget), with
-    the tier each lives on; ``tx`` defaults to AdamW. Raises the ValueErrors ``plan.check(model)`` raises."""
+    the tier each lives on; ``tx`` defaults to AdamW. With ``batch=(rows, seq)`` (a global batch)
+    every rank's step is also rehearsed on shapes (``rehearse``): the peak bytes of its
+    activations (op outputs and saved tensors, gradients in flight included) and the collectives
+    it issues per axis and phase. Raises the ValueErrors ``plan.check(model)`` raises."""
     check_model(plan, model)
     mesh = AbstractMesh(plan.mesh_shape or {"data": 1})
     layout = Layout(plan, model, mesh)
@@ -79,7 +95,21 @@ def describe(plan, model: Any, tx: Any = None) -> Description:
     tiers = dict.fromkeys(out, "device")
     tiers.update(params=home, optimizer=home, grads="device" if home == "device" else "host")
     n_params = sum(math.prod(x.shape) for x in tree_util.leaves(layout.model_shapes))
-    return Description(str(plan), n_params, out, tiers)
+    collectives: dict[str, dict[str, int]] = {}
+    if batch is not None:
+        rows, seq = batch
+        plan.check_batch(rows)
+        program = Program(plan, model, tx if tx is not None else adamw(1e-3), mesh)
+        if plan.remat == "auto":
+            program._solve_remat(torch.zeros((rows, seq), dtype=torch.long), None)
+        runs = [rehearse(program, rows, seq, r) for r in range(mesh.size)]
+        out["activations"] = max(r.activations for r in runs)
+        tiers["activations"] = "device"
+        for r in runs:
+            for (axes, phase), b in r.sent().items():
+                by = collectives.setdefault(axes, {})
+                by[phase] = max(by.get(phase, 0), b)
+    return Description(str(plan), n_params, out, tiers, collectives)
 
 
 def _block_leaves(layout: Layout, i: int) -> list[ShapeDtype]:

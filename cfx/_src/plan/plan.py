@@ -45,10 +45,12 @@ class Plan(PlanConfig):
         the parts protocol under a pipe axis, ...). Needs no mesh."""
         check_model(self, model)
 
-    def describe(self, model: Any, tx: Any = None) -> Description:
-        """Per-rank bytes of params, grads, optimizer state (``tx``, default AdamW) and, under
-        ZeRO-3, one gathered block, computed on shapes before anything runs (``print`` it)."""
-        return describe(self, model, tx)
+    def describe(self, model: Any, tx: Any = None, *, batch: tuple[int, int] | None = None) -> Description:
+        """Per-rank bytes by kind and tier -- params, grads, optimizer state (``tx``, default
+        AdamW), one gathered ZeRO-3 block, offload's device chunks and, given ``batch=(rows, seq)``,
+        activations -- and the collectives per axis and phase, computed on shapes before anything
+        runs (``print`` it)."""
+        return describe(self, model, tx, batch=batch)
 
     def step(self, model: Any, tx: Any, *, mesh: Mesh, grad_clip: float = 0.0,
              nvme_dir: str | None = None) -> Program:

@@ -116,12 +116,12 @@ class _RegatherHooks:
     """Saved-tensor hooks: tensors in ``full`` become ``_Ref``s; others go to the outer hooks."""
 
     def __init__(self, src: ShardSource, full: torch.Tensor):
-        self.src, self.ptr, self.device = src, full.untyped_storage().data_ptr(), full.device
+        self.src, self.ptr, self.device = src, full.untyped_storage()._cdata, full.device
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.ctx = None
 
     def pack(self, t: torch.Tensor):
-        if t.device == self.device and t.untyped_storage().data_ptr() == self.ptr:
+        if t.device == self.device and t.untyped_storage()._cdata == self.ptr:
             return _Ref(self.src, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
         return self.outer[0](t) if self.outer is not None else t
 

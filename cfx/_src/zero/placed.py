@@ -67,17 +67,18 @@ class Placement:
         self.placer = Placer(policy, self.chunk_bytes, fetch=self._fetch, evict=self._evict)
         self.traffic: collections.Counter = collections.Counter()  # bytes by "src->dst"
         self._pieces: list[torch.Tensor] | None = None
+        self._grads: dict[int, torch.Tensor] = {}  # this step's gradient of each piece, on the host
 
     @contextlib.contextmanager
     def step(self, local: ZeroParams, *, agree: Callable[[torch.Tensor], torch.Tensor]):
         """One step over this rank's pieces ``local``; every chunk copy is dropped at the end."""
-        self._pieces = tree_util.leaves(local.pieces)
+        self._pieces, self._grads = tree_util.leaves(local.pieces), {}
         try:
             with self.placer.step(agree=agree):
                 yield self
         finally:
             self.placer.evict_all()
-            self._pieces = None
+            self._pieces, self._grads = None, {}
 
     def tree(self, local: ZeroParams) -> Any:
         """``local``'s ``ShardedLeaf`` tree, each group's leaves served by this placement."""
@@ -92,8 +93,8 @@ class Placement:
     def leaf_indices(self, g: int, pieces: list[torch.Tensor]) -> list[int]:
         """Which of group ``g``'s leaves a gathered layer got (a pipeline stage's embedding or head
         gathers only the leaves it uses): matched by storage, as the pipeline re-wraps pieces."""
-        at = {(self._pieces[i].data_ptr(), self._pieces[i].numel()): i for i in self.groups[g]}
-        idx = [at.get((p.data_ptr(), p.numel())) for p in pieces]
+        at = {_where(self._pieces[i]): i for i in self.groups[g]}
+        idx = [at.get(_where(p)) for p in pieces]
         assert None not in idx, f"leaves outside group {g} of this placement"
         return idx
 
@@ -108,13 +109,24 @@ class Placement:
             return shard
         return torch.cat([shard[self.start[i]:self.start[i] + self._pieces[i].numel()] for i in idx])
 
-    def deliver(self, grad: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, ...]:
-        """A reduce-scattered gradient shard of leaves ``idx`` moved home, split into their pieces."""
-        with memory.ops_unwatched():  # booked as what it is: a gradient, on the host
-            out = grad.to(self._pieces[idx[0]].dtype, copy=True)
-        memory.watch(out, tier="host", kind="grad")
-        self.traffic["device->host"] += out.numel() * out.element_size()
-        return tuple(out.split([self._pieces[i].numel() for i in idx]))
+    def deliver(self, grad: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor | None, ...]:
+        """A reduce-scattered gradient shard of leaves ``idx`` moved home, as their pieces' grads.
+
+        The first gradient of a piece in a step is returned (a host tensor of its own); later ones
+        (more microbatches, a tied leaf's second use) are added into it in place and return None,
+        so the host holds one gradient per piece, never one per microbatch."""
+        out, dtype = [], self._pieces[idx[0]].dtype
+        with torch.no_grad(), memory.ops_unwatched():  # booked as what it is: a gradient, on the host
+            for i, g in zip(idx, grad.split([self._pieces[i].numel() for i in idx])):
+                self.traffic["device->host"] += g.numel() * g.element_size()
+                if i in self._grads:
+                    self._grads[i].add_(g.to(dtype))
+                    out.append(None)
+                    continue
+                self._grads[i] = g.to(dtype, copy=True)
+                memory.watch(self._grads[i], tier="host", kind="grad")
+                out.append(self._grads[i])
+        return tuple(out)
 
     # -- the placer's moves -----------------------------------------------------------------------
     def _fetch(self, c: int) -> None:
@@ -132,6 +144,11 @@ class Placement:
 
     def _evict(self, c: int) -> None:
         self.device.delete(c)  # a clean copy: the pieces at home are unchanged until the update
+
+
+def _where(t: torch.Tensor) -> tuple[int, int, int]:
+    """A piece's place: its storage, offset and size (the pipeline re-wraps pieces as new leaves)."""
+    return t.untyped_storage()._cdata, t.storage_offset(), t.numel()
 
 
 class _GroupRef:
