@@ -31,6 +31,7 @@ def run(text, model, *, track=False):
     ("llama", "data=2,model=2 zero=3 precision=bf16", "offload=auto:1MiB"),
     ("gpt2", "pipe=2,data=2 zero=3 microbatches=2", "offload=host"),
     ("gpt2", "data=2,model=2 zero=3", "offload=nvme"),
+    ("llama", "data=2,pipe=1 zero=3 schedule=interleaved chunks=2", "offload=host"),  # stages share a rank
     ("gpt2", "pipe=2,data=2,model=2 zero=3 schedule=zb-h1 microbatches=2 remat=blocks", "offload=auto:2MiB"),
 ])
 def test_offload_moves_bytes_not_numbers(name, text, offload):

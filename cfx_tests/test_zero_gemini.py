@@ -28,10 +28,11 @@ def functional(model, tx):
     return body
 
 
-def with_engine(model, tx, placement, *, micro=1, track=None):
+def with_engine(model, tx, placement, *, micro=1, track=None, several_chunks=False):
     def body(params, batches):
         engine = zero.GeminiEngine(model, zero.shard_params(params, axis="data"), tx, axis="data",
                                    offload=placement)
+        assert engine.chunks.n_chunks > 1 or not several_chunks  # the norm spans them
         losses = []
         for t in batches:
             loss = 0.0
@@ -66,6 +67,22 @@ def test_every_policy_gives_stage3_params_bit_for_bit(tmp_path):
             for a, b in zip(cfx.tree.leaves(got), cfx.tree.leaves(ref_params)):
                 assert torch.equal(a, b), name
     assert os.listdir(tmp_path / "nvme")  # the NVMe run did write chunk files
+
+
+@pytest.mark.timeout(120)
+def test_clipping_sees_every_chunk_of_every_rank():
+    # a clip far below the gradient norm: each chunk's update depends on the whole model's norm
+    model, batches = gathered_model(gpt2()), data(STEPS)
+    tx = cfx.optim.chain(cfx.optim.clip_by_global_norm(1e-3), cfx.optim.adamw(1e-3))
+    params = gpt2().init(cfx.random.key(0))
+    with cfx.Mesh({"data": 2}) as mesh:
+        ref_losses, ref_params = cfx.device_get(cfx.shard_map(functional(model, tx), mesh=mesh,
+                                               in_specs=(P(), P(None, "data")), out_specs=(P("data"), P()))(params, batches))
+        losses, got, _ = cfx.device_get(cfx.shard_map(with_engine(model, tx, zero.offload(cfx.gemini.host()), several_chunks=True),
+                                       mesh=mesh, in_specs=(P(), P(None, "data")),
+                                       out_specs=(P("data"), P(), P()))(params, batches))
+    torch.testing.assert_close(losses, ref_losses)
+    cfx.tree.assert_tree_close(got, ref_params)
 
 
 @pytest.mark.timeout(120)
@@ -174,3 +191,13 @@ def test_unwritable_nvme_dir_raises_before_training():
         zero.offload(cfx.gemini.host(), nvme_dir="/proc/cfx-no-such-dir/chunks")
     with pytest.raises(ValueError, match="policy must be"):
         zero.offload("auto")
+
+
+@pytest.mark.timeout(60)
+def test_per_leaf_norms_on_flat_chunks_are_refused():
+    model, batches = gathered_model(gpt2()), data(1)
+    params = gpt2().init(cfx.random.key(0))
+    with cfx.Mesh({"data": 2}) as mesh:
+        with pytest.raises(ValueError, match="per-leaf norms .* flat chunks.*cfx.parallel.Plan"):
+            cfx.shard_map(with_engine(model, cfx.optim.lamb(1e-3), zero.offload(cfx.gemini.host())), mesh=mesh,
+                          in_specs=(P(), P(None, "data")), out_specs=(P("data"), P(), P()))(params, batches)

@@ -98,4 +98,5 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     norms = torch.stack(_util.leaf_norms([leaves[i] for i in idx]))
     if not reduction.is_sharded():
         return torch.linalg.vector_norm(norms)
-    return reduction.leaf_sq_sums(norms.square(), idx, len(leaves), "cfx.optim.global_norm", total=True).sum().sqrt()
+    sq = reduction.leaf_sq_sums(norms.square(), idx, len(leaves), "cfx.optim.global_norm", total=True).sum()
+    return reduction.add_rest(sq).sqrt()

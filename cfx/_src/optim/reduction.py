@@ -12,6 +12,12 @@ counts once); ``total_axes[i]`` (default: the same) adds the axes over which *ot
 other leaves* in its place (a pipeline stage's blocks: ``pipe``), for the norm of the whole tree
 (clipping); ``every``: the axes over which an inf/nan anywhere must skip the step everywhere.
 Without the context everything is local, as on one device.
+
+A tree stepped in parts one after another (Gemini's chunks, streamed from host or NVMe) gives
+each part ``rest_sq``, the sum of squares of everything else in the whole tree (every part,
+every rank), and ``rest_bad``, its count of inf/nan: the whole-tree norm and the finiteness
+check then see the whole tree while the part alone is in memory. Where the parts are not the
+params' leaves (flat chunks), ``no_leaf_norms`` says so, and a per-leaf norm raises it.
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ class Sharding:
     total_axes: tuple[tuple[str, ...], ...]
     every: tuple[str, ...]
     psum: Callable[[torch.Tensor, tuple[str, ...]], torch.Tensor]
+    rest_sq: torch.Tensor | None = None   # the rest of the whole tree's sum of squares
+    rest_bad: torch.Tensor | None = None  # the rest of the whole tree's count of inf/nan
+    no_leaf_norms: str | None = None      # why the leaves seen are not the params' own (no per-leaf norms)
 
 
 _current: contextvars.ContextVar[Sharding | None] = contextvars.ContextVar("cfx_optim_sharding", default=None)
@@ -36,22 +45,12 @@ _current: contextvars.ContextVar[Sharding | None] = contextvars.ContextVar("cfx_
 
 @contextlib.contextmanager
 def sharded(leaf_axes: Sequence[Sequence[str]], *, every: Sequence[str], psum,
-            total_axes: Sequence[Sequence[str]] | None = None):
+            total_axes: Sequence[Sequence[str]] | None = None, rest_sq: torch.Tensor | None = None,
+            rest_bad: torch.Tensor | None = None, no_leaf_norms: str | None = None):
     """Norms and finiteness checks inside the block span the mesh (module doc)."""
     leaf = tuple(tuple(a) for a in leaf_axes)
     total = leaf if total_axes is None else tuple(tuple(a) for a in total_axes)
-    token = _current.set(Sharding(leaf, total, tuple(every), psum))
-    try:
-        yield
-    finally:
-        _current.reset(token)
-
-
-@contextlib.contextmanager
-def local():
-    """Norms and checks see only the tree given (a transformation that already accounts for the
-    rest of the mesh itself, like ZeRO's ghost leaf)."""
-    token = _current.set(None)
+    token = _current.set(Sharding(leaf, total, tuple(every), psum, rest_sq, rest_bad, no_leaf_norms))
     try:
         yield
     finally:
@@ -70,6 +69,9 @@ def leaf_sq_sums(sq: torch.Tensor, idx: Sequence[int], n_leaves: int, where: str
     s = _current.get()
     if s is None:
         return sq
+    if not total and s.no_leaf_norms:
+        raise ValueError(f"{where}: per-leaf norms (LAMB / LARS trust ratios) need the params' own leaves, "
+                         f"but {s.no_leaf_norms}.")
     if n_leaves != len(s.leaf_axes):
         raise ValueError(f"{where}: the tree has {n_leaves} leaves but the sharded step's params have "
                          f"{len(s.leaf_axes)}; norms across shards need a tree shaped like the params.")
@@ -86,6 +88,16 @@ def leaf_sq_sums(sq: torch.Tensor, idx: Sequence[int], n_leaves: int, where: str
 
 
 def count_everywhere(n: torch.Tensor) -> torch.Tensor:
-    """``n`` (a 0-d count, e.g. of inf/nan) summed over every axis of the sharded step."""
+    """``n`` (a 0-d count, e.g. of inf/nan) summed over every axis of the sharded step (and the
+    rest of a tree stepped in parts)."""
     s = _current.get()
-    return s.psum(n, s.every) if s is not None and s.every else n
+    if s is None:
+        return n
+    n = s.psum(n, s.every) if s.every else n
+    return n if s.rest_bad is None else n + s.rest_bad.to(n.dtype)
+
+
+def add_rest(sq: torch.Tensor) -> torch.Tensor:
+    """A whole-tree sum of squares ``sq`` plus the rest of a tree stepped in parts."""
+    s = _current.get()
+    return sq if s is None or s.rest_sq is None else sq + s.rest_sq.to(sq.dtype)

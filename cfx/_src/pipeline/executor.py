@@ -23,7 +23,8 @@ they are the full gradients on every pipe rank, equal to ``value_and_grad(model.
 rank's contribution - its stages' gradients, zeros elsewhere, the tied head's two halves on the
 first and the last stage's ranks - summed in one flat all-reduce over the axis (with the loss).
 With ``sum_grads=False`` you get the contributions themselves (``psum`` over the axis completes
-them) and save that all-reduce, e.g. to fuse it with your own reductions.
+them) and save that all-reduce, e.g. to fuse it with your own reductions. ``step.loss(params, tokens,
+targets)`` evaluates: only the schedule's forward actions and their messages, without grad.
 
 Composes with DP (``tree_pmean`` the grads over ``data``), Megatron TP (pass
 ``tensor_parallel(model)``; activations between stages are replicated over ``model``) and remat
@@ -55,7 +56,7 @@ from cfx._src.mesh import context as ctx_lib
 from cfx._src.models.common import IGNORE_INDEX, check_params
 from cfx._src.parallel.state import tree_psum
 from cfx._src.pipeline import trace as trace_lib
-from cfx._src.pipeline.backward import SplitBackward, full_backward
+from cfx._src.pipeline.backward import SplitBackward
 from cfx._src.pipeline.partition import ModelParts, StagePlan, model_parts, partition
 from cfx._src.pipeline.schedule import Schedule
 from cfx._src.pipeline.validate import validate
@@ -63,6 +64,7 @@ from cfx._src.shapes import is_abstract
 from cfx._src.zero.params import ShardedLeaf
 
 WHERE = "cfx.pipeline"
+FORWARD = ("F", "SEND_F", "RECV_F")  # what an evaluation runs of a schedule
 
 
 def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StagePlan | None = None,
@@ -124,6 +126,15 @@ class PipelineStep:
         run.execute(ctx)
         return run.results()
 
+    def loss(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The full-batch mean loss on every pipe rank, forward only: the schedule's F actions and
+        their messages, without grad (an evaluation; no backward, no activations kept)."""
+        ctx = self._check(params, tokens, targets)
+        with torch.no_grad():
+            run = _Run(self, params, tokens, targets, ctx.coords[self.axis], forward_only=True)
+            run.execute(ctx)
+        return lax.psum(run.loss, self.axis)
+
     def _check(self, params, tokens, targets) -> ctx_lib.RankContext:
         ctx = ctx_lib.current_or_none()
         p, m = self.schedule.n_ranks, self.schedule.n_microbatches
@@ -156,8 +167,8 @@ class PipelineStep:
 class _Run:
     """One step on one rank: the state that lives from a microbatch's F to its B / W."""
 
-    def __init__(self, step: PipelineStep, params, tokens, targets, rank: int):
-        self.step, self.params, self.rank = step, params, rank
+    def __init__(self, step: PipelineStep, params, tokens, targets, rank: int, *, forward_only: bool = False):
+        self.step, self.params, self.rank, self.forward_only = step, params, rank, forward_only
         sched, plan = step.schedule, step.plan
         m = sched.n_microbatches
         self.tokens, self.targets = tokens.chunk(m), targets.chunk(m)  # m x (b, T)
@@ -199,6 +210,8 @@ class _Run:
         collectors = trace_lib.active()
         events = []
         for a in step.schedule.actions[self.rank]:
+            if self.forward_only and a.kind not in FORWARD:
+                continue
             t0 = time.perf_counter()
             getattr(self, "_" + a.kind)(a.stage, a.microbatch, a.peer)
             events.append((a, t0, time.perf_counter()))
@@ -229,8 +242,11 @@ class _Run:
         if s > 0:
             x = self.inputs.pop((s, mb)).detach().requires_grad_(True)  # (b, T, C)
             memory.watch(x, tier="device", kind="activation")
+        # the stage's own top-level params only: a gathered (ZeRO-3) embedding or head then gathers,
+        # and hands gradients to, exactly the leaves this stage's backward asks for
+        own = {k: self.local[k] for k in step.plan.extras(s)}
         with saved_tensors_hooks(self._pack, _same) if self.tracked else contextlib.nullcontext():
-            h = step.parts.embed(self.local, self.tokens[mb]) if s == 0 else x  # (b, T, C)
+            h = step.parts.embed(own, self.tokens[mb]) if s == 0 else x  # (b, T, C)
             blocks = step.plan.blocks(s)
             if step.chain is not None:  # the stage's blocks as one checkpointed chain
                 h = step.chain.run([step.model.blocks[i].apply for i in blocks],
@@ -240,12 +256,14 @@ class _Run:
             if s == last and self.valid[mb] == 0:  # nothing to predict: a zero that still
                 h = h.float().sum() * 0.0              # routes (zero) gradients back
             elif s == last:
-                h = step.parts.head_loss(self.local, h, self.targets[mb]) * self.weights[mb]
+                h = step.parts.head_loss(own, h, self.targets[mb]) * self.weights[mb]
         if s == last:
             self.loss = self.loss + h.detach().float()
-            self.live[s, mb] = (h, x)
+            if not self.forward_only:
+                self.live[s, mb] = (h, x)
             return
-        self.live[s, mb] = (get_gradient_edge(h), x)
+        if not self.forward_only:
+            self.live[s, mb] = (get_gradient_edge(h), x)
         if step.schedule.stage_rank(s + 1) == self.rank:
             self.inputs[s + 1, mb] = h.detach()
         else:
@@ -288,8 +306,11 @@ class _Run:
 
     def _B(self, s: int, mb: int, peer) -> None:
         root, grad, x = self._backward_inputs(s, mb)
-        gx, grads = full_backward(root, grad, x, self.stage_leaves[s])
-        self._accumulate(s, grads)
+        # into the leaves' .grad: autograd adds each gradient in place as it arrives, so a stage's
+        # gradients for the next microbatch never sit beside the sum all at once
+        inputs = ([x] if x is not None else []) + self.stage_leaves[s]
+        torch.autograd.backward([root], [grad], inputs=inputs)
+        gx = None if x is None else x.grad
         self._hand_back(s, mb, gx)
 
     def _I(self, s: int, mb: int, peer) -> None:
@@ -324,8 +345,14 @@ class _Run:
 
     # -- results ----------------------------------------------------------------------------------
     def results(self) -> tuple[torch.Tensor, Any]:
+        def total(leaf):  # what B added into .grad, and what W summed
+            g, w = leaf.grad, self.acc.get(id(leaf))
+            if g is None:
+                return w if w is not None else torch.zeros_like(leaf)
+            return g if w is None else g + w
+
         def held(tree):
-            return tree_util.map(lambda t: self.acc.get(id(_grad_leaf(t)), _zeros(t)), tree)
+            return tree_util.map(lambda t: total(_grad_leaf(t)), tree)
 
         grads = {}
         for k, v in self.params.items():

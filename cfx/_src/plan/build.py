@@ -71,7 +71,7 @@ def make_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> sched
 def make_optimizer(plan, tx, layout: Layout, mesh, *, grad_clip: float = 0.0) -> tuple[Any, Any]:
     """``(the optimizer a step runs, its state's specs)``: ``tx`` itself over the stored layout,
     or wrapped in ZeRO 1/2 over it, or ZeRO-3 over each rank's view of the model's tree."""
-    if grad_clip > 0:  # the global norm over every shard: cfx.optim.sharded, or ZeRO's ghost leaf
+    if grad_clip > 0:  # the global norm over every shard (cfx.optim.sharded)
         tx = chain(clip_by_global_norm(grad_clip), tx)
     if plan.zero and layout.opt_on_local:  # ZeRO over each rank's view: its blocks, its pieces
         split, total = layout.norm_axes()

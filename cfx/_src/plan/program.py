@@ -83,8 +83,8 @@ class Program:
         if plan.has("pipe"):
             sched = make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
             self.pipe_step = pipeline(local, sched, local_blocks=True)
-        # 4-5. data parallelism and the optimizer, over the stored layout; under ZeRO the clip sees
-        # the global norm through ZeRO's ghost leaf, otherwise the step clips across the shards
+        # 4-5. data parallelism and the optimizer, over the stored layout; clipping sees the
+        # global norm across every shard through cfx.optim.sharded
         self.opt, self.state_specs = make_optimizer(plan, tx, layout, mesh, grad_clip=self.grad_clip)
         # offload: each rank's placement of its pieces (kept across steps: auto's warm-up record),
         # one built now on shapes so that a budget below one chunk fails before any rank runs
@@ -198,8 +198,8 @@ class Program:
         on = local if self.layout.opt_on_local else params  # what the optimizer steps
         if on is params:
             grads = self.layout.stack_local(grads)
-        # norms (clipping, LAMB/LARS) and the fp16 inf/nan check span every rank's part; ZeRO's
-        # ghost leaf does the same for its flat shards
+        # norms (clipping, LAMB/LARS) and the fp16 inf/nan check span every rank's part (ZeRO
+        # enters cfx.optim.sharded itself, with its flat shards' axes)
         with donation.donated(tree_util.leaves(grads)), self._sharded():  # spent grads: reusable
             updates, opt_state = self.opt.update(grads, opt_state, on)
         new = apply_updates(on, updates)
@@ -239,8 +239,8 @@ class Program:
     # -- eval and sampling, sharded like the step ------------------------------------------------
     def _eval_loss(self, params, tokens, targets):
         local = self.policy.cast_to_compute(self.layout.local_view(params))
-        if self.pipe_step is not None:  # the stages' own blocks: run the schedule, drop the grads
-            loss, _ = self.pipe_step(local.sharded_leaves() if self.layout.zero3 else local, tokens, targets)
+        if self.pipe_step is not None:  # the stages' own blocks: the schedule's forward half
+            loss = self.pipe_step.loss(local.sharded_leaves() if self.layout.zero3 else local, tokens, targets)
         else:
             with torch.no_grad():
                 loss = self.eval_model.loss(local, tokens, targets)

@@ -59,16 +59,18 @@ def pack_groups(numels: list[int], *, max_size: int | None = None) -> Chunking:
                     groups)
 
 
-def check_budget(chunking: Chunking, itemsize: int, n: int, budget: int, first_paths: list[str]) -> None:
-    """ValueError unless ``budget`` bytes hold every chunk with its largest gathered payload."""
+def check_budget(chunking: Chunking, itemsize: int, n: int, budget: int, first_paths: list[str], *,
+                 where: str = "GeminiEngine: auto placement", knob: str = "device_budget_bytes") -> None:
+    """ValueError unless ``budget`` bytes hold every chunk with its largest gathered payload;
+    the message starts with ``where`` and names ``knob`` as what to raise."""
     chunk_bytes = chunking.size * itemsize
     need = [chunk_bytes + max(chunking.numels[g] for g in gs) * itemsize * n for gs in chunking.groups]
     k = max(range(len(need)), key=need.__getitem__)
     if need[k] > budget:
         raise ValueError(
-            f"GeminiEngine: auto placement needs at least {need[k]} bytes of device memory for chunk {k} "
+            f"{where} needs at least {need[k]} bytes of device memory for chunk {k} "
             f"(groups {list(chunking.groups[k])}: {first_paths[k]!r}...): the chunk of {chunk_bytes} B "
             f"({chunking.size} elements) plus its largest gathered payload of {need[k] - chunk_bytes} B, "
-            f"before any activation, but the budget is {budget} bytes. Raise device_budget_bytes to well "
+            f"before any activation, but the budget is {budget} bytes. Raise {knob} to well "
             f"above {need[k]}, give the engine a smaller max_chunk_size, split the layer, or use "
             "cfx.gemini.host().")

@@ -17,8 +17,9 @@ placement, fetch/evict and optimizer step; grads and optimizer state are chunked
 layer asks for its group's shard (an *access* of its chunk), which applies the policy's evictions
 and fetches (``gemini.placer``), then gathers that slice of the chunk; the backward's reduce-scatter adds the gradient shard into the chunk's gradient
 (accumulated over calls: micro-batches). ``update()`` runs ``tx`` chunk by chunk where the
-optimizer state lives, with the ``ghost`` leaf of ``optimizer`` (global norm, inf/nan across
-ranks) per chunk. Each group's tensor state follows ``cfx.gemini.states``' checked transitions.
+optimizer state lives, inside ``cfx.optim.sharded`` with the rest of the model's sum of squares
+and inf/nan count (one all-reduce per step), so global norms and the loss scaler see every
+chunk of every rank. Each group's tensor state follows ``cfx.gemini.states``' checked transitions.
 
 With elementwise optimizers (sgd, adam, adamw; no global-norm clipping) the result is bit for bit
 that of ``cfx.zero(tx, stage=3)`` on fp32 params, whatever the policy.
@@ -39,8 +40,12 @@ from cfx._src.lax import collectives as lax
 from cfx._src.zero.chunking import check_budget, pack_groups
 from cfx._src.zero.flat import GroupLayout
 from cfx._src.zero.offload import ChunkRef, Offload, gather_groups
-from cfx._src.zero.optimizer import chunk_ghosts
+from cfx._src.optim import reduction
 from cfx._src.zero.params import ShardedLeaf, ZeroParams, check_axis_size
+
+
+NO_LEAF_NORMS = ("cfx.zero.GeminiEngine steps flat chunks that pack many leaves; train with "
+                 "cfx.parallel.Plan(zero=3, offload=...) instead, whose optimizer sees each leaf's pieces")
 
 
 class GeminiEngine:
@@ -87,7 +92,7 @@ class GeminiEngine:
                 master = chunk.to(torch.float32, copy=True)
                 if self.dtype != torch.float32:
                     self._put(self.cfg.optim_home, ("master", c), master, "optim")
-                self._store_inner(c, self.tx.init(((master,), torch.zeros(1))))
+                self._store_inner(c, self.tx.init((master,)))
             del shards
         if isinstance(offload.policy, DevicePolicy):
             for c in range(self.chunks.n_chunks):
@@ -212,9 +217,16 @@ class GeminiEngine:
         """One optimizer step over every chunk, then drop the gradients."""
         with torch.no_grad():
             grads = [self._grad(c) for c in range(self.chunks.n_chunks)]
-            ghosts = chunk_ghosts(grads, self.axis, self.n)
-            for c, (g, ghost) in enumerate(zip(grads, ghosts)):
-                self._update_chunk(c, g, ghost)
+            # one all-reduce for the whole model's norm and inf/nan count; each chunk is stepped
+            # inside cfx.optim.sharded with the rest of them, so clipping and the loss scaler
+            # see every chunk of every rank
+            sq = [g.pow(2).sum() for g in grads]
+            bad = [(~torch.isfinite(g)).sum().to(torch.float32) for g in grads]
+            total = lax.psum(torch.stack([sum(sq), sum(bad)]), self.axis)
+            for c, g in enumerate(grads):
+                with reduction.sharded([()], every=(), psum=lax.psum, rest_sq=(total[0] - sq[c]).clamp_min(0.0),
+                                       rest_bad=total[1] - bad[c], no_leaf_norms=NO_LEAF_NORMS):
+                    self._update_chunk(c, g)
         for c in sorted(self.resident):
             if isinstance(self.cfg.policy, DevicePolicy):
                 if self.cfg.param_home != "device":
@@ -232,18 +244,18 @@ class GeminiEngine:
             store.delete(key)
         return g
 
-    def _update_chunk(self, c, g, ghost) -> None:
+    def _update_chunk(self, c, g) -> None:
         home, ohome = self.cfg.param_home, self.cfg.optim_home
         p = self._get(home, ("param", c))
         low = self.dtype != torch.float32
         master = self._get(ohome, ("master", c)) if low else p
-        (us, _), inner = self.tx.update(((g,), ghost), self._load_inner(c), ((master,), torch.zeros(1)))
+        (u,), inner = self.tx.update((g,), self._load_inner(c), (master,))
         if low:
-            new_master = master + us[0]
+            new_master = master + u
             self._write(ohome, ("master", c), new_master, "optim")
             new_p = new_master.to(self.dtype)
         else:
-            new_p = p + us[0]
+            new_p = p + u
         self._write(home, ("param", c), new_p, "param")
         leaves = tree_util.leaves(inner)
         for j, x in enumerate(leaves):

@@ -50,7 +50,7 @@ from cfx._src.zero.params import ZeroParams, check_axis_size
 
 class ZeroState(NamedTuple):
     master: tuple   # per group: fp32 master shard for fp16/bf16 params, None for fp32 params
-    inner: Any      # the wrapped transformation's state over ((shards...), ghost)
+    inner: Any      # the wrapped transformation's state over this rank's pieces
 
 
 class ShardGrads(NamedTuple):
@@ -299,14 +299,3 @@ def _group_shards(tree: Any, plan: Plan) -> list[torch.Tensor]:
     """The inverse of ``_piece_tree``: one flat shard per group."""
     leaves = tree_util.leaves(tree)
     return [torch.cat([leaves[i].reshape(-1) for i in idx]) for idx, _, _ in plan.groups]
-
-
-def chunk_ghosts(shards: list[torch.Tensor], axis: str, n: int) -> list[torch.Tensor]:
-    """A *ghost* leaf (1,) for each shard seen alone (``GeminiEngine`` steps one chunk at a time): the
-    rest of the world's sum of squares for that chunk; nan everywhere if any rank has inf/nan."""
-    del n
-    sums = [s.pow(2).sum() for s in shards]
-    bad = sum((~torch.isfinite(s)).sum() for s in shards).to(torch.float32) if shards else torch.zeros(())
-    v = lax.psum(torch.stack([sum(sums, torch.zeros(())), bad]), axis)
-    nan = torch.full((), float("nan"))
-    return [torch.where(v[1] > 0, nan, (v[0] - s).clamp_min(0.0).sqrt()).reshape(1) for s in sums]

@@ -51,34 +51,30 @@ class Placement:
         self.chunks = pack_groups([sum(numels[i] for i in g) for g in self.groups])
         self.chunk_bytes = [self.chunks.size * dtype.itemsize] * self.chunks.n_chunks
         if hasattr(policy, "device_budget_bytes"):  # before any rank runs
-            try:
-                check_budget(self.chunks, dtype.itemsize, self.n, policy.device_budget_bytes,
-                             [paths[self.groups[gs[0]][0]] for gs in self.chunks.groups])
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}".replace("GeminiEngine: auto placement", "offload=auto")
-                                 .replace("device_budget_bytes", "the offload budget")) from None
-        self.group_of, self.start = {}, {}  # per leaf: its group and where it starts in its group's shard
-        for g, idx in enumerate(self.groups):
+            check_budget(self.chunks, dtype.itemsize, self.n, policy.device_budget_bytes,
+                         [paths[self.groups[gs[0]][0]] for gs in self.chunks.groups],
+                         where=f"{where}: offload=auto", knob="the offload budget (offload=auto:<bytes>)")
+        self.start = {}  # per leaf: where it starts in its group's shard
+        for idx in self.groups:
             at = 0
             for i in idx:
-                self.group_of[i], self.start[i] = g, at
+                self.start[i] = at
                 at += numels[i]
         self.device = DeviceStore()
         self.placer = Placer(policy, self.chunk_bytes, fetch=self._fetch, evict=self._evict)
         self.traffic: collections.Counter = collections.Counter()  # bytes by "src->dst"
         self._pieces: list[torch.Tensor] | None = None
-        self._grads: dict[int, torch.Tensor] = {}  # this step's gradient of each piece, on the host
 
     @contextlib.contextmanager
     def step(self, local: ZeroParams, *, agree: Callable[[torch.Tensor], torch.Tensor]):
         """One step over this rank's pieces ``local``; every chunk copy is dropped at the end."""
-        self._pieces, self._grads = tree_util.leaves(local.pieces), {}
+        self._pieces = tree_util.leaves(local.pieces)
         try:
             with self.placer.step(agree=agree):
                 yield self
         finally:
             self.placer.evict_all()
-            self._pieces, self._grads = None, {}
+            self._pieces = None
 
     def tree(self, local: ZeroParams) -> Any:
         """``local``'s ``ShardedLeaf`` tree, each group's leaves served by this placement."""
@@ -109,23 +105,15 @@ class Placement:
             return shard
         return torch.cat([shard[self.start[i]:self.start[i] + self._pieces[i].numel()] for i in idx])
 
-    def deliver(self, grad: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor | None, ...]:
-        """A reduce-scattered gradient shard of leaves ``idx`` moved home, as their pieces' grads.
-
-        The first gradient of a piece in a step is returned (a host tensor of its own); later ones
-        (more microbatches, a tied leaf's second use) are added into it in place and return None,
-        so the host holds one gradient per piece, never one per microbatch."""
+    def deliver(self, grad: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, ...]:
+        """A reduce-scattered gradient shard of leaves ``idx`` moved home: one host tensor per
+        piece (of its own, so whoever sums a piece's gradients can add into the first in place)."""
         out, dtype = [], self._pieces[idx[0]].dtype
         with torch.no_grad(), memory.ops_unwatched():  # booked as what it is: a gradient, on the host
             for i, g in zip(idx, grad.split([self._pieces[i].numel() for i in idx])):
+                out.append(g.to(dtype, copy=True))
+                memory.watch(out[-1], tier="host", kind="grad")
                 self.traffic["device->host"] += g.numel() * g.element_size()
-                if i in self._grads:
-                    self._grads[i].add_(g.to(dtype))
-                    out.append(None)
-                    continue
-                self._grads[i] = g.to(dtype, copy=True)
-                memory.watch(self._grads[i], tier="host", kind="grad")
-                out.append(self._grads[i])
         return tuple(out)
 
     # -- the placer's moves -----------------------------------------------------------------------
