@@ -77,8 +77,9 @@ def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StageP
     rank's own (not summed over the axis): stages keep only their own blocks' params and grads.
     ``chain``: a ``cfx.remat.solve`` plan for a chain of one stage's blocks, under which every
     stage runs its blocks (activation checkpointing solved per stage; a split backward's I then
-    computes the weight gradients too, and W hands them over). Raises ``ValueError`` / ``ScheduleError`` here for a bad schedule or plan; the mesh-dependent
-    checks run in the step, on every rank, before any communication.
+    computes the weight gradients too, and W hands them over). Raises ``ValueError`` /
+    ``ScheduleError`` here for a bad schedule or plan; the mesh-dependent checks run in the step,
+    on every rank, before any communication.
     """
     if not isinstance(schedule, Schedule):
         raise ValueError(f"{WHERE}: schedule must be a Schedule (e.g. cfx.pipeline.one_f_one_b(p, "
@@ -250,9 +251,11 @@ class _Run:
             blocks = step.plan.blocks(s)
             if step.chain is not None:  # the stage's blocks as one checkpointed chain
                 h = step.chain.run([step.model.blocks[i].apply for i in blocks],
-                                   [self.local["blocks"][i] for i in blocks], h, [dict(mask=None, key=None)] * len(blocks))
-            for i in blocks if step.chain is None else ():
-                h = step.model.blocks[i].apply(self.local["blocks"][i], h, mask=None, key=None)
+                                   [self.local["blocks"][i] for i in blocks], h,
+                                   [dict(mask=None, key=None)] * len(blocks))
+            else:
+                for i in blocks:
+                    h = step.model.blocks[i].apply(self.local["blocks"][i], h, mask=None, key=None)
             if s == last and self.valid[mb] == 0:  # nothing to predict: a zero that still
                 h = h.float().sum() * 0.0              # routes (zero) gradients back
             elif s == last:
