@@ -214,17 +214,19 @@ class Program:
     def _loss_and_grads(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale):
         placement = self.placement_of(current_or_none().rank)
         if placement is None:
-            return self._run(local, tokens, targets, key, scale, _ZeroView(self.policy.cast_to_compute))
+            return self._run(local, tokens, targets, key, scale, self.policy.cast_to_compute)
         agree = [a for a in ("data", "model") if self.plan.has(a)]  # ranks that run the same accesses
         with placement.step(local, agree=lambda v: lax.pmax(v, tuple(agree)) if agree else v):
             # the chunk copies are cast to the compute dtype; the pieces stay as stored
-            return self._run(local, tokens, targets, key, scale, _ZeroView(placement.tree, placed=True))
+            return self._run(local, tokens, targets, key, scale, placement.tree)
 
     def _run(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale, view):
         """Loss and grads of ``local`` (what the rank stores, as the model's tree): ``view`` turns it
         into what the model runs on (cast; ZeRO-3's ShardedLeaf tree)."""
         if self.pipe_step is not None and self.layout.zero3:  # the stages gather their own pieces
-            loss, pieces = self.pipe_step(view.leaves(local), tokens, targets, scale=scale)
+            tree = view(local)  # a cast ZeroParams, or a placement's ShardedLeaf tree already
+            tree = tree.sharded_leaves() if isinstance(tree, ZeroParams) else tree
+            loss, pieces = self.pipe_step(tree, tokens, targets, scale=scale)
             grads = ZeroParams(pieces, local.shapes, local.n)
         elif self.pipe_step is not None:
             loss, grads = self.pipe_step(view(local), tokens, targets, scale=scale)
@@ -273,21 +275,6 @@ def _watch(tree: Any, kind: str, tier: str) -> None:
         for x in tree_util.leaves(tree):
             if isinstance(x, torch.Tensor):
                 memory.watch(x, tier=tier, kind=kind)
-
-
-class _ZeroView:
-    """How the step hands a rank's params to the model: ``cast`` (the compute dtype) or, with
-    ``placed``, a placement's ``tree`` (which casts its chunk copies itself)."""
-
-    def __init__(self, fn, *, placed: bool = False):
-        self.fn, self.placed = fn, placed
-
-    def __call__(self, params: Any) -> Any:
-        return self.fn(params)
-
-    def leaves(self, params: ZeroParams) -> Any:
-        """The ``ShardedLeaf`` tree a pipeline's gathered stages take."""
-        return self.fn(params) if self.placed else self.fn(params).sharded_leaves()
 
 
 def _check_batch(plan, tokens: Any) -> None:

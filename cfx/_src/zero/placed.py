@@ -122,12 +122,9 @@ class Placement:
         with torch.no_grad():
             buf.zero_()
             for g in self.chunks.groups[c]:
-                view = self.chunks.view(buf, g)
-                at = 0
+                shard = self.chunks.view(buf, g)
                 for i in self.groups[g]:
-                    piece = self._pieces[i].detach()
-                    view[at:at + piece.numel()].copy_(piece)
-                    at += piece.numel()
+                    shard[self.start[i]:self.start[i] + self._pieces[i].numel()].copy_(self._pieces[i].detach())
         self.traffic[f"{self.home}->device"] += self.chunk_bytes[c]
 
     def _evict(self, c: int) -> None:
