@@ -1,6 +1,8 @@
 """The README's code blocks run as written, so the docs cannot rot."""
 import pathlib
 import re
+import sys
+import types
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -21,7 +23,9 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for code in blocks:
         code = code.replace("/tmp/cfx-tour.safetensors", str(tmp_path / "tour.safetensors"))
-        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+        module = types.ModuleType("readme")  # importable, as torch.compile expects of a function's module
+        monkeypatch.setitem(sys.modules, "readme", module)
+        exec(compile(code, str(README), "exec"), module.__dict__)
     out = capsys.readouterr().out
     losses = [float(line.split()[1]) for line in out.splitlines() if re.fullmatch(r"\d+ [\d.]+", line)]
     assert len(losses) == 3 and losses[-1] < losses[0]

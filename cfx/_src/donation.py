@@ -10,12 +10,13 @@ may donate its own temporaries the same way (a gradient it made and will not rea
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
-_donated: contextvars.ContextVar[frozenset] = contextvars.ContextVar("cfx_donated", default=frozenset())
+from cfx._src import context
+
+_donated: context.Var[frozenset] = context.Var("cfx_donated", frozenset())
 
 
 def _key(t: torch.Tensor) -> int:
@@ -33,12 +34,48 @@ def donated(tensors: Iterable[Any]):
         _donated.reset(token)
 
 
+def _keys() -> frozenset:
+    # Empty in a compiled region: there the compiler owns every buffer, and cfx.jit's
+    # donate_argnums writes the outputs into the donated inputs itself.
+    return _donated.get()
+
+
 def is_donated(t: Any) -> bool:
     """True when ``t``'s storage was donated here (writing into it is allowed)."""
-    keys = _donated.get()
+    keys = _keys()
     return bool(keys) and isinstance(t, torch.Tensor) and t.numel() > 0 and _key(t) in keys
 
 
 def all_donated(ts: Iterable[Any]) -> bool:
-    keys = _donated.get()
+    keys = _keys()
     return bool(keys) and all(isinstance(t, torch.Tensor) and t.numel() > 0 and _key(t) in keys for t in ts)
+
+
+def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, int], bool], *,
+           in_place: bool = True) -> dict[int, int]:
+    """Which donated buffer each output goes into: ``{output index: donated index}``.
+
+    First (``in_place``) the outputs already computed in a donated buffer keep it; then, in order,
+    every other output takes the first free donated buffer it ``fits`` (same shape and dtype, and
+    whatever else the caller asks), never one an output still lives in. Outputs left out are
+    fresh; donated buffers left over are simply released."""
+    taken: dict[int, int] = {}
+    free = list(range(len(donated)))
+    if in_place:
+        for i, x in enumerate(outs):
+            for j in free:
+                if isinstance(x, torch.Tensor) and fits(i, j) and donated[j].data_ptr() == x.data_ptr():
+                    taken[i] = j
+                    free.remove(j)
+                    break
+        busy = {_key(x) for x in outs if isinstance(x, torch.Tensor)}
+        free = [j for j in free if _key(donated[j]) not in busy]
+    for i, x in enumerate(outs):
+        if i in taken or not isinstance(x, torch.Tensor):
+            continue
+        for j in free:
+            if fits(i, j):
+                taken[i] = j
+                free.remove(j)
+                break
+    return taken

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import itertools
 import threading
 import weakref
@@ -35,12 +34,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from cfx._src import context
 from cfx._src.mesh.context import current_or_none
 from cfx._src.table import format_table
 
 TIERS = ("device", "host", "nvme")
-_active: contextvars.ContextVar[tuple] = contextvars.ContextVar("cfx_memory_trackers", default=())
-_ops_unwatched: contextvars.ContextVar[bool] = contextvars.ContextVar("cfx_memory_ops_unwatched", default=False)
+_active: context.Var[tuple] = context.Var("cfx_memory_trackers", ())
+_ops_unwatched: context.Var[bool] = context.Var("cfx_memory_ops_unwatched", False)
 
 
 @contextlib.contextmanager

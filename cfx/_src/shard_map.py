@@ -165,30 +165,13 @@ class _Call:
         into free ones (never into a buffer an output still lives in)."""
         specs = [s for _, _, s in broadcast_specs(self.out_specs, tree_util.unflatten(treedef, flat),
                                                    "out_specs", self.mesh)]
-        free = {id(a): a for a in self.donated}
-        fits = lambda a, x, spec: (a._blocks[rank].shape == x.shape and a._blocks[rank].dtype == x.dtype  # noqa: E731
-                                   and not a.partial and same_layout(a.spec, spec, x.dim()))
+        blocks = [a._blocks[rank] for a in self.donated]
         out = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
-        placed = set()
-        for i, (x, spec) in enumerate(zip(out, specs)):
-            for k, a in list(free.items()):
-                b = a._blocks[rank]
-                if isinstance(x, torch.Tensor) and fits(a, x, spec) and b.data_ptr() == x.data_ptr():
-                    out[i] = b
-                    placed.add(i)
-                    del free[k]
-                    break
-        busy = {x.untyped_storage().data_ptr() for x in out if isinstance(x, torch.Tensor)}
+        fits = lambda i, j: (blocks[j].shape == out[i].shape and blocks[j].dtype == out[i].dtype  # noqa: E731
+                             and not self.donated[j].partial and same_layout(self.donated[j].spec, specs[i], out[i].dim()))
         with torch.no_grad():
-            for i, (x, spec) in enumerate(zip(out, specs)):
-                if i in placed or not isinstance(x, torch.Tensor):
-                    continue
-                for k, a in list(free.items()):
-                    b = a._blocks[rank]
-                    if fits(a, x, spec) and b.untyped_storage().data_ptr() not in busy:
-                        out[i] = b.copy_(x)
-                        del free[k]
-                        break
+            for i, j in donation.assign(out, blocks, fits).items():
+                out[i] = blocks[j] if blocks[j].data_ptr() == out[i].data_ptr() else blocks[j].copy_(out[i])
         return out
 
     def run(self):

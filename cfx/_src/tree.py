@@ -11,26 +11,49 @@ from typing import Any, Callable, Iterable
 import optree
 import torch
 
+from cfx._src import tree_traced
+
+_compiling = torch.compiler.is_compiling
+
 NAMESPACE = "cfx"
 
 PyTree = Any
 PyTreeDef = optree.PyTreeSpec
 
 
+# While torch.compile traces, the same walks run in plain Python (``tree_traced``): dynamo traces
+# optree's C++ only through slow polyfills. Structures made there are nested tuples.
+
 def leaves(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    if _compiling():
+        return tree_traced.flatten(tree, is_leaf)[0]
     return optree.tree_leaves(tree, is_leaf=is_leaf, namespace=NAMESPACE)
 
 
 def structure(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> PyTreeDef:
+    if _compiling():
+        return tree_traced.flatten(tree, is_leaf)[2]
     return optree.tree_structure(tree, is_leaf=is_leaf, namespace=NAMESPACE)
 
 
 def flatten(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], PyTreeDef]:
+    if _compiling():
+        out = tree_traced.flatten(tree, is_leaf)
+        return out[0], out[2]
     return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
 
 
 def unflatten(treedef: PyTreeDef, leaves: Iterable[Any]) -> PyTree:
+    if isinstance(treedef, tuple):
+        return tree_traced.unflatten(treedef, leaves)
     return optree.tree_unflatten(treedef, leaves)
+
+
+def register_node(cls: type, flatten_fn: Callable[[Any], tuple], unflatten_fn: Callable[[Any, Any], Any]) -> None:
+    """Make ``cls`` a pytree node: ``flatten_fn(x) -> (children, meta, entry names)``,
+    ``unflatten_fn(meta, children) -> x``."""
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)
+    tree_traced.NODES[cls] = (flatten_fn, unflatten_fn)
 
 
 def _entry_str(entry: Any) -> str:
@@ -55,6 +78,9 @@ def flatten_with_path(
     tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None
 ) -> tuple[list[tuple[str, Any]], PyTreeDef]:
     """Leaves paired with their dotted path strings, and the tree structure."""
+    if _compiling():
+        leaves_, paths, treedef = tree_traced.flatten(tree, is_leaf, path="")
+        return list(zip(paths, leaves_)), treedef
     accessors, leaves_, treedef = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf, namespace=NAMESPACE)
     return [(path_str(a), x) for a, x in zip(accessors, leaves_)], treedef
 
@@ -95,6 +121,10 @@ def map(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[A
     """``f`` applied leafwise over ``tree`` and trees of the same structure."""
     if rest and is_leaf is None:
         check_same_structure("cfx.tree.map", tree, *rest)
+    if _compiling():
+        xs, treedef = flatten(tree, is_leaf=is_leaf)
+        others = [leaves(r, is_leaf=is_leaf) for r in rest]
+        return unflatten(treedef, [f(*args) for args in zip(xs, *others)])
     return optree.tree_map(f, tree, *rest, is_leaf=is_leaf, namespace=NAMESPACE)
 
 
@@ -103,6 +133,10 @@ def map_with_path(f: Callable[..., Any], tree: PyTree, *rest: PyTree,
     """``f(path_str, leaf, *other_leaves)`` applied leafwise."""
     if rest and is_leaf is None:
         check_same_structure("cfx.tree.map_with_path", tree, *rest)
+    if _compiling():
+        items, treedef = flatten_with_path(tree, is_leaf=is_leaf)
+        others = [leaves(r, is_leaf=is_leaf) for r in rest]
+        return unflatten(treedef, [f(p, x, *o) for (p, x), *o in zip(items, *others)])
     return optree.tree_map_with_accessor(lambda a, *xs: f(path_str(a), *xs), tree, *rest,
                                          is_leaf=is_leaf, namespace=NAMESPACE)
 

@@ -1,10 +1,25 @@
-"""Overhead of cfx's functional style: one GPT-2 train step vs the same math as an eager Module.
+"""Overhead of cfx's functional style, eager and compiled: one GPT-2 train step (loss, grads,
+AdamW) against the same math as a ``torch.nn.Module`` with ``torch.optim.AdamW`` (foreach).
 
-Both run in one process on the same weights and batch, in interleaved rounds (alternating order),
-and the ratio of median step times is reported (target <= 1.05). Also reported: the tokens/s of
-``python -m cfx.train`` on its default settings (a shortened run under ``--quick``).
+Rows (each side by side, in one process, on the same weights, batch and hyperparameters, in
+interleaved rounds; ratios of median step times):
+
+- ``eager_vs_module_{small,large}``: the cfx step run eagerly with its state donated
+  (``cfx.jit(step, donate_argnums=0, compile=False)``: AdamW updates params and moments in place)
+  over the eager Module step (target <= 1.05);
+- ``jit_vs_compiled_{small,large}``: ``cfx.jit`` (one inductor graph: forward, backward and AdamW,
+  donated) over the ``torch.compile``d Module with eager foreach AdamW (target <= 1.00);
+- ``jit_speedup_large``: eager cfx over ``cfx.jit`` (target >= 1.2), with compile times and the
+  recompiles over 20 steps (target 0).
+
+Sizes: small is B=1, T=64 and large B=4, T=256 on GPT-2 small; ``--quick`` runs the small size
+on a 2-layer GPT-2 (and no large size), to finish in about a minute. Also reported: the tokens/s of
+``python -m cfx.train`` on its defaults (a shortened run under ``--quick``).
 """
 from __future__ import annotations
+
+import time
+from typing import NamedTuple
 
 import torch
 
@@ -15,55 +30,122 @@ from cfx.bench.torch_gpt2 import TorchGPT2
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.loop import train
 
+HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 
-def step_pair(preset: str, batch: int, seq: int, seed: int = 0):
-    """Two zero-argument train steps (cfx, torch) over identical weights, data and AdamW."""
-    model = models.gpt2(preset)
+
+class State(NamedTuple):
+    params: dict
+    opt: tuple
+
+
+class Side:
+    """One way of running the step: ``step()`` runs one, ``loss`` is the last loss."""
+
+    def __init__(self, run):
+        self.run, self.loss, self.jitted = run, None, None
+
+    def __call__(self) -> None:
+        self.loss = float(self.run())
+
+
+def sides(model, batch: int, seq: int, *, seed: int = 0, compiled: bool = True) -> dict[str, Side]:
+    """The step four ways (cfx eager, cfx.jit, Module eager, Module compiled), identical start."""
     params = model.init(cfx.random.key(seed))
     k = cfx.random.split(cfx.random.key(seed + 1), 2)
     tokens = cfx.random.randint(k[0], (batch, seq), 0, model.config.vocab_size)
     targets = cfx.random.randint(k[1], (batch, seq), 0, model.config.vocab_size)
-    hp = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    tx = optim.adamw(HP["lr"], b1=HP["b1"], b2=HP["b2"], eps=HP["eps"], weight_decay=HP["weight_decay"])
 
-    tx = optim.adamw(hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"], weight_decay=hp["weight_decay"])
-    loss_and_grad = cfx.value_and_grad(lambda p: model.loss(p, tokens, targets))
-    state = {"params": params, "opt": tx.init(params), "loss": None}
+    def step(state, tokens, targets):
+        loss, grads = cfx.value_and_grad(model.loss)(state.params, tokens, targets)
+        updates, opt = tx.update(grads, state.opt, state.params)
+        return State(optim.apply_updates(state.params, updates), opt), loss
 
-    def cfx_step():
-        loss, grads = loss_and_grad(state["params"])
-        updates, state["opt"] = tx.update(grads, state["opt"], state["params"])
-        state["params"] = optim.apply_updates(state["params"], updates)
-        state["loss"] = float(loss.detach())
+    def cfx_side(stepper) -> Side:
+        box = [State(cfx.tree.map(torch.clone, params), tx.init(params))]
 
-    module = TorchGPT2(model.config).load_cfx(params)
-    opt = torch.optim.AdamW(module.parameters(), lr=hp["lr"], betas=(hp["b1"], hp["b2"]), eps=hp["eps"],
-                            weight_decay=hp["weight_decay"])
-    tstate = {"loss": None}
+        def run():
+            box[0], loss = stepper(box[0], tokens, targets)
+            return loss
+        side = Side(run)
+        side.jitted = stepper
+        return side
 
-    def torch_step():
-        opt.zero_grad(set_to_none=True)
-        loss = module(tokens, targets)
-        loss.backward()
-        opt.step()
-        tstate["loss"] = float(loss.detach())
+    def module_side(compile_it: bool) -> Side:
+        module = TorchGPT2(model.config).load_cfx(params)
+        forward = torch.compile(module) if compile_it else module
+        opt = torch.optim.AdamW(module.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"],
+                                weight_decay=HP["weight_decay"], foreach=True)
 
-    return cfx_step, torch_step, state, tstate
+        def run():
+            opt.zero_grad(set_to_none=True)
+            loss = forward(tokens, targets)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return Side(run)
+
+    out = {"cfx": cfx_side(cfx.jit(step, donate_argnums=0, compile=False)), "module": module_side(False)}
+    if compiled:
+        out["jit"] = cfx_side(cfx.jit(step, donate_argnums=0))
+        out["compiled"] = module_side(True)
+    return out
+
+
+def _compile(side: Side) -> float:
+    t0 = time.perf_counter()
+    side()
+    return time.perf_counter() - t0
+
+
+def measure(model, batch: int, seq: int, rounds: int, label: str) -> tuple[list[Row], dict]:
+    s = sides(model, batch, seq)
+    jit_compile, module_compile = _compile(s["jit"]), _compile(s["compiled"])
+    s["cfx"](), s["module"]()
+    first = {name: side.loss for name, side in s.items()}
+    names = ["cfx", "module", "jit", "compiled"]
+    t = dict(zip(names, interleaved_medians([s[n] for n in names], rounds=rounds, warmup=0)))
+    for _ in range(20):
+        s["jit"]()
+    recompiles = s["jit"].jitted.stats().recompiles  # over every call: the rounds and 20 more steps
+    rows = [
+        Row(f"eager_vs_module_{label}: cfx eager (donated) / nn.Module eager, {_cfg(model, batch, seq)}",
+            t["cfx"] / t["module"], "x", "<= 1.05", t["cfx"] / t["module"] <= 1.05),
+        Row(f"jit_vs_compiled_{label}: cfx.jit / torch.compile(nn.Module) + foreach AdamW",
+            t["jit"] / t["compiled"], "x", "<= 1.00", t["jit"] / t["compiled"] <= 1.00),
+        Row(f"  step times ({label}): cfx eager / Module eager / cfx.jit / compiled Module",
+            t["cfx"], "s", f"{t['module']:.3f} / {t['jit']:.3f} / {t['compiled']:.3f} s"),
+        Row(f"  compile time ({label}): cfx.jit (first call: trace, compile, run) / torch.compile(Module)",
+            jit_compile, "s", f"{module_compile:.1f} s"),
+        Row(f"  cfx.jit recompiles after the first compile (rounds + 20 steps, {label})", recompiles, "", "0",
+            recompiles == 0),
+        Row(f"  first-step loss, max |difference| of the four ({label})",
+            max(first.values()) - min(first.values()), "nats", "<= 1e-4",
+            max(first.values()) - min(first.values()) <= 1e-4),
+    ]
+    return rows, t
+
+
+def _cfg(model, batch: int, seq: int) -> str:
+    return f"GPT-2 {model.config.n_layer} layers, B={batch}, T={seq}"
 
 
 def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    batch, seq, rounds = (1, 64, 4) if quick else (4, 256, 12)
-    cfx_step, torch_step, cs, ts = step_pair("small", batch, seq)
-    cfx_step(), torch_step()
-    first_diff = abs(cs["loss"] - ts["loss"])  # same weights and batch: the first losses must agree
-    t_cfx, t_torch = interleaved_medians([cfx_step, torch_step], rounds=rounds, warmup=0)
-    ratio = t_cfx / t_torch
+    rows = []
+    if quick:
+        small = models.gpt2("small", n_layer=2)
+        rows += measure(small, 1, 64, rounds=6, label="small")[0]
+    else:
+        gpt2 = models.gpt2("small")
+        rows += measure(gpt2, 1, 64, rounds=10, label="small")[0]
+        large_rows, t = measure(gpt2, 4, 256, rounds=8, label="large")
+        rows += large_rows
+        speedup = t["cfx"] / t["jit"]
+        rows.append(Row("jit_speedup_large: cfx eager / cfx.jit, B=4, T=256", speedup, "x", ">= 1.2",
+                        speedup >= 1.2))
     steps = 40 if quick else TrainConfig().steps
     summary = train(TrainConfig(steps=steps, eval_every=0, progress=False))
-    rows = [
-        Row(f"gpt2-small train step time ratio cfx/torch (B={batch}, T={seq})", ratio, "x", "<= 1.05", ratio <= 1.05),
-        Row("gpt2-small step time, cfx (median)", t_cfx, "s"),
-        Row("gpt2-small step time, torch.nn.Module + torch.optim.AdamW (median)", t_torch, "s"),
-        Row("first-step loss |cfx - torch|", first_diff, "nats", "<= 1e-4", first_diff <= 1e-4),
+    rows += [
         Row(f"python -m cfx.train defaults ({steps} steps) tokens/s", summary["tokens_per_s"], "tok/s"),
         Row("python -m cfx.train eval loss first -> last", summary["eval_loss_last"], "nats",
             f"< {summary['eval_loss_first']:.3f}", summary["eval_loss_last"] < summary["eval_loss_first"]),

@@ -8,16 +8,15 @@ mesh's axis order, and ``order`` maps requested positions to group ranks.
 """
 from __future__ import annotations
 
-import contextvars
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from cfx._src import donation, memory
+from cfx._src import context, donation, memory
 from cfx._src.mesh import context as ctx_lib
 
-_collectors: contextvars.ContextVar[tuple] = contextvars.ContextVar("cfx_comm_stats", default=())
+_collectors: context.Var[tuple] = context.Var("cfx_comm_stats", ())
 
 
 class Axes:

@@ -25,16 +25,16 @@ it) are not seen; wrap them in ``cfx.lax.pvary`` to say so.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from cfx._src import context
 from cfx._src.lax import comm
 
 EMPTY: frozenset = frozenset()
 _ATTR = "_cfx_vma"
-_tracker: contextvars.ContextVar["_Tracking | None"] = contextvars.ContextVar("cfx_vma", default=None)
+_tracker: context.Var["_Tracking | None"] = context.Var("cfx_vma", None, semantic="a shard_map body tracking varying axes")
 
 
 def inserting() -> bool:

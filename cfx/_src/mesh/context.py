@@ -7,11 +7,12 @@ groups up here. Nothing here is process-wide.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Any, Callable
 
 import torch
+
+from cfx._src import context
 
 
 class Group:
@@ -55,7 +56,7 @@ class RankContext:
         self.groups.clear()
 
 
-_current: contextvars.ContextVar[RankContext | None] = contextvars.ContextVar("cfx_rank", default=None)
+_current: context.Var[RankContext | None] = context.Var("cfx_rank", None, semantic="a shard_map body")
 
 
 def current(where: str) -> RankContext:

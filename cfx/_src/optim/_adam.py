@@ -71,20 +71,24 @@ def _foreach(gs, mus, nus, ps, b1, b2, scale, eps_t, l2, decay, flags, neg_lr) -
         nu = torch._foreach_mul(nus, b2)
     torch._foreach_addcmul_(nu, gs, gs, value=1.0 - b2)
     if own_g:  # the gradient is spent: its buffers take the denominator, then the update
-        denom = gs
-        torch._foreach_copy_(denom, nu)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, _per(denom, eps_t))
-        for m, d in zip(mu, denom):
+        u = gs
+        for v, d in zip(nu, u):
+            torch.sqrt(v, out=d)
+        torch._foreach_add_(u, _per(u, eps_t))
+        for m, d in zip(mu, u):
             torch.div(m, d, out=d)
-        u = denom
     else:
         denom = torch._foreach_sqrt(nu)
         torch._foreach_add_(denom, _per(denom, eps_t))
         u = torch._foreach_div(mu, denom)
-    del denom
-    torch._foreach_mul_(u, _per(u, scale))
+        del denom
     idx = [i for i, f in enumerate(flags) if f]
+    if isinstance(neg_lr, float):  # fold the step size into one pass; decay gets -lr * decay
+        torch._foreach_mul_(u, _per(u, scale * neg_lr))
+        if idx:
+            torch._foreach_add_([u[i] for i in idx], [ps[i] for i in idx], alpha=neg_lr * decay)
+        return AdamOut(mu, nu, u)
+    torch._foreach_mul_(u, _per(u, scale))
     if idx:
         torch._foreach_add_([u[i] for i in idx], [ps[i] for i in idx], alpha=decay)
     if neg_lr is not None:

@@ -22,11 +22,12 @@ params' leaves (flat chunks), ``no_leaf_norms`` says so, and a per-leaf norm rai
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Callable, Sequence
 
 import torch
+
+from cfx._src import context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Sharding:
     no_leaf_norms: str | None = None      # why the leaves seen are not the params' own (no per-leaf norms)
 
 
-_current: contextvars.ContextVar[Sharding | None] = contextvars.ContextVar("cfx_optim_sharding", default=None)
+_current: context.Var[Sharding | None] = context.Var("cfx_optim_sharding", None, semantic="cfx.optim.sharded")
 
 
 @contextlib.contextmanager

@@ -13,14 +13,14 @@ every rank of the pipeline in one process (the ``local`` backend).
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import threading
 
+from cfx._src import context
 from cfx._src.pipeline.schedule import COMPUTE, Action, Schedule
 from cfx._src.pipeline.simulate import Timeline
 
-_active: contextvars.ContextVar[tuple] = contextvars.ContextVar("cfx_pipeline_trace", default=())
+_active: context.Var[tuple] = context.Var("cfx_pipeline_trace", ())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ output with ``cfx.checkpoint_name`` and a policy that keeps that name.
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import itertools
@@ -24,7 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cfx._src import tree as tree_util
+from cfx._src import context, tree as tree_util
 from cfx._src.remat import policies as pol
 from cfx._src.table import format_table
 
@@ -33,7 +32,7 @@ _DOTS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.ei
          torch.nn.functional.linear, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm,
          torch.Tensor.bmm, torch.Tensor.addmm}
 _calls = itertools.count()
-_collectors: contextvars.ContextVar[tuple] = contextvars.ContextVar("cfx_activation_stats", default=())
+_collectors: context.Var[tuple] = context.Var("cfx_activation_stats", ())
 
 
 def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:

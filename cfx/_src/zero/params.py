@@ -19,7 +19,6 @@ import itertools
 import math
 from typing import Any
 
-import optree
 import torch
 
 from cfx._src import memory
@@ -49,11 +48,10 @@ class ZeroParams:
         return tree_util.unflatten(treedef, [ShardedLeaf(x, s, self.n) for x, s in zip(items, self.shapes)])
 
 
-optree.register_pytree_node(
+tree_util.register_node(
     ZeroParams,
     lambda z: ((z.pieces,), (z.shapes, z.n), ("pieces",)),
     lambda meta, children: ZeroParams(children[0], *meta),
-    namespace=tree_util.NAMESPACE,
 )
 
 

@@ -1,0 +1,275 @@
+"""``cfx.jit``: a pure pytree function compiled with ``torch.compile`` (inductor), with donation.
+
+::
+
+    @functools.partial(cfx.jit, donate_argnums=(0,))
+    def step(state, tokens, targets):
+        loss, grads = cfx.value_and_grad(model.loss)(state.params, tokens, targets)
+        updates, opt = tx.update(grads, state.opt, state.params)
+        return State(cfx.optim.apply_updates(state.params, updates), opt), loss
+
+    state, loss = step(state, tokens, targets)   # the first call per signature compiles
+    step.lower(state, tokens, targets).text()    # the captured graph; .compile_seconds
+
+One graph per signature (static arguments by value, the pytree structure of the others, each
+tensor's shape, dtype, device and requires_grad; see ``signature``), traced whole
+(``fullgraph=True``: a graph break is an error naming the line) with ``cfx.grad`` inside it
+(dynamo traces ``torch.autograd.grad``). Each signature compiles its own code object, so
+dynamo's cache holds one entry per signature and another compile of the same signature is a
+recompile, counted in ``stats()``.
+
+``donate_argnums``: those arguments' tensors are given up to the call. Inside the graph each
+output is written into a donated buffer of its shape and dtype (inductor stores the result there
+directly: the optimizer's new params and moments take the old ones' memory), and the caller's
+donated tensor objects are deleted: using one raises a ``ValueError`` naming the call and leaf.
+
+``compile=False`` runs the same function eagerly with the same donation semantics (cfx's
+optimizers then update donated params and moments in place): the fast eager path, and the way to
+debug a jitted function with print and pdb.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+import types
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch._dynamo
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from cfx._src import context, donation
+from cfx._src import tree as tree_util
+from cfx._src.jit import deleted, signature
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One signature's compiled function and what compiling it took."""
+
+    run: Callable[..., Any]
+    code: types.CodeType                                     # this signature's own code object
+    graphs: list = dataclasses.field(default_factory=list)   # the FX graphs dynamo handed the backend
+    compile_seconds: float | None = None                     # the first call: trace, compile, run
+    calls: int = 0
+    warned: bool = False                                     # about donated buffers no output took
+
+
+@dataclasses.dataclass(frozen=True)
+class JitStats:
+    """``compiles``: graphs dynamo holds; ``recompiles``: those beyond one per signature (0 when
+    the guards hold); ``signatures``: distinct call signatures seen; ``compile_seconds``: the first
+    calls' time (tracing, compiling and one run), summed."""
+
+    signatures: int
+    compiles: int
+    recompiles: int
+    calls: int
+    compile_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A compiled signature: the graph dynamo captured and what it took to compile."""
+
+    name: str
+    graph: torch.fx.GraphModule                              # the last graph compiled
+    compile_seconds: float
+    graph_count: int                                         # graphs dynamo holds (1 unless recompiled)
+
+    def text(self) -> str:
+        """The captured graph as Python code (one line per torch op)."""
+        return self.graph.code
+
+    def __repr__(self) -> str:
+        ops = sum(1 for n in self.graph.graph.nodes if n.op == "call_function" or n.op == "call_method")
+        return (f"Lowered({self.name}: {ops} ops in {self.graph_count} graph(s), compiled in "
+                f"{self.compile_seconds:.2f} s)")
+
+
+class Jitted:
+    """``fn`` compiled per call signature; see the module docstring."""
+
+    def __init__(self, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
+                 static_argnums: int | Sequence[int] = (), backend: str | Callable = "inductor",
+                 compile: bool = True):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+        self.donate = signature.argnums(self.name, "donate_argnums", donate_argnums)
+        self.static = signature.argnums(self.name, "static_argnums", static_argnums)
+        if set(self.donate) & set(self.static):
+            raise ValueError(f"cfx.jit({self.name}): argument(s) {sorted(set(self.donate) & set(self.static))} "
+                             "are both static and donated; a static argument is a value of the graph, not "
+                             "a buffer. Drop one of the two.")
+        self.backend, self.compile = backend, compile
+        self._entries: dict[Any, _Entry] = {}
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)
+
+    # -- calling ---------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate)
+        if not self.compile:
+            return self._eager(call)
+        self._check_context()
+        entry = self._entry(call)
+        first = entry.compile_seconds is None
+        t0 = time.perf_counter()
+        with torch._dynamo.config.patch(trace_autograd_ops=True):  # cfx.grad inside the graph
+            out = entry.run(*call.dynamic, **call.kwargs)
+        if first:
+            entry.compile_seconds = time.perf_counter() - t0
+        entry.calls += 1
+        return self._finish(call, out, entry)
+
+    def _check_context(self) -> None:
+        inside = context.semantic_set()
+        if inside:
+            raise ValueError(f"cfx.jit({self.name}) was called inside {' and '.join(inside)}, whose context "
+                             "would be baked into the compiled graph; compiling there is not supported. Run it "
+                             "there with cfx.jit(..., compile=False), which keeps the donation.")
+
+    def _entry(self, call: signature.Call) -> _Entry:
+        with self._lock:
+            entry = self._entries.get(call.key)
+            if entry is None:
+                entry = self._entries[call.key] = self._build(call)
+            return entry
+
+    def _build(self, call: signature.Call) -> _Entry:
+        fn, statics, n, graphs = self.fn, call.statics, len(call.args), []
+        donate = {i % n for i in self.donate}
+
+        def traced(*dyn, **kwargs):  # the dynamic arguments as pytrees: dynamo guards their structure
+            it = iter(dyn)
+            args = [statics[i] if i in statics else next(it) for i in range(n)]
+            out = fn(*args, **kwargs)
+            bufs = [t for i in sorted(donate) for t in tree_util.leaves(args[i])]
+            if not bufs:
+                return out
+            outs, treedef = tree_util.flatten(out)
+            fits = lambda i, j: _fits(outs[i], bufs[j])  # noqa: E731
+            for i, j in donation.assign(outs, bufs, fits, in_place=False).items():
+                outs[i] = bufs[j].copy_(outs[i])  # inductor stores the output straight into the buffer
+            return tree_util.unflatten(treedef, outs)
+
+        # A code object of its own per signature: dynamo caches compiled graphs per code object, so
+        # signatures never share (or evict) each other's entries, and a second compile is a recompile.
+        code = traced.__code__.replace(co_name=f"jit_{self.name}_{len(self._entries)}")
+        own = types.FunctionType(code, traced.__globals__, code.co_name, None, traced.__closure__)
+        run = torch.compile(own, fullgraph=True, dynamic=False, backend=_Recorder(self.backend, graphs))
+        return _Entry(run, code, graphs)
+
+    def _eager(self, call: signature.Call):
+        bufs = [call.tensors[i] for i in call.donated]
+        with donation.donated(bufs):
+            out = self.fn(*call.args, **call.kwargs)
+        if not bufs:
+            return out
+        outs, treedef = tree_util.flatten(out)
+        outs = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in outs]
+        with torch.no_grad():
+            for i, j in donation.assign(outs, bufs, lambda i, j: _fits(outs[i], bufs[j])).items():
+                if bufs[j].data_ptr() != outs[i].data_ptr():
+                    outs[i] = bufs[j].copy_(outs[i])
+        return self._finish(call, tree_util.unflatten(treedef, outs), None)
+
+    def _finish(self, call: signature.Call, out: Any, entry: _Entry | None) -> Any:
+        """Outputs that are donated input objects become new tensors on the same buffers; the
+        donated objects are deleted."""
+        if not call.donated:
+            return out
+        gone = {id(call.tensors[i]) for i in call.donated}
+        out = tree_util.map(lambda x: x.detach() if id(x) in gone else x, out)
+        if entry is not None and not entry.warned:
+            entry.warned = True
+            held = {x.untyped_storage()._cdata for x in tree_util.leaves(out) if isinstance(x, torch.Tensor)}
+            unused = [i for i in call.donated if call.tensors[i].untyped_storage()._cdata not in held]
+            if unused:
+                warnings.warn(f"cfx.jit({self.name}): {len(unused)} donated buffer(s) were not reused by any "
+                              f"output (first: {call.where(unused[0])}); no output has its shape and dtype. "
+                              "They are freed, but donating them saves nothing.", stacklevel=3)
+        for i in call.donated:
+            deleted.delete(call.tensors[i], f"this tensor was donated to {self.name} ({call.where(i)}); its "
+                                            f"buffer now holds that call's outputs. Use what {self.name} "
+                                            "returned instead.")
+        return out
+
+    # -- inspecting ------------------------------------------------------------------------------
+    def lower(self, *args, **kwargs) -> Lowered:
+        """Compile for these arguments' signature and return the captured graph and compile time.
+
+        Compiling runs the function once, on copies of the donated arguments: the arguments stay
+        usable, and the real call with this signature reuses the compiled graph."""
+        if not self.compile:
+            raise ValueError(f"cfx.jit({self.name}, compile=False) compiles nothing; nothing to lower.")
+        call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate)
+        self._check_context()
+        entry = self._entry(call)
+        if entry.compile_seconds is None:
+            n = len(call.args)
+            copy = {i % n for i in self.donate}
+            dynamic = [tree_util.map(torch.clone, a) if i in copy else a for i, a in enumerate(call.args)
+                       if i not in call.statics]
+            t0 = time.perf_counter()
+            with torch._dynamo.config.patch(trace_autograd_ops=True):
+                entry.run(*dynamic, **call.kwargs)
+            entry.compile_seconds = time.perf_counter() - t0
+        return Lowered(self.name, entry.graphs[-1], entry.compile_seconds, _compiles(entry))
+
+    def stats(self) -> JitStats:
+        entries = list(self._entries.values())
+        counts = [_compiles(e) for e in entries]
+        return JitStats(signatures=len(entries), compiles=sum(counts),
+                        recompiles=sum(max(c - 1, 0) for c in counts),
+                        calls=sum(e.calls for e in entries),
+                        compile_seconds=sum(e.compile_seconds or 0.0 for e in entries))
+
+    def __repr__(self) -> str:
+        return f"cfx.jit({self.name}, donate_argnums={self.donate}, static_argnums={self.static})"
+
+
+def _compiles(entry: _Entry) -> int:
+    """How many graphs dynamo holds for this signature (its cache entries; an analysis dynamo
+    restarted is not one)."""
+    return len(_debug_get_cache_entry_list(entry.code))
+
+
+def _fits(out: Any, buf: torch.Tensor) -> bool:
+    return (isinstance(out, torch.Tensor) and out.shape == buf.shape and out.dtype == buf.dtype
+            and out.device == buf.device)
+
+
+class _Recorder:
+    """The compiler backend, keeping each graph dynamo hands it (for ``lower`` and ``stats``)."""
+
+    def __init__(self, backend: str | Callable, graphs: list):
+        self.inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        self.graphs = graphs
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs.append(gm)
+        return self.inner(gm, example_inputs)
+
+
+def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),
+        static_argnums: int | Sequence[int] = (), backend: str | Callable = "inductor",
+        compile: bool = True) -> Any:
+    """Compile ``fn`` (a pure function of pytrees of tensors) with ``torch.compile``.
+
+    ``donate_argnums``: arguments whose buffers the outputs may take (they are deleted after the
+    call). ``static_argnums``: hashable arguments the graph is specialised on. ``backend``: any
+    ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces the same graph without
+    generating kernels). ``compile=False``: run eagerly with the same donation. Usable as a
+    decorator, bare or through ``functools.partial``.
+    """
+    if fn is None:
+        return functools.partial(jit, donate_argnums=donate_argnums, static_argnums=static_argnums,
+                                 backend=backend, compile=compile)
+    if not callable(fn):
+        raise ValueError(f"cfx.jit: expected a function, got {type(fn).__name__}.")
+    return Jitted(fn, donate_argnums=donate_argnums, static_argnums=static_argnums, backend=backend,
+                  compile=compile)

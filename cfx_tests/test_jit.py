@@ -1,0 +1,197 @@
+"""``cfx.jit``: a whole train step (grad + AdamW) compiles as one graph with no break, equals the
+eager step over several steps, writes its outputs into the donated buffers, deletes the donated
+arguments, and recompiles only when the signature changes.
+
+Most tests use the ``aot_eager`` backend (dynamo and AOT autograd trace exactly the graph inductor
+would get, without generating kernels: seconds instead of a minute); one runs inductor itself.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch._dynamo.utils import counters
+
+import cfx
+from cfx import optim
+
+MODELS = {
+    "gpt2": lambda: cfx.models.gpt2("tiny", n_layer=1, vocab_size=64, n_embd=32, n_head=4, n_positions=16),
+    "llama": lambda: cfx.models.llama("tiny", vocab_size=64, n_layer=1, hidden_size=32, n_head=4, n_kv_heads=2,
+                                      intermediate_size=48, max_position_embeddings=16),
+}
+
+
+class State(NamedTuple):
+    params: dict
+    opt: tuple
+
+
+def _setup(name: str):
+    model = MODELS[name]()
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    params = model.init(cfx.random.key(0))
+    batches = [cfx.random.randint(cfx.random.key(i + 1), (2, 2, 16), 0, 64) for i in range(3)]
+
+    def step(state, tokens, targets):
+        loss, grads = cfx.value_and_grad(model.loss)(state.params, tokens, targets)
+        updates, opt = tx.update(grads, state.opt, state.params)
+        return State(optim.apply_updates(state.params, updates), opt), loss
+
+    return step, State(params, tx.init(params)), batches
+
+
+def _copy(tree):
+    return cfx.tree.map(torch.clone, tree)
+
+
+def _ptrs(tree):
+    return [x.untyped_storage().data_ptr() for x in cfx.tree.leaves(tree)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", MODELS)
+def test_jitted_train_step_is_one_graph_and_equals_eager(name):
+    step, state, batches = _setup(name)
+    ref = _copy(state)
+    dynamo.reset()
+    counters.clear()
+    jstep = cfx.jit(step, donate_argnums=0, backend="aot_eager")
+    for tokens, targets in batches:
+        state, loss = jstep(state, tokens, targets)
+        ref, ref_loss = step(ref, tokens, targets)
+        torch.testing.assert_close(loss, ref_loss)
+        cfx.tree.assert_tree_close(state, ref)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    stats = jstep.stats()
+    assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (1, 1, 0, 3)
+
+
+@pytest.mark.timeout(600)
+def test_inductor_step_writes_into_the_donated_buffers():
+    step, state, batches = _setup("gpt2")
+    ref = _copy(state)
+    before = _ptrs(state)
+    jstep = cfx.jit(step, donate_argnums=0)
+    lowered = jstep.lower(state, *batches[0])
+    assert lowered.compile_seconds > 0 and "addmm" in lowered.text() or "matmul" in lowered.text()
+    for tokens, targets in batches:
+        state, loss = jstep(state, tokens, targets)
+        ref, ref_loss = step(ref, tokens, targets)
+    torch.testing.assert_close(loss, ref_loss)
+    # inductor fuses differently (rounding-level differences); the attention key bias's gradient is
+    # zero in exact arithmetic (softmax ignores a per-query constant), so Adam turns rounding into
+    # steps of up to lr: compare at that scale
+    cfx.tree.assert_tree_close(state, ref, rtol=1e-4, atol=1e-4)
+    assert _ptrs(state) == before  # params, moments and the count live where they lived
+    assert jstep.stats().recompiles == 0
+
+
+def _sgd_setup():
+    def step(state, x):
+        loss, grads = cfx.value_and_grad(lambda p: (torch.tanh(x @ p["w"] + p["b"]) ** 2).mean())(state.params)
+        return State(cfx.tree.map(lambda p, g: p - 0.1 * g, state.params, grads), state.opt), loss
+
+    params = {"w": torch.randn(3, 4), "b": torch.zeros(4)}
+    return step, State(params, (torch.zeros(()),)), torch.randn(5, 3)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_a_donated_argument_used_again_raises(compiled):
+    step, state, x = _sgd_setup()
+    jstep = cfx.jit(step, donate_argnums=0, backend="aot_eager", compile=compiled)
+    old = state
+    new, _ = jstep(state, x)
+    with pytest.raises(ValueError, match=r"donated to step \(argument 0 leaf 'params\.w'\)"):
+        old.params["w"] + 1
+    with pytest.raises(ValueError, match="cfx.jit\\(step\\): argument 0 leaf 'params.b'.*donated"):
+        jstep(State({"w": torch.ones(3, 4), "b": old.params["b"]}, new.opt), x)
+    assert "DonatedTensor" in repr(old.opt[0])
+    jstep(new, x)  # the returned state is alive
+
+
+def test_eager_donation_updates_in_place_and_equals_the_pure_step():
+    step, state, batches = _setup("llama")
+    ref = _copy(state)
+    before = _ptrs(state.params) + _ptrs(state.opt)
+    estep = cfx.jit(step, donate_argnums=0, compile=False)
+    for tokens, targets in batches:
+        state, _ = estep(state, tokens, targets)
+        ref, _ = step(ref, tokens, targets)
+    cfx.tree.assert_tree_close(state, ref)
+    assert _ptrs(state.params) + _ptrs(state.opt) == before
+
+
+@pytest.mark.timeout(300)
+def test_only_the_signature_recompiles():
+    def f(x, scale, n):
+        for _ in range(n):
+            x = torch.tanh(x * scale["a"])
+        return x
+
+    jf = cfx.jit(f, static_argnums=2, backend="aot_eager")
+    for i in range(20):  # new values each call: no recompile
+        x, a = torch.randn(4, 3), torch.randn(())
+        torch.testing.assert_close(jf(x, {"a": a}, 2), f(x, {"a": a}, 2))
+    assert jf.stats().compiles == 1
+    jf(torch.randn(5, 3), {"a": torch.randn(())}, 2)         # a new shape
+    jf(torch.randn(4, 3, dtype=torch.float64), {"a": torch.randn((), dtype=torch.float64)}, 2)  # dtype
+    jf(torch.randn(4, 3), {"a": torch.randn(())}, 3)         # a new static value
+    jf(torch.randn(4, 3), {"a": torch.randn(()), "b": 1.0}, 2)  # a new tree structure
+    stats = jf.stats()
+    assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (5, 5, 0, 24)
+
+
+def test_grad_of_jit_and_jit_of_grad_equal_grad():
+    model = MODELS["llama"]()
+    params = model.init(cfx.random.key(0))
+    x, y = cfx.random.randint(cfx.random.key(1), (2, 2, 16), 0, 64)
+    ref = cfx.grad(model.loss)(params, x, y)
+    outer = cfx.grad(cfx.jit(model.loss, backend="aot_eager"))(params, x, y)
+    inner = cfx.jit(cfx.grad(model.loss), backend="aot_eager")(params, x, y)
+    cfx.tree.assert_tree_close(outer, ref)
+    cfx.tree.assert_tree_close(inner, ref)
+
+
+def test_bad_arguments_raise_before_compiling():
+    def f(x, y):
+        return x + y
+
+    x = torch.ones(3)
+    with pytest.raises(ValueError, match="both static and donated"):
+        cfx.jit(f, donate_argnums=0, static_argnums=0)
+    with pytest.raises(ValueError, match="static argument 1 is a list, which is not hashable"):
+        cfx.jit(f, static_argnums=1)(x, [1])
+    with pytest.raises(ValueError, match=r"donate_argnums=\(2,\) but the call has 2"):
+        cfx.jit(f, donate_argnums=2)(x, x)
+    with pytest.raises(ValueError, match="donated argument 0 leaf '<root>' shares its buffer with argument 1"):
+        cfx.jit(f, donate_argnums=0)(x, x[:2])
+    with pytest.raises(ValueError, match="donated argument 0 leaf '<root>' requires grad"):
+        cfx.jit(f, donate_argnums=0)(torch.ones(3, requires_grad=True), x)
+    with pytest.raises(ValueError, match="argument 1 leaf 'k' is a Unhashable"):
+        cfx.jit(f)(x, {"k": object.__new__(type("Unhashable", (), {"__hash__": None}))})
+
+
+def test_unused_donation_warns_once():
+    jf = cfx.jit(lambda x, y: (x * y).sum(), donate_argnums=0, backend="aot_eager")
+    with pytest.warns(UserWarning, match="1 donated buffer"):
+        jf(torch.ones(3), torch.ones(3))
+    jf(torch.ones(3), torch.ones(3))  # warned already: an error here under filterwarnings=error
+
+
+def test_decorator_forms():
+    @cfx.jit
+    def double(x):
+        return 2 * x
+
+    @functools.partial(cfx.jit, static_argnums=1, backend="aot_eager")
+    def power(x, n):
+        return x ** n
+
+    x = torch.arange(3.0)
+    torch.testing.assert_close(double(x), 2 * x)
+    torch.testing.assert_close(power(x, 3), x ** 3)
+    assert double.__name__ == "double" and "static_argnums=(1,)" in repr(power)
