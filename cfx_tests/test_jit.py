@@ -13,6 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch._dynamo as dynamo
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
 import cfx
@@ -195,3 +196,35 @@ def test_decorator_forms():
     torch.testing.assert_close(double(x), 2 * x)
     torch.testing.assert_close(power(x, 3), x ** 3)
     assert double.__name__ == "double" and "static_argnums=(1,)" in repr(power)
+
+
+def _matmuls_after_aot(model, params, x, y):
+    """(loss, grads) of the jitted value_and_grad, and the mm / addmm count of the graph AOT
+    autograd hands the compiler (after it rematerialises what the checkpoint tags ask)."""
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    out = cfx.jit(cfx.value_and_grad(model.loss), backend=aot_autograd(fw_compiler=capture))(params, x, y)
+    mms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return out, sum(1 for n in graphs[-1].graph.nodes if n.target in mms)
+
+
+def test_remat_policies_become_what_the_compiler_recomputes():
+    model = MODELS["gpt2"]()
+    params = model.init(cfx.random.key(0))
+    x, y = cfx.random.randint(cfx.random.key(1), (2, 2, 16), 0, 64)
+    ref = cfx.value_and_grad(model.loss)(params, x, y)
+    _, plain = _matmuls_after_aot(model, params, x, y)
+    counts = {}
+    for name in ("nothing_saveable", "dots_saveable"):
+        policy = getattr(cfx.checkpoint_policies, name)
+        (loss, grads), counts[name] = _matmuls_after_aot(model.map_blocks(lambda b: cfx.remat(b, policy=policy)),
+                                                         params, x, y)
+        torch.testing.assert_close(loss, ref[0])
+        cfx.tree.assert_tree_close(grads, ref[1])
+    # one block: q, k, v, o, fc, proj are recomputed in backward under nothing_saveable; dots_saveable
+    # keeps every matmul output (and recomputes only the cheap ops between them)
+    assert counts == {"nothing_saveable": plain + 6, "dots_saveable": plain}

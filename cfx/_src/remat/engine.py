@@ -6,6 +6,9 @@ dropped and recomputed. The first backward use of a dropped tensor re-runs ``f``
 inputs (with grad recording on, so the same ops save the same tensors in the same order) and
 hands back the recomputed values by position. ``f``'s inputs are always kept.
 
+Inside ``torch.compile`` (``cfx.jit``) the hooks cannot run: the policy is asked per op through
+torch's selective checkpointing and the compiler recomputes what it says to recompute (``_compiled``).
+
 Randomness is explicit (dropout takes keys), so a recomputed forward replays it exactly.
 Collectives inside ``f`` run again in the recomputation, at the same point on every rank,
 because every rank's backward reaches it symmetrically; to avoid re-issuing one, save its
@@ -21,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.weak import WeakIdKeyDictionary
 
 from cfx._src import context, tree as tree_util
@@ -36,7 +40,10 @@ _collectors: context.Var[tuple] = context.Var("cfx_activation_stats", ())
 
 
 def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``x``, tagged ``name`` for remat policies (``save_only_these_names`` etc.)."""
+    """``x``, tagged ``name`` for remat policies (``save_only_these_names`` etc.; not seen inside
+    torch.compile, see ``_compiled``)."""
+    if torch.compiler.is_compiling():
+        return x
     y = x.view_as(x)
     _names[y] = name
     return y
@@ -170,6 +177,8 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
     def wrapped(*args, **kwargs):
         if not torch.is_grad_enabled():
             return f(*args, **kwargs)  # nothing is saved without grad
+        if torch.compiler.is_compiling():
+            return _compiled(f, policy, args, kwargs)
         call = next(_calls)
         collectors = _collectors.get()
         inputs = [x for x in tree_util.leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -219,3 +228,25 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
             return f(*args, **kwargs)
 
     return wrapped
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default}
+
+
+def _compiled(f: Callable[..., Any], policy: pol.Policy, args: tuple, kwargs: dict) -> Any:
+    """``remat`` inside torch.compile, where saved-tensor hooks cannot run: torch's selective
+    checkpointing asks the policy per op, and the compiler honours its answer -- "recompute"
+    recomputes, "save" and "offload" save (a compiled graph does not offload). The policy sees
+    whether the op is a matmul and its dtype; names and sizes are not known per op here (``name``
+    None, ``nbytes`` 0)."""
+    contexts = functools.partial(create_selective_checkpoint_contexts, functools.partial(_decide, policy))
+    return checkpoint(f, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def _decide(policy: pol.Policy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        return CheckpointPolicy.MUST_SAVE  # random (or uninitialised) values cannot be made again
+    dtype = next((x.dtype for x in args if isinstance(x, torch.Tensor)), torch.float32)
+    decision = policy(pol.Saved((), dtype, 0, op in _MATMULS, None))
+    return CheckpointPolicy.PREFER_RECOMPUTE if decision == pol.RECOMPUTE else CheckpointPolicy.MUST_SAVE
