@@ -58,9 +58,16 @@ def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], dona
                              "(a tuple, a frozen dataclass).") from None
     dyn_pos = [i for i in range(n) if i not in static]
     dyn = (tuple(args[i] for i in dyn_pos), kwargs)
-    leaves, treedef = tree_util.flatten(dyn)
+    parts = [tree_util.flatten(args[i]) for i in dyn_pos] + [tree_util.flatten(kwargs)]  # one walk in all
+    leaves = [x for part, _ in parts for x in part]
+    treedef = tuple(td for _, td in parts)
     where = _Where(dyn, dyn_pos)
-    tensors, donated, consts, specs, donated_leaf = [], [], set(), [], _donated_leaves(dyn, dyn_pos, donate)
+    donated_leaf, start = set(), 0
+    for i, (part, _) in zip(dyn_pos, parts):
+        if i in donate:
+            donated_leaf.update(range(start, start + len(part)))
+        start += len(part)
+    tensors, donated, consts, specs = [], [], set(), []
     for k, x in enumerate(leaves):
         if isinstance(x, DonatedTensor):
             raise ValueError(f"cfx.jit({name}): {where(k)}: {x._cfx_donated}")
@@ -87,17 +94,6 @@ def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], dona
     return Call(key, args, kwargs, statics, dyn[0], tensors, donated, lambda i: where(tensor_leaf[i]))
 
 
-def _donated_leaves(dyn: tuple, dyn_pos: list[int], donate: set[int]) -> set[int]:
-    """Leaf indices (in the flattened ``dyn``) of the donated arguments."""
-    out, start = set(), 0
-    for pos, a in zip(dyn_pos, dyn[0]):
-        size = len(tree_util.leaves(a))
-        if pos in donate:
-            out.update(range(start, start + size))
-        start += size
-    return out
-
-
 class _Where:
     """"argument 2 leaf 'blocks.0.w'" for a leaf index; paths are built only for an error."""
 
@@ -115,6 +111,8 @@ class _Where:
 
 
 def _check_donated_buffers(name: str, tensors: list, donated: list[int], where) -> None:
+    if not donated:
+        return
     holders: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         holders.setdefault(t.untyped_storage()._cdata, []).append(i)
