@@ -78,7 +78,8 @@ def test_inductor_step_writes_into_the_donated_buffers():
     before = _ptrs(state)
     jstep = cfx.jit(step, donate_argnums=0)
     lowered = jstep.lower(state, *batches[0])
-    assert lowered.compile_seconds > 0 and "addmm" in lowered.text() or "matmul" in lowered.text()
+    assert lowered.compile_seconds > 0 and lowered.graph_count == 1
+    assert "torch.autograd.grad(" in lowered.text()  # the backward is in the one graph
     for tokens, targets in batches:
         state, loss = jstep(state, tokens, targets)
         ref, ref_loss = step(ref, tokens, targets)
