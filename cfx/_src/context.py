@@ -10,7 +10,7 @@ another context would reuse.
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -41,7 +41,3 @@ def semantic_set() -> list[str]:
     """What the code here runs inside (``semantic`` descriptions of the variables not at default)."""
     return [v.semantic for v in _SEMANTIC if v.var.get() is not v.default]
 
-
-def value(var: Var[Any]) -> Any:
-    """A variable's value even while tracing (for code that runs outside the traced region)."""
-    return var.var.get()

@@ -16,6 +16,8 @@ import torch
 
 from cfx._src import context
 
+# Empty in a compiled region (context.Var): there the compiler owns every buffer, and cfx.jit's
+# donate_argnums writes the outputs into the donated inputs itself.
 _donated: context.Var[frozenset] = context.Var("cfx_donated", frozenset())
 
 
@@ -34,20 +36,14 @@ def donated(tensors: Iterable[Any]):
         _donated.reset(token)
 
 
-def _keys() -> frozenset:
-    # Empty in a compiled region: there the compiler owns every buffer, and cfx.jit's
-    # donate_argnums writes the outputs into the donated inputs itself.
-    return _donated.get()
-
-
 def is_donated(t: Any) -> bool:
     """True when ``t``'s storage was donated here (writing into it is allowed)."""
-    keys = _keys()
+    keys = _donated.get()
     return bool(keys) and isinstance(t, torch.Tensor) and t.numel() > 0 and _key(t) in keys
 
 
 def all_donated(ts: Iterable[Any]) -> bool:
-    keys = _keys()
+    keys = _donated.get()
     return bool(keys) and all(isinstance(t, torch.Tensor) and t.numel() > 0 and _key(t) in keys for t in ts)
 
 
@@ -79,3 +75,14 @@ def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, in
                 free.remove(j)
                 break
     return taken
+
+
+def write_into(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, int], bool]) -> list[Any]:
+    """``outs`` with each output that ``assign`` places in a donated buffer replaced by that
+    buffer (written in place unless the output already lives there)."""
+    outs = list(outs)
+    with torch.no_grad():
+        for i, j in assign(outs, donated, fits).items():
+            b = donated[j]
+            outs[i] = b if b.data_ptr() == outs[i].data_ptr() else b.copy_(outs[i])
+    return outs

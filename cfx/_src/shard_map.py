@@ -169,10 +169,7 @@ class _Call:
         out = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
         fits = lambda i, j: (blocks[j].shape == out[i].shape and blocks[j].dtype == out[i].dtype  # noqa: E731
                              and not self.donated[j].partial and same_layout(self.donated[j].spec, specs[i], out[i].dim()))
-        with torch.no_grad():
-            for i, j in donation.assign(out, blocks, fits).items():
-                out[i] = blocks[j] if blocks[j].data_ptr() == out[i].data_ptr() else blocks[j].copy_(out[i])
-        return out
+        return donation.write_into(out, blocks, fits)
 
     def run(self):
         results = self.mesh.run(self.on_rank)

@@ -171,10 +171,7 @@ class Jitted:
             return out
         outs, treedef = tree_util.flatten(out)
         outs = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in outs]
-        with torch.no_grad():
-            for i, j in donation.assign(outs, bufs, lambda i, j: _fits(outs[i], bufs[j])).items():
-                if bufs[j].data_ptr() != outs[i].data_ptr():
-                    outs[i] = bufs[j].copy_(outs[i])
+        outs = donation.write_into(outs, bufs, lambda i, j: _fits(outs[i], bufs[j]))
         return self._finish(call, tree_util.unflatten(treedef, outs), None)
 
     def _finish(self, call: signature.Call, out: Any, entry: _Entry | None) -> Any:
