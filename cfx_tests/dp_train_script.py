@@ -1,7 +1,7 @@
 """Data-parallel and ZeRO-3 GPT-2 training runs, used by test_dist.py on both mesh backends.
 
 Run as ``torchrun --nproc-per-node 4 -m cfx_tests.dp_train_script`` (dist backend) or call
-``data_parallel("local")`` / ``zero3("local")``. Prints the losses as JSON on rank 0. Params and
+``data_parallel("local")`` (``jit=True``: compiled) / ``zero3("local")``. Prints the losses as JSON on rank 0. Params and
 optimizer state stay ShardedArrays between steps; under torchrun each process holds only its own
 rank's blocks, which the ZeRO-3 run checks.
 """
@@ -33,7 +33,9 @@ def single_device() -> list[float]:
     return losses
 
 
-def data_parallel(backend: str) -> list[float]:
+def data_parallel(backend: str, *, jit: bool = False) -> list[float]:
+    """``jit``: the step compiled (``cfx.jit(shard_map(step))``: a graph per rank, the params and
+    optimizer state donated)."""
     model, params, tokens, tx = setup()
 
     def step(params, state, batch):  # runs per rank on its batch shard
@@ -44,6 +46,8 @@ def data_parallel(backend: str) -> list[float]:
 
     with cfx.Mesh({"data": 4}, backend=backend, timeout=60) as mesh:
         train_step = cfx.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
+        if jit:
+            train_step = cfx.jit(train_step, donate_argnums=(0, 1), backend="aot_eager")
         state, losses = tx.init(params), []
         for t in tokens:
             params, state, loss = train_step(params, state, t)
@@ -83,7 +87,9 @@ def zero3(backend: str) -> tuple[list[float], int]:
 if __name__ == "__main__":
     import os
     losses = data_parallel("dist")
+    jit_losses = data_parallel("dist", jit=True)
     z_losses, z_held = zero3("dist")
     if os.environ.get("RANK", "0") == "0":
         print("LOSSES", json.dumps(losses), flush=True)
+        print("JIT", json.dumps(jit_losses), flush=True)
         print("ZERO3", json.dumps({"losses": z_losses, "held": z_held}), flush=True)

@@ -27,7 +27,11 @@ def _key(t: torch.Tensor) -> int:
 
 @contextlib.contextmanager
 def donated(tensors: Iterable[Any]):
-    """Inside, the storages of ``tensors`` (non-tensors ignored) may be overwritten."""
+    """Inside, the storages of ``tensors`` (non-tensors ignored) may be overwritten (nothing, in
+    a compiled region: see ``_donated``)."""
+    if torch.compiler.is_dynamo_compiling():
+        yield
+        return
     keys = {_key(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
     token = _donated.set(_donated.get() | keys)
     try:
@@ -56,7 +60,7 @@ def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, in
     whatever else the caller asks), never one an output still lives in. Outputs left out are
     fresh; donated buffers left over are simply released."""
     taken: dict[int, int] = {}
-    free = list(range(len(donated)))
+    free = [j for j in range(len(donated)) if not is_deleted(donated[j])]  # given away inside already
     if in_place:
         for i, x in enumerate(outs):
             for j in free:
@@ -79,10 +83,51 @@ def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, in
 
 def write_into(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, int], bool]) -> list[Any]:
     """``outs`` with each output that ``assign`` places in a donated buffer replaced by that
-    buffer (written in place unless the output already lives there)."""
+    buffer (written in place unless the output already lives there). Buffers the code inside
+    already gave away (a ``cfx.jit`` body's donation) are not offered again."""
     outs = list(outs)
     with torch.no_grad():
         for i, j in assign(outs, donated, fits).items():
             b = donated[j]
             outs[i] = b if b.data_ptr() == outs[i].data_ptr() else b.copy_(outs[i])
     return outs
+
+
+# -- deleted tensors ----------------------------------------------------------------------------
+# What ``cfx.jit(..., donate_argnums=...)`` leaves in the caller's hands. The caller's tensor
+# objects gave their buffers to the call's outputs. Each is emptied (it no longer shares the
+# buffer it gave away) and turned into a ``DonatedTensor``, whose every use raises a ``ValueError``
+# that names the function, the argument and the leaf -- JAX's "Array has been deleted", instead of
+# silently reading the new values through an old name.
+
+
+class DonatedTensor(torch.Tensor):
+    """A tensor whose buffer was donated to a ``cfx.jit`` call; every use raises."""
+
+    _cfx_donated: str
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for x in (*args, *(kwargs or {}).values()):
+            if isinstance(x, DonatedTensor):
+                raise ValueError(x._cfx_donated)
+            if isinstance(x, (list, tuple)):
+                for y in x:
+                    if isinstance(y, DonatedTensor):
+                        raise ValueError(y._cfx_donated)
+        raise ValueError("cfx.jit: a donated tensor was used after its call.")
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"<DonatedTensor: {self._cfx_donated}>"
+
+
+def delete(t: torch.Tensor, why: str) -> None:
+    """Empty ``t`` and make every later use of it raise ``ValueError(why)``."""
+    with torch.no_grad():
+        t.set_()
+    t.__class__ = DonatedTensor
+    t._cfx_donated = why
+
+
+def is_deleted(x: Any) -> bool:
+    return isinstance(x, DonatedTensor)

@@ -181,7 +181,7 @@ def _apply(x: torch.Tensor, s: Step, ax: comm.Axes) -> torch.Tensor:
 def run_steps(x: torch.Tensor, steps: tuple[Step, ...]) -> torch.Tensor:
     """A rank's block moved through ``steps`` (inside a rank; differentiable)."""
     for s in steps:
-        ax = comm.Axes((s.axis,), "cfx.reshard")
+        ax = comm.axes((s.axis,), "cfx.reshard")
         x = _Relayout.apply(x, s, ax) if x.requires_grad and torch.is_grad_enabled() else _apply(x, s, ax)
     return x
 

@@ -63,7 +63,7 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def is_abstract(t: Any) -> bool:
     """True for a tensor without values here: fake or meta, or traced by ``torch.compile`` (checks
     of its values do not apply: they would read values the trace does not have)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return True
     return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
 

@@ -311,11 +311,26 @@ def shard_map(f: Callable[..., Any], *, mesh, in_specs: Any, out_specs: Any, che
     is not differentiated from outside (where it always is); a Python hook per op.
     """
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    return _mapped(f, mesh, in_specs, out_specs, check_rep, check_vma, donate, ())
 
+
+def _mapped(f, mesh, in_specs, out_specs, check_rep: bool, check_vma: bool, donate: tuple,
+            body_donates: tuple) -> Callable[..., Any]:
     @functools.wraps(f)
     def wrapped(*args):
         call = _Call(f, mesh, in_specs, out_specs, check_rep, donate, args, check_vma)
         outs = _run_differentiable(call) if call.differentiable else call.run()
+        for n in body_donates:  # the body took these blocks' buffers (a cfx.jit with donate_argnums)
+            for a in tree_util.leaves(args[n]):
+                if isinstance(a, ShardedArray):
+                    a.delete(f"donated to {getattr(f, '__name__', 'a shard_map call')}")
         return tree_util.unflatten(call.results_treedef, outs)
 
+    def with_body(transform: Callable[[Callable], Callable], *, body_donates: Sequence[int] = ()):
+        """The same shard_map over ``transform(f)`` (``cfx.jit(shard_map(f))`` is
+        ``shard_map(cfx.jit(f))``); ``body_donates``: arguments whose blocks the new body takes."""
+        kept = tuple(n for n in donate if n not in body_donates)
+        return _mapped(transform(f), mesh, in_specs, out_specs, check_rep, check_vma, kept, tuple(body_donates))
+
+    wrapped.cfx_with_body = with_body
     return wrapped

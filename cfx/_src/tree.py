@@ -13,7 +13,7 @@ import torch
 
 from cfx._src import tree_traced
 
-_compiling = torch.compiler.is_compiling
+_compiling = torch.compiler.is_dynamo_compiling
 
 NAMESPACE = "cfx"
 

@@ -8,12 +8,15 @@
 * per rank, live model-state bytes (``cfx.memory`` kinds param + grad + optim) once the gradients
   exist, as a ratio to the mixed-precision Adam formulas (16 Psi; 4 Psi + 12 Psi/N;
   2 Psi + 14 Psi/N; 16 Psi/N), with bf16 params; ok within one chunk (a block's fp32 shard);
-* step time of ZeRO-3 (``cfx.zero.gathered`` blocks and model, AdamW) on a local mesh vs torch's
-  ``fully_shard`` (FSDP2) on the same GPT-2 shapes, one gloo process per rank.
+* step time of ZeRO-3 (``cfx.zero.gathered`` blocks and model, AdamW, params and state kept as
+  donated ShardedArrays between steps on a ``dist`` mesh) vs torch's ``fully_shard`` (FSDP2,
+  each block and the model, ``torch.optim.AdamW``) on the same GPT-2, both in the same gloo
+  processes (one per rank), steps alternating: rows ``zero3_vs_fsdp2_n{N}`` (target <= 1.00).
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import statistics
 import tempfile
@@ -27,7 +30,7 @@ import cfx
 from cfx import P
 from cfx._src.zero.api import zero
 from cfx._src.zero.flat import piece_size
-from cfx.bench.common import Row, report
+from cfx.bench.common import Row, interleaved_medians, report
 
 SENT = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n}
@@ -75,67 +78,102 @@ def measure(model, stage: int, n: int, *, dtype=torch.bfloat16, steps: int = 2, 
     return [r for r in records if r.rank == 0 and r.axes == ("data",)], nbytes, float(t.max())
 
 
-def _fsdp_worker(rank, n, init_file, out_file, cfg, steps, batch):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=120))
+def _peer_worker(rank: int, n: int, init_file: str, out_file: str, cfg: dict, rounds: int, batch: int) -> None:
+    """cfx ZeRO-3 (a ``dist`` mesh) and FSDP2 ``fully_shard`` on the same GPT-2 in the same gloo
+    processes, steps alternating round by round; rank 0 writes each side's median step seconds
+    (the slowest rank's) and the first step's losses."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from cfx.bench.torch_gpt2 import TorchGPT2
-    model = cfx.models.gpt2("tiny", **cfg)
-    m = TorchGPT2(model.config).load_cfx(model.init(cfx.random.key(0)))
-    mesh = init_device_mesh("cpu", (n,))
-    for b in m.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    T = model.config.n_positions
-    tokens = cfx.random.randint(cfx.random.key(1), (steps, batch, T + 1), 0, model.config.vocab_size)
-    times = []
-    for t in tokens:
-        t = t.chunk(n)[rank]
-        t0 = time.perf_counter()
-        m(t[:, :-1], t[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        with open(out_file, "w") as f:
-            f.write(str(statistics.median(times[1:])))
-    dist.destroy_process_group()
-
-
-def _cfx_worker(rank, n, init_file, out_file, cfg, steps, batch):
-    """cfx ZeRO-3 in one gloo process per rank (the ``dist`` mesh backend), like FSDP2 runs."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=300))
     model = cfx.models.gpt2("tiny", **cfg)
-    _, _, t = measure(model, 3, n, dtype=torch.float32, steps=steps, batch=batch, backend="dist")
+    T = model.config.n_positions
+    tokens = cfx.random.randint(cfx.random.key(1), (batch, T + 1), 0, model.config.vocab_size)
+
+    m = TorchGPT2(model.config).load_cfx(model.init(cfx.random.key(0)))
+    for b in m.blocks:
+        fully_shard(b, mesh=init_device_mesh("cpu", (n,)))
+    fully_shard(m, mesh=init_device_mesh("cpu", (n,)))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    mine = tokens.chunk(n)[rank]
+    losses = {}
+
+    def fsdp_step():
+        loss = m(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.setdefault("fsdp2", float(loss))
+
+    ztx = zero(cfx.optim.adamw(1e-3), stage=3, axis="data")
+    net = _gathered(model)
+
+    def step(p, state, t):
+        loss, grads = ztx.value_and_grad(lambda p: net.loss(p, t[:, :-1], t[:, 1:]))(p)
+        updates, state = ztx.update(grads, state, p)
+        return cfx.optim.apply_updates(p, updates), state, cfx.lax.pmean(loss, "data")
+
+    with cfx.Mesh({"data": n}, backend="dist") as mesh:
+        shapes = cfx.eval_shape(model.init, cfx.random.key(0))
+        pspecs = zero.param_specs(None, shapes, axis="data", mesh=mesh)
+        sspecs = ztx.state_specs(shapes, mesh=mesh)
+        held = {"params": zero.init_params(model.init, cfx.random.key(0), mesh=mesh, axis="data")}
+        held["state"] = cfx.shard_map(ztx.init, mesh=mesh, in_specs=(pspecs,), out_specs=sspecs)(held["params"])
+        train_step = cfx.shard_map(step, mesh=mesh, in_specs=(pspecs, sspecs, P("data")),
+                                   out_specs=(pspecs, sspecs, P()), donate_argnums=(0, 1))
+
+        def cfx_step():
+            held["params"], held["state"], loss = train_step(held["params"], held["state"], tokens)
+            if "cfx" not in losses:
+                losses["cfx"] = float(cfx.device_get(loss))
+
+        times = torch.tensor(interleaved_medians([cfx_step, fsdp_step], rounds))
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    fsdp_loss = torch.tensor([losses["fsdp2"]])
+    dist.all_reduce(fsdp_loss)  # each rank's loss is of its own rows: their mean is cfx's loss
     if rank == 0:
         with open(out_file, "w") as f:
-            f.write(str(t))
+            json.dump({"cfx": times[0].item(), "fsdp2": times[1].item(), "loss_cfx": losses["cfx"],
+                       "loss_fsdp2": fsdp_loss.item() / n}, f)
     dist.destroy_process_group()
 
 
-def fsdp2_step_time(cfg: dict, n: int, steps: int, batch: int, *, worker=_fsdp_worker) -> tuple[float | None, str]:
-    """Median step seconds of ``worker`` (FSDP2 by default) in n gloo processes, or (None, why)."""
+def peer_step_times(cfg: dict, n: int, rounds: int, batch: int) -> tuple[dict | None, str]:
+    """``_peer_worker``'s results in n spawned gloo processes, or ``(None, why it could not run)``."""
     fd, init_file = tempfile.mkstemp(prefix="cfx-bench-fsdp-")
     os.close(fd)
     os.remove(init_file)
     out_file = init_file + ".out"
     try:
-        mp.start_processes(worker, args=(n, init_file, out_file, cfg, steps, batch), nprocs=n,
+        mp.start_processes(_peer_worker, args=(n, init_file, out_file, cfg, rounds, batch), nprocs=n,
                            start_method="spawn", join=True)
         with open(out_file) as f:
-            return float(f.read()), ""
+            return json.load(f), ""
     except Exception as e:  # noqa: BLE001 - reported in the row, not faked
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
     finally:
         for p in (init_file, out_file):
             if os.path.exists(p):
                 os.remove(p)
+
+
+def peer_rows(cfg: dict, ns: tuple, rounds: int, batch: int) -> list[Row]:
+    rows = []
+    for n in ns:
+        got, why = peer_step_times(cfg, n, rounds, batch)
+        if got is None:
+            rows.append(Row(f"zero3_vs_fsdp2_n{n}: could not run ({why})", float("nan"), "x", "<= 1.00", False))
+            continue
+        rows.append(Row(f"ZeRO-3 step time, N={n} gloo processes (median of {rounds}, slowest rank)", got["cfx"], "s"))
+        rows.append(Row(f"FSDP2 fully_shard step time, N={n}, same processes, alternating", got["fsdp2"], "s"))
+        ratio = got["cfx"] / got["fsdp2"]
+        rows.append(Row(f"zero3_vs_fsdp2_n{n}", ratio, "x", "<= 1.00", ratio <= 1.0))
+        gap = abs(got["loss_cfx"] - got["loss_fsdp2"])
+        rows.append(Row(f"first-step loss |cfx - FSDP2|, N={n}", gap, "nats", "<= 1e-4", gap <= 1e-4))
+    return rows
 
 
 def run(*, quick: bool = False, json_path: str | None = None) -> dict:
@@ -160,21 +198,5 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
             chunk = 4 * block / n
             rows.append(Row(f"stage {stage}, N={n}: model-state bytes/rank / formula (bf16 Adam)", nbytes / want,
                             "x", f"1 +- {chunk / want:.4f} (one chunk)", abs(nbytes - want) <= chunk))
-    steps, batch = (4, 8) if quick else (6, 8)
-    for n in ((2,) if quick else (2, 4)):
-        _, _, t_local = measure(model, 3, n, dtype=torch.float32, steps=steps, batch=batch)
-        rows.append(Row(f"ZeRO-3 step time, N={n}, local mesh (threads)", t_local, "s"))
-        t_cfx, why = fsdp2_step_time(cfg, n, steps, batch, worker=_cfx_worker)
-        if t_cfx is None:
-            rows.append(Row(f"ZeRO-3 step time, N={n}, gloo processes: could not run ({why})", float("nan"),
-                            "s", "runs", False))
-            continue
-        rows.append(Row(f"ZeRO-3 step time, N={n}, gloo processes", t_cfx, "s"))
-        t_fsdp, why = fsdp2_step_time(cfg, n, steps, batch)
-        if t_fsdp is None:
-            rows.append(Row(f"FSDP2 fully_shard step time, N={n}: could not run ({why})", float("nan"), "s",
-                            "runs", False))
-        else:
-            rows.append(Row(f"FSDP2 fully_shard step time, N={n}, gloo processes", t_fsdp, "s"))
-            rows.append(Row(f"ZeRO-3 / FSDP2 step time, N={n}, both gloo processes", t_cfx / t_fsdp, "x"))
+    rows += peer_rows(cfg, (2,) if quick else (2, 4), 5 if quick else 15, 8)
     return report("zero", rows, json_path)

@@ -29,6 +29,8 @@ debug a jitted function with print and pdb.
 """
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -43,7 +45,8 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from cfx._src import context, donation
 from cfx._src import tree as tree_util
-from cfx._src.jit import deleted, signature
+from cfx._src.jit import signature
+from cfx._src.mesh import context as ctx_lib
 
 
 @dataclasses.dataclass
@@ -118,7 +121,7 @@ class Jitted:
         entry = self._entry(call)
         first = entry.compile_seconds is None
         t0 = time.perf_counter()
-        with torch._dynamo.config.patch(trace_autograd_ops=True):  # cfx.grad inside the graph
+        with _tracing(self.name):
             out = entry.run(*call.dynamic, **call.kwargs)
         if first:
             entry.compile_seconds = time.perf_counter() - t0
@@ -129,14 +132,17 @@ class Jitted:
         inside = context.semantic_set()
         if inside:
             raise ValueError(f"cfx.jit({self.name}) was called inside {' and '.join(inside)}, whose context "
-                             "would be baked into the compiled graph; compiling there is not supported. Run it "
-                             "there with cfx.jit(..., compile=False), which keeps the donation.")
+                             "would be baked into the compiled graph; compiling there is not supported. Take the "
+                             "gradient inside the shard_map body (a body differentiated from outside tracks "
+                             "varying axes per op), or run it there with cfx.jit(..., compile=False), which "
+                             "keeps the donation.")
 
     def _entry(self, call: signature.Call) -> _Entry:
+        key = (call.key, ctx_lib.compile_key())  # inside shard_map: a graph per rank
         with self._lock:
-            entry = self._entries.get(call.key)
+            entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[call.key] = self._build(call)
+                entry = self._entries[key] = self._build(call)
             return entry
 
     def _build(self, call: signature.Call) -> _Entry:
@@ -190,7 +196,7 @@ class Jitted:
                               f"output (first: {call.where(unused[0])}); no output has its shape and dtype. "
                               "They are freed, but donating them saves nothing.", stacklevel=3)
         for i in call.donated:
-            deleted.delete(call.tensors[i], f"this tensor was donated to {self.name} ({call.where(i)}); its "
+            donation.delete(call.tensors[i], f"this tensor was donated to {self.name} ({call.where(i)}); its "
                                             f"buffer now holds that call's outputs. Use what {self.name} "
                                             "returned instead.")
         return out
@@ -212,7 +218,7 @@ class Jitted:
             dynamic = [tree_util.map(torch.clone, a) if i in copy else a for i, a in enumerate(call.args)
                        if i not in call.statics]
             t0 = time.perf_counter()
-            with torch._dynamo.config.patch(trace_autograd_ops=True):
+            with _tracing(self.name):
                 entry.run(*dynamic, **call.kwargs)
             entry.compile_seconds = time.perf_counter() - t0
         return Lowered(self.name, entry.graphs[-1], entry.compile_seconds, _compiles(entry))
@@ -227,6 +233,38 @@ class Jitted:
 
     def __repr__(self) -> str:
         return f"cfx.jit({self.name}, donate_argnums={self.donate}, static_argnums={self.static})"
+
+
+@contextlib.contextmanager
+def _tracing(name: str):
+    """Around a compiled call: ``cfx.grad`` traced into the graph (dynamo's config is per thread),
+    and a ``ValueError`` the traced code raised (a check of the user's input) raised as one."""
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        try:
+            yield
+        except torch._dynamo.exc.InternalTorchDynamoError as e:  # raised by code dynamo ran for real
+            cause = e.__cause__ or e.__context__
+            if not isinstance(cause, ValueError):
+                raise
+            raise ValueError(f"cfx.jit({name}), while tracing: {cause}") from e
+        except torch._dynamo.exc.Unsupported as e:  # raised by code dynamo traced
+            message = _observed_value_error(e)
+            if message is None:
+                raise
+            raise ValueError(f"cfx.jit({name}), while tracing: {message}") from e
+
+
+def _observed_value_error(e: Exception) -> str | None:
+    """The message of the ValueError dynamo saw the traced code raise, if that is what stopped it."""
+    cause = e.__cause__
+    text = str(cause.args[0]) if cause is not None and cause.args else ""
+    prefix = "raised exception ValueError("
+    if not (type(cause).__name__ == "ObservedValueErrorError" and text.startswith(prefix) and text.endswith(")")):
+        return None
+    try:
+        return str(ast.literal_eval(text[len(prefix):-1]))
+    except (ValueError, SyntaxError):
+        return text
 
 
 def _compiles(entry: _Entry) -> int:
@@ -268,5 +306,33 @@ def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[
                                  backend=backend, compile=compile)
     if not callable(fn):
         raise ValueError(f"cfx.jit: expected a function, got {type(fn).__name__}.")
+    with_body = getattr(fn, "cfx_with_body", None)
+    if with_body is not None:  # a shard_map: compile its body, per rank; the boundary moves no data
+        body: list[Jitted] = []
+
+        def transform(f):
+            body.append(Jitted(f, donate_argnums=donate_argnums, static_argnums=static_argnums, backend=backend,
+                               compile=compile))
+            return body[0]
+        mapped = with_body(transform, body_donates=signature.argnums("jit", "donate_argnums", donate_argnums))
+        return JittedShardMap(mapped, body[0])
     return Jitted(fn, donate_argnums=donate_argnums, static_argnums=static_argnums, backend=backend,
                   compile=compile)
+
+
+class JittedShardMap:
+    """``cfx.jit(shard_map(f))``: ``shard_map(cfx.jit(f))``, each rank running its own compiled
+    graph of ``f``; ``body`` is the jitted ``f`` (``stats()`` counts every rank's graphs)."""
+
+    def __init__(self, mapped: Callable[..., Any], body: Jitted):
+        self._mapped, self.body = mapped, body
+        functools.update_wrapper(self, mapped)
+
+    def __call__(self, *args):
+        return self._mapped(*args)
+
+    def stats(self) -> JitStats:
+        return self.body.stats()
+
+    def __repr__(self) -> str:
+        return f"cfx.jit(shard_map({self.body.name}), donate_argnums={self.body.donate})"

@@ -28,7 +28,7 @@ def _names(axis: Axis) -> tuple[str, ...]:
 
 
 def _ax(axis: Axis, where: str) -> comm.Axes:
-    return comm.Axes(_names(axis), where)
+    return comm.axes(_names(axis), where)
 
 
 def _check_dim(x: torch.Tensor, dim: int, where: str) -> int:

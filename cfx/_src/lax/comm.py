@@ -20,22 +20,35 @@ _collectors: context.Var[tuple] = context.Var("cfx_comm_stats", ())
 
 
 class Axes:
-    """A rank's view of the group over ``axes`` in the requested order."""
+    """A rank's view of the group over ``axes`` in the requested order (make it with ``axes``).
 
-    def __init__(self, axes: tuple[str, ...], where: str):
+    The group is made (a rendezvous of its members) when the ``Axes`` is, so that a rank that
+    fails later has joined it and its peers fail fast; while ``torch.compile`` traces a rank's
+    code an ``Axes`` is pure data about the mesh (names, size, this rank's index) and the group
+    is made when the graph first moves bytes (``group=False``).
+    """
+
+    def __init__(self, axes: tuple[str, ...], where: str, *, group: bool = True):
         ctx = ctx_lib.current(where)
         self.where = where
         self.names = ctx.mesh.check_axes(axes, where)
         self.ctx = ctx
-        self.group = ctx.group(self.names)
-        self.size = self.group.size
+        self.key = ",".join(self.names)  # how a compiled graph's collective names its axes
+        self.size = ctx.mesh.axes_size(self.names)
         self.index = ctx.mesh.index_in(self.names, ctx.coords)  # position in requested order
-        canon = self.group.axes
+        canon = tuple(a for a in ctx.mesh.axis_names if a in self.names)  # the group's axis order
+        self._group = ctx.group(self.names) if group else None
         # order[i]: the group rank of the member at requested position i
         if canon == self.names:
             self.order = None
         else:
             self.order = [self._canon_index(i, canon) for i in range(self.size)]
+
+    @property
+    def group(self) -> ctx_lib.Group:
+        if self._group is None:
+            self._group = self.ctx.group(self.names)
+        return self._group
 
     def _canon_index(self, i: int, canon: tuple[str, ...]) -> int:
         mesh, c = self.ctx.mesh, {}
@@ -47,6 +60,19 @@ class Axes:
         for c in _collectors.get():
             c.record(self.ctx.rank, op, self.names, t.numel(), t.numel() * t.element_size(),
                      ctx_lib.in_backward())
+
+
+def axes(names: tuple[str, ...], where: str) -> Axes:
+    """This rank's ``Axes`` over ``names``; under ``torch.compile`` computed once while tracing and
+    kept in the graph as a constant (a rank's code is compiled for that rank, see ``cfx.jit``)."""
+    if torch.compiler.is_dynamo_compiling():
+        return _axes_while_tracing(tuple(names), where)
+    return Axes(tuple(names), where)
+
+
+@torch._dynamo.assume_constant_result
+def _axes_while_tracing(names: tuple[str, ...], where: str) -> Axes:
+    return Axes(names, where, group=False)  # run for real by dynamo: reads this thread's rank context
 
 
 def _wait(work) -> None:
@@ -77,6 +103,8 @@ def _copy_back(outs: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> No
 def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
     """The reduction of ``x`` over ``ax``: a fresh tensor, or ``x`` itself, reduced in place, when
     its caller donated it (``cfx._src.donation``)."""
+    if torch.compiler.is_dynamo_compiling():
+        return x.clone() if ax.size == 1 else _all_reduce_op(x, ax.key, op)
     if donation.is_donated(x) and x.is_contiguous() and not x.requires_grad:
         out = x
     else:
@@ -94,6 +122,8 @@ def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
 
 def all_gather_blocks(x: torch.Tensor, ax: Axes) -> list[torch.Tensor]:
     """Every member's block, in requested order."""
+    if torch.compiler.is_dynamo_compiling():
+        return [x.clone()] if ax.size == 1 else list(_all_gather_op(x.contiguous(), ax.key, ax.size).unbind(0))
     x = x.detach().contiguous()
     ax.record("all_gather", x)
     if ax.size == 1:
@@ -107,6 +137,8 @@ def all_gather_blocks(x: torch.Tensor, ax: Axes) -> list[torch.Tensor]:
 
 def reduce_scatter_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> torch.Tensor:
     """Sum over members of ``blocks[i]`` lands on the member at requested position ``i``."""
+    if torch.compiler.is_dynamo_compiling():
+        return blocks[0].clone() if ax.size == 1 else _reduce_scatter_op([b.contiguous() for b in blocks], ax.key)
     blocks = [b.detach().contiguous() for b in blocks]
     ax.record("reduce_scatter", torch.cat([b.reshape(-1) for b in blocks]) if len(blocks) > 1 else blocks[0])
     if ax.size == 1:
@@ -125,6 +157,9 @@ def reduce_scatter_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> torch.Ten
 
 def all_to_all_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> list[torch.Tensor]:
     """Send ``blocks[i]`` to requested position ``i``; returns the blocks received, by sender."""
+    if torch.compiler.is_dynamo_compiling():
+        return [blocks[0].clone()] if ax.size == 1 else list(_all_to_all_op([b.contiguous() for b in blocks],
+                                                                               ax.key).unbind(0))
     blocks = [b.detach().contiguous() for b in blocks]
     ax.record("all_to_all", torch.cat([b.reshape(-1) for b in blocks]))
     if ax.size == 1:
@@ -148,6 +183,8 @@ def all_to_all_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> list[torch.Te
 
 def permute(x: torch.Tensor, ax: Axes, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Send to / receive from requested positions per ``perm``; zeros where nothing arrives."""
+    if torch.compiler.is_dynamo_compiling():
+        return _ppermute_op(x.contiguous(), ax.key, [i for pair in perm for i in pair])
     x = x.detach().contiguous()
     ax.record("ppermute", x)
     out = torch.zeros_like(x)
@@ -200,8 +237,15 @@ def _group_rank(ax: Axes, position: int) -> int:
     return position if ax.order is None else ax.order[position]
 
 
+def _eager_only(where: str) -> None:
+    if torch.compiler.is_dynamo_compiling():
+        raise ValueError(f"{where}: point-to-point messages cannot be compiled (their handles live across "
+                         "the graph); run this code (cfx.pipeline's executor) outside cfx.jit.")
+
+
 def send(x: torch.Tensor, ax: Axes, dst: int, tag: int = 0) -> Pending:
     """Start sending ``x`` to requested position ``dst``; the caller must ``wait()`` the handle."""
+    _eager_only("cfx.lax.send")
     assert dst != ax.index and ax.size > 1, "a rank never sends to itself"
     x = x.detach().contiguous()
     ax.record("send", x)
@@ -213,6 +257,7 @@ def recv(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, a
          tag: int = 0) -> torch.Tensor:
     """A fresh tensor of ``shape``/``dtype`` holding what requested position ``src`` sent with
     ``tag``; blocks until it arrived."""
+    _eager_only("cfx.lax.recv")
     assert src != ax.index and ax.size > 1, "a rank never receives from itself"
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
     ax.record("recv", out)
@@ -220,3 +265,68 @@ def recv(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, a
     _wait(ax.group.get().recv([buf], _group_rank(ax, src), tag))
     _copy_back([out], [buf])
     return out
+
+
+# -- inside torch.compile -------------------------------------------------------------------------
+# A compiled rank's collectives are these ops: functional (a fresh output, inputs untouched),
+# opaque to the compiler, and run by the rank that runs the graph, through the functions above
+# (its groups, its accounting). The graph names the axes; the group is the running rank's.
+
+
+def _axes_at_run(key: str) -> Axes:
+    return Axes(tuple(key.split(",")), "a compiled collective")
+
+
+def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out.clone() if out is x else out  # a custom op's output never aliases its input
+
+
+@torch.library.custom_op("cfx::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, axes: str, op: str) -> torch.Tensor:
+    return _fresh(all_reduce(x, _axes_at_run(axes), op), x)
+
+
+@torch.library.custom_op("cfx::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, axes: str, n: int) -> torch.Tensor:
+    del n  # the fake's output shape
+    return torch.stack(all_gather_blocks(x, _axes_at_run(axes)))  # (n, ...)
+
+
+@torch.library.custom_op("cfx::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(blocks: list[torch.Tensor], axes: str) -> torch.Tensor:
+    return reduce_scatter_blocks(blocks, _axes_at_run(axes))
+
+
+@torch.library.custom_op("cfx::all_to_all", mutates_args=())
+def _all_to_all_op(blocks: list[torch.Tensor], axes: str) -> torch.Tensor:
+    return torch.stack(all_to_all_blocks(blocks, _axes_at_run(axes)))  # (n, ...) by sender
+
+
+@torch.library.custom_op("cfx::ppermute", mutates_args=())
+def _ppermute_op(x: torch.Tensor, axes: str, perm: list[int]) -> torch.Tensor:
+    return _fresh(permute(x, _axes_at_run(axes), list(zip(perm[::2], perm[1::2]))), x)
+
+
+@_all_reduce_op.register_fake
+def _(x, axes, op):
+    return torch.empty_like(x)
+
+
+@_all_gather_op.register_fake
+def _(x, axes, n):
+    return x.new_empty((n, *x.shape))
+
+
+@_reduce_scatter_op.register_fake
+def _(blocks, axes):
+    return torch.empty_like(blocks[0])
+
+
+@_all_to_all_op.register_fake
+def _(blocks, axes):
+    return torch.stack([torch.empty_like(b) for b in blocks])
+
+
+@_ppermute_op.register_fake
+def _(x, axes, perm):
+    return torch.empty_like(x)

@@ -91,7 +91,7 @@ def lift(x: torch.Tensor, axes: frozenset, where: str) -> torch.Tensor:
     cache = tracker.lifted if tracker is not None and x.grad_fn is None else None  # leaf inputs only
     if cache is not None and key in cache:
         return cache[key][1]
-    out = mark(PVary.apply(x, comm.Axes(tuple(sorted(missing)), where)), target)
+    out = mark(PVary.apply(x, comm.axes(tuple(sorted(missing)), where)), target)
     if cache is not None:
         cache[key] = (x, out)  # x kept alive with its entry, so its id is not reused meanwhile
     return out

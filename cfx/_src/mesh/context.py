@@ -56,7 +56,7 @@ class RankContext:
         self.groups.clear()
 
 
-_current: context.Var[RankContext | None] = context.Var("cfx_rank", None, semantic="a shard_map body")
+_current: context.Var[RankContext | None] = context.Var("cfx_rank", None, traced_as_constant=True)
 
 
 def current(where: str) -> RankContext:
@@ -69,6 +69,13 @@ def current(where: str) -> RankContext:
 
 def current_or_none() -> RankContext | None:
     return _current.get()
+
+
+def compile_key() -> tuple | None:
+    """What a graph compiled here is specialised to: the mesh's axes and this rank (the rank's
+    index along an axis is a constant of its graph); ``None`` outside shard_map bodies."""
+    ctx = _current.get()
+    return None if ctx is None else (tuple(ctx.mesh.shape.items()), ctx.rank)
 
 
 @contextlib.contextmanager

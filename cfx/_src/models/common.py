@@ -39,7 +39,7 @@ def check_params(where: str, model: Any, params: Any) -> None:
     """ValueError naming the differing leaf paths if ``params`` is not shaped like ``model.init``'s
     (skipped while ``torch.compile`` traces, which cannot follow the tree library: a params tree of
     another structure then fails in the model's ops instead of with this message)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return
     ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=is_axes_leaf)
     what = (f"{where}: params differ from {type(model).__name__}.init's structure "

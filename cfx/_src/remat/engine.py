@@ -42,7 +42,7 @@ _collectors: context.Var[tuple] = context.Var("cfx_activation_stats", ())
 def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
     """``x``, tagged ``name`` for remat policies (``save_only_these_names`` etc.; not seen inside
     torch.compile, see ``_compiled``)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return x
     y = x.view_as(x)
     _names[y] = name
@@ -177,7 +177,7 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
     def wrapped(*args, **kwargs):
         if not torch.is_grad_enabled():
             return f(*args, **kwargs)  # nothing is saved without grad
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return _compiled(f, policy, args, kwargs)
         call = next(_calls)
         collectors = _collectors.get()

@@ -66,7 +66,7 @@ class ShardSource:
     def gather(self, *, backward: bool) -> torch.Tensor:
         """The padded leaf-major buffer (n * S,) of the group, all-gathered now."""
         shard = self.shard(backward=backward)
-        ax = comm.Axes((self.axis,), "cfx.zero.gathered")
+        ax = comm.axes((self.axis,), "cfx.zero.gathered")
         blocks = comm.all_gather_blocks(shard, ax)  # n shards (S,)
         del shard
         self.after_gather(backward=backward)
@@ -100,7 +100,7 @@ class _GatherFn(torch.autograd.Function):
         src = ctx.src
         src.regathered = None  # every use of the params in backward is done
         rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
-        grad = comm.reduce_scatter_blocks(list(rows.unbind(0)), comm.Axes((src.axis,), "cfx.zero.gathered"))
+        grad = comm.reduce_scatter_blocks(list(rows.unbind(0)), comm.axes((src.axis,), "cfx.zero.gathered"))
         return (None,) + src.deliver(grad)
 
 

@@ -1,0 +1,125 @@
+"""``cfx.jit`` with ``shard_map``, in both orders: each rank compiles its own graph of the body (its
+index along an axis is a constant there) and the collectives run as ops of that graph; a DP x TP
+train step equals the eager one with no graph break and keeps its state in the donated blocks.
+The ``dist`` backend is covered by test_dist.py (the same jitted step under torchrun)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch._dynamo.utils import counters
+
+import cfx
+from cfx import P
+from cfx._src.lax import collectives
+from cfx.parallel import MEGATRON_RULES, state_specs, tensor_parallel, tree_pmean
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _tp_step(model, tx):
+    tp_model = tensor_parallel(model, "model")
+
+    def step(params, state, batch):  # per rank: its batch shard, its TP shard of the params
+        loss, grads = cfx.value_and_grad(lambda p: tp_model.loss(p, batch[:, :-1], batch[:, 1:]))(params)
+        updates, state = tx.update(tree_pmean(grads, "data"), state, params)
+        return cfx.optim.apply_updates(params, updates), state, cfx.lax.pmean(loss, "data")
+
+    return step
+
+
+def _blocks(tree):
+    return [b for a in cfx.tree.leaves(tree) for b in a.blocks.values()]
+
+
+@pytest.mark.parametrize("order,shape", [("jit(shard_map)", {"data": 2, "model": 2}),
+                                         ("shard_map(jit)", {"data": 1, "model": 2})])  # 4 compiles + 2
+def test_dp_tp_train_step_compiles_per_rank_and_equals_eager(order, shape):
+    model = cfx.models.gpt2("tiny", vocab_size=64, n_layer=1, n_embd=32, n_head=4, n_positions=16)
+    tx = cfx.optim.chain(cfx.optim.clip_by_global_norm(1.0), cfx.optim.adamw(1e-2, weight_decay=0.1))
+    step = _tp_step(model, tx)
+    params = model.init(cfx.random.key(0))
+    state = tx.init(params)
+    data = cfx.random.randint(cfx.random.key(7), (3, 4, 17), 0, 64)
+    with cfx.Mesh(shape) as mesh:
+        rules = cfx.Rules({"batch": "data", **MEGATRON_RULES})
+        pspecs = rules.specs(model.axes(), mesh=mesh)
+        specs = dict(mesh=mesh, in_specs=(pspecs, state_specs(state, params, pspecs), P("data")),
+                     out_specs=(pspecs, state_specs(state, params, pspecs), P()))
+        eager = cfx.shard_map(step, **specs)
+        if order == "jit(shard_map)":
+            jitted = cfx.jit(cfx.shard_map(step, **specs), donate_argnums=(0, 1), backend="aot_eager")
+        else:
+            jitted = cfx.shard_map(cfx.jit(step, donate_argnums=(0, 1), backend="aot_eager"),
+                                   donate_argnums=(0, 1), **specs)
+        put = lambda tree, specs: cfx.tree.map(lambda x, s: cfx.device_put(x, mesh, s), tree, specs)  # noqa: E731
+        ref = (put(params, pspecs), put(state, specs["in_specs"][1]))
+        got = (put(params, pspecs), put(state, specs["in_specs"][1]))
+        buffers = {b.untyped_storage().data_ptr() for b in _blocks(got)}
+        dynamo.reset()
+        counters.clear()
+        for t in data:
+            *ref, ref_loss = eager(*ref, t)
+            old = got
+            *got, loss = jitted(*got, t)
+            torch.testing.assert_close(cfx.device_get(loss), cfx.device_get(ref_loss))
+        cfx.tree.assert_tree_close(cfx.device_get(got), cfx.device_get(ref))
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        # params and moments live in the blocks they were given (the step count is a fresh scalar)
+        kept = {b.untyped_storage().data_ptr() for b in _blocks(got) if b.dim()}
+        assert kept <= buffers and len(kept) == len([b for b in _blocks(got) if b.dim()])
+        with pytest.raises(ValueError, match="donated"):
+            cfx.device_get(old[0])
+    stats = (jitted.stats() if order == "jit(shard_map)" else jitted.__wrapped__.stats())
+    n = mesh.size
+    assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (n, n, 0, 3 * n)
+
+
+def _collectives(x):
+    """Every differentiable collective of cfx.lax on a 2 x 2 mesh, summed into one loss."""
+    y = x * (1.0 + cfx.lax.axis_index("model"))                            # varies per rank
+    g = cfx.lax.all_gather(y, "data", dim=0, tiled=True)                   # (2b, d)
+    s = cfx.lax.psum_scatter(g * g, "data", dim=0, tiled=True)             # (b, d)
+    a = cfx.lax.all_to_all(s, ("data", "model"), split_dim=1, concat_dim=0)  # (4b, d/4)
+    r = cfx.lax.ppermute(a, "model", [(0, 1), (1, 0)])
+    m = cfx.lax.pmax(r.sum(0), "data")
+    return cfx.lax.psum((m * m).sum() + r.square().mean(), ("data", "model")).reshape(1)
+
+
+def test_every_collective_compiles_with_its_transpose_and_is_counted():
+    x = torch.randn(8, 8)
+    body = cfx.value_and_grad(_collectives)
+    with cfx.Mesh({"data": 2, "model": 2}) as mesh:
+        specs = dict(mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
+        with cfx.comm_stats() as eager_stats:
+            want = cfx.shard_map(lambda x: body(x), **specs)(x)
+        with cfx.comm_stats() as jit_stats:
+            got = cfx.jit(cfx.shard_map(lambda x: body(x), **specs), backend="aot_eager")(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(cfx.device_get(g), cfx.device_get(w))
+    # the compiled ranks' collectives run through the same layer, counted alike
+    ops = lambda stats: sorted((r.rank, r.op, r.axes, r.numel) for r in stats.records)  # noqa: E731
+    assert ops(jit_stats) == ops(eager_stats)
+
+
+def test_a_body_differentiated_from_outside_refuses_to_compile():
+    f = cfx.jit(lambda x: cfx.lax.psum(x * x, "data"), backend="aot_eager")
+    with cfx.Mesh({"data": 2}) as mesh:
+        g = cfx.grad(lambda x: cfx.device_get(cfx.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                                             out_specs=P())(x)).sum())
+        with pytest.raises(ValueError, match="Take the gradient inside the shard_map body"):
+            g(torch.ones(4))
+
+
+def test_point_to_point_messages_refuse_to_compile():
+    f = cfx.jit(lambda x: collectives.send(x, "pipe", dst=1), backend="aot_eager")  # cfx.pipeline's sends
+    with cfx.Mesh({"pipe": 2}) as mesh:
+        with pytest.raises(ValueError, match="point-to-point messages cannot be compiled"):
+            cfx.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(2))
+
+
+def test_a_bad_axis_name_raises_the_eager_error():
+    f = cfx.jit(lambda x: cfx.lax.psum(x, "modle"), backend="aot_eager")
+    with cfx.Mesh({"model": 2}) as mesh:
+        with pytest.raises(ValueError, match="unknown mesh axis 'modle'"):
+            cfx.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(2))
