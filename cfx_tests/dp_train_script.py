@@ -15,8 +15,8 @@ from cfx import P
 STEPS, BATCH, SEQ = 3, 8, 16
 
 
-def setup():
-    model = cfx.models.gpt2("tiny", vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_positions=SEQ)
+def setup(n_layer: int = 2):
+    model = cfx.models.gpt2("tiny", vocab_size=64, n_layer=n_layer, n_embd=32, n_head=2, n_positions=SEQ)
     params = model.init(cfx.random.key(0))
     tokens = cfx.random.randint(cfx.random.key(1), (STEPS, BATCH, SEQ + 1), 0, 64)
     return model, params, tokens, cfx.optim.adamw(1e-2, weight_decay=0.1)
@@ -33,10 +33,10 @@ def single_device() -> list[float]:
     return losses
 
 
-def data_parallel(backend: str, *, jit: bool = False) -> list[float]:
+def data_parallel(backend: str, *, jit: bool = False, n_layer: int = 2) -> list[float]:
     """``jit``: the step compiled (``cfx.jit(shard_map(step))``: a graph per rank, the params and
     optimizer state donated)."""
-    model, params, tokens, tx = setup()
+    model, params, tokens, tx = setup(n_layer)
 
     def step(params, state, batch):  # runs per rank on its batch shard
         loss, grads = cfx.value_and_grad(lambda p: model.loss(p, batch[:, :-1], batch[:, 1:]))(params)
@@ -87,7 +87,7 @@ def zero3(backend: str) -> tuple[list[float], int]:
 if __name__ == "__main__":
     import os
     losses = data_parallel("dist")
-    jit_losses = data_parallel("dist", jit=True)
+    jit_losses = data_parallel("dist", jit=True, n_layer=1)
     z_losses, z_held = zero3("dist")
     if os.environ.get("RANK", "0") == "0":
         print("LOSSES", json.dumps(losses), flush=True)

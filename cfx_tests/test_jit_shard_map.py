@@ -1,7 +1,9 @@
-"""``cfx.jit`` with ``shard_map``, in both orders: each rank compiles its own graph of the body (its
-index along an axis is a constant there) and the collectives run as ops of that graph; a DP x TP
-train step equals the eager one with no graph break and keeps its state in the donated blocks.
-The ``dist`` backend is covered by test_dist.py (the same jitted step under torchrun)."""
+"""``cfx.jit`` with ``shard_map``, in both orders: the body compiles once per distinct set of rank
+values its trace computed with (one graph for data parallel and ZeRO-3, one per model index for
+a vocab-parallel head) and the collectives run as ops of that graph, by the rank running it; a
+DP x TP step, every differentiable collective and a ZeRO-3 + remat Plan step equal the eager ones
+with no graph break, keeping their state in the donated blocks. The ``dist`` backend is covered by
+test_dist.py (a jitted data-parallel step under torchrun)."""
 from __future__ import annotations
 
 import pytest
@@ -33,7 +35,7 @@ def _blocks(tree):
 
 
 @pytest.mark.parametrize("order,shape", [("jit(shard_map)", {"data": 2, "model": 2}),
-                                         ("shard_map(jit)", {"data": 1, "model": 2})])  # 4 compiles + 2
+                                         ("shard_map(jit)", {"data": 1, "model": 2})])
 def test_dp_tp_train_step_compiles_per_rank_and_equals_eager(order, shape):
     model = cfx.models.gpt2("tiny", vocab_size=64, n_layer=1, n_embd=32, n_head=4, n_positions=16)
     tx = cfx.optim.chain(cfx.optim.clip_by_global_norm(1.0), cfx.optim.adamw(1e-2, weight_decay=0.1))
@@ -71,8 +73,10 @@ def test_dp_tp_train_step_compiles_per_rank_and_equals_eager(order, shape):
         with pytest.raises(ValueError, match="donated"):
             cfx.device_get(old[0])
     stats = (jitted.stats() if order == "jit(shard_map)" else jitted.__wrapped__.stats())
-    n = mesh.size
-    assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (n, n, 0, 3 * n)
+    # the vocab-parallel head computes with each rank's index along model: a graph per index,
+    # which the ranks that differ only along data share
+    n = shape["model"]
+    assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (n, n, 0, 3 * mesh.size)
 
 
 def _collectives(x):
@@ -123,3 +127,35 @@ def test_a_bad_axis_name_raises_the_eager_error():
     with cfx.Mesh({"model": 2}) as mesh:
         with pytest.raises(ValueError, match="unknown mesh axis 'modle'"):
             cfx.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(2))
+
+
+def test_a_zero3_remat_plan_step_compiles_and_equals_eager():
+    """ZeRO-3 (gathered blocks: a differentiable all-gather whose transpose reduce-scatters),
+    remat per block, clipping over every shard (cfx.optim.sharded entered inside the trace)."""
+    model = cfx.models.gpt2("tiny", vocab_size=64, n_layer=1, n_embd=32, n_head=4, n_positions=16)
+    tx = cfx.optim.adamw(1e-2, weight_decay=0.1)
+    plan = cfx.parallel.Plan.parse("data=2 zero=3 remat=blocks")
+    data = cfx.random.randint(cfx.random.key(7), (3, 4, 17), 0, 64)
+    with plan.make_mesh() as mesh:
+        eager = plan.step(model, tx, mesh=mesh, grad_clip=0.5)
+        jitted = plan.step(model, tx, mesh=mesh, grad_clip=0.5, jit="aot_eager")
+        ref, got = eager.init(cfx.random.key(0)), jitted.init(cfx.random.key(0))
+        dynamo.reset()
+        counters.clear()
+        for t in data:
+            ref, ref_metrics = eager(ref, (t[:, :-1], t[:, 1:]))
+            got, metrics = jitted(got, (t[:, :-1], t[:, 1:]))
+            torch.testing.assert_close(cfx.device_get(metrics["loss"]), cfx.device_get(ref_metrics["loss"]))
+        cfx.tree.assert_tree_close(jitted.params(got), eager.params(ref))
+        cfx.tree.assert_tree_close(cfx.device_get(got.opt_state), cfx.device_get(ref.opt_state))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    stats = jitted._step.stats()  # nothing of a rank in the graph: one graph, both ranks run it
+    assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (1, 1, 0, 6)
+
+
+def test_plans_jit_cannot_compile_say_why():
+    model = cfx.models.gpt2("tiny", vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_positions=16)
+    plan = cfx.parallel.Plan.parse("pipe=2,data=2 zero=3 offload=host microbatches=2")
+    with plan.make_mesh() as mesh:
+        with pytest.raises(ValueError, match="a pipe axis runs its schedule's sends .* offload=host"):
+            plan.step(model, cfx.optim.adamw(1e-3), mesh=mesh, jit=True)

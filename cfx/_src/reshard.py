@@ -154,7 +154,7 @@ class _Relayout(torch.autograd.Function):
         if s.op == "split":                      # slice <- all-gather
             out = torch.cat(comm.all_gather_blocks(g, ax), s.dim)
         elif s.op == "all_gather":               # all-gather <- this rank's slice
-            out = g.chunk(ax.size, s.dim)[ax.index].contiguous()
+            out = g.chunk(ax.size, s.dim)[comm.index_of(ax)].contiguous()
         elif s.op == "all_to_all":               # all-to-all <- all-to-all back
             out = torch.cat(comm.all_to_all_blocks(g.chunk(ax.size, s.dim), ax), s.to_dim)
         elif s.op == "psum":                     # reduce partial sums <- the same cotangent everywhere
@@ -166,7 +166,7 @@ class _Relayout(torch.autograd.Function):
 
 def _apply(x: torch.Tensor, s: Step, ax: comm.Axes) -> torch.Tensor:
     if s.op == "split":
-        return x.chunk(ax.size, s.dim)[ax.index].contiguous()
+        return x.chunk(ax.size, s.dim)[comm.index_of(ax)].contiguous()
     if s.op == "all_gather":
         return torch.cat(comm.all_gather_blocks(x, ax), s.dim)
     if s.op == "all_to_all":

@@ -41,11 +41,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch._dynamo
+from torch._dynamo import convert_frame
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from cfx._src import context, donation
 from cfx._src import tree as tree_util
 from cfx._src.jit import signature
+from cfx._src.lax import comm
 from cfx._src.mesh import context as ctx_lib
 
 
@@ -59,6 +61,11 @@ class _Entry:
     compile_seconds: float | None = None                     # the first call: trace, compile, run
     calls: int = 0
     warned: bool = False                                     # about donated buffers no output took
+    # inside shard_map: the rank that compiles it, what its graph baked in of that rank
+    # (context.reads: ranks with other values compile their own), an event set once known
+    owner: int | None = None
+    reads: frozenset | None = None
+    traced: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +126,15 @@ class Jitted:
             return self._eager(call)
         self._check_context()
         entry = self._entry(call)
-        first = entry.compile_seconds is None
+        first = not entry.traced.is_set()  # this thread compiles it
         t0 = time.perf_counter()
-        with _tracing(self.name):
-            out = entry.run(*call.dynamic, **call.kwargs)
+        if first:
+            context.reads_reset()  # what the trace reads of this rank (see _Recorder)
+        try:
+            with _tracing(self.name):
+                out = entry.run(*call.dynamic, **call.kwargs)
+        finally:
+            entry.traced.set()  # a failed trace too: no rank waits for it forever
         if first:
             entry.compile_seconds = time.perf_counter() - t0
         entry.calls += 1
@@ -138,7 +150,33 @@ class Jitted:
                              "keeps the donation.")
 
     def _entry(self, call: signature.Call) -> _Entry:
-        key = (call.key, ctx_lib.compile_key())  # inside shard_map: a graph per rank
+        """This call's compiled entry. Inside shard_map the first rank to arrive compiles a graph
+        that every rank runs, unless its trace baked in values of that rank (an axis index): then
+        the ranks whose values differ compile their own, once per distinct set of values."""
+        where = ctx_lib.compile_key()
+        if where is None:
+            return self._get(call.key, call)
+        shape, rank = where
+        key = (call.key, shape)
+        while True:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._entries[key] = self._build(call)
+                    entry.owner = rank
+            if entry.owner == rank:
+                return entry
+            entry.traced.wait()
+            with convert_frame.compile_lock:  # the owner's graph is in dynamo's cache once this is free
+                pass
+            if entry.reads is None:  # its trace failed: nothing to share
+                return self._get((call.key, where), call)
+            here = context.reads_here(entry.reads, lambda names: comm.axes(names, "cfx.jit").index)
+            if here == entry.reads:
+                return entry
+            key = (call.key, shape, here)
+
+    def _get(self, key: Any, call: signature.Call) -> _Entry:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -166,8 +204,9 @@ class Jitted:
         # signatures never share (or evict) each other's entries, and a second compile is a recompile.
         code = traced.__code__.replace(co_name=f"jit_{self.name}_{len(self._entries)}")
         own = types.FunctionType(code, traced.__globals__, code.co_name, None, traced.__closure__)
-        run = torch.compile(own, fullgraph=True, dynamic=False, backend=_Recorder(self.backend, graphs))
-        return _Entry(run, code, graphs)
+        entry = _Entry(None, code, graphs)
+        entry.run = torch.compile(own, fullgraph=True, dynamic=False, backend=_Recorder(self.backend, entry))
+        return entry
 
     def _eager(self, call: signature.Call):
         bufs = [call.tensors[i] for i in call.donated]
@@ -279,15 +318,20 @@ def _fits(out: Any, buf: torch.Tensor) -> bool:
 
 
 class _Recorder:
-    """The compiler backend, keeping each graph dynamo hands it (for ``lower`` and ``stats``)."""
+    """The compiler backend, keeping each graph dynamo hands it (for ``lower`` and ``stats``) and
+    what its trace baked in of the rank compiling it (``context.reads``)."""
 
-    def __init__(self, backend: str | Callable, graphs: list):
+    def __init__(self, backend: str | Callable, entry: _Entry):
         self.inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-        self.graphs = graphs
+        self.entry = entry
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        self.graphs.append(gm)
-        return self.inner(gm, example_inputs)
+        self.entry.graphs.append(gm)
+        self.entry.reads = context.reads()
+        try:
+            return self.inner(gm, example_inputs)
+        finally:
+            self.entry.traced.set()  # the other ranks may go on (before this one runs the graph)
 
 
 def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),

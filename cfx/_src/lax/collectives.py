@@ -39,7 +39,7 @@ def _check_dim(x: torch.Tensor, dim: int, where: str) -> int:
 
 def axis_index(axis: Axis) -> int:
     """This rank's position along ``axis`` (tuple axes linearised major to minor)."""
-    return _ax(axis, "cfx.lax.axis_index").index
+    return comm.index_of(_ax(axis, "cfx.lax.axis_index"))
 
 
 def axis_size(axis: Axis) -> int:

@@ -35,7 +35,7 @@ class Axes:
         self.ctx = ctx
         self.key = ",".join(self.names)  # how a compiled graph's collective names its axes
         self.size = ctx.mesh.axes_size(self.names)
-        self.index = ctx.mesh.index_in(self.names, ctx.coords)  # position in requested order
+        self.index = ctx.mesh.index_in(self.names, ctx.coords)  # position in requested order: see index_of
         canon = tuple(a for a in ctx.mesh.axis_names if a in self.names)  # the group's axis order
         self._group = ctx.group(self.names) if group else None
         # order[i]: the group rank of the member at requested position i
@@ -73,6 +73,14 @@ def axes(names: tuple[str, ...], where: str) -> Axes:
 @torch._dynamo.assume_constant_result
 def _axes_while_tracing(names: tuple[str, ...], where: str) -> Axes:
     return Axes(names, where, group=False)  # run for real by dynamo: reads this thread's rank context
+
+
+def index_of(ax: Axes) -> int:
+    """``ax.index`` for code that computes with it: a graph that reads it while tracing is this
+    rank's index (``cfx.jit`` then compiles one per index; ``context.note_axis_index``)."""
+    if torch.compiler.is_dynamo_compiling():
+        context.note_axis_index(ax.names, ax.index)
+    return ax.index
 
 
 def _wait(work) -> None:

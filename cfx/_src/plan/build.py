@@ -115,6 +115,21 @@ def check_model(plan, model) -> None:
         make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
 
 
+def check_jit(plan, jit) -> None:
+    """ValueError unless ``plan.step(..., jit=...)`` can compile this plan's step."""
+    if not (isinstance(jit, bool) or isinstance(jit, str) and jit):
+        raise ValueError(f"Plan.step: jit={jit!r}; pass True (inductor), False, or a torch.compile backend name.")
+    if not jit:
+        return
+    why = {"pipe": plan.has("pipe") and "a pipe axis runs its schedule's sends and receives eagerly",
+           "offload": plan.offload != "none" and f"offload={plan.offload} moves chunks between tiers in Python",
+           "remat": plan.remat == "auto" and "remat=auto runs its Rotor schedule through saved-tensor hooks"}
+    bad = [w for w in why.values() if w]
+    if bad:
+        raise ValueError(f"Plan {str(plan)!r}: jit cannot compile this step: {'; '.join(bad)}. Drop jit, or "
+                         "use remat=blocks / offload=none / no pipe axis.")
+
+
 def check_mesh(plan, mesh) -> None:
     if dict(mesh.shape) != plan.mesh_shape:
         raise ValueError(f"Plan {str(plan)!r}: the mesh {mesh!r} is not the plan's {plan.mesh_shape}; open "

@@ -53,13 +53,14 @@ class Plan(PlanConfig):
         return describe(self, model, tx, batch=batch)
 
     def step(self, model: Any, tx: Any, *, mesh: Mesh, grad_clip: float = 0.0,
-             nvme_dir: str | None = None) -> Program:
+             nvme_dir: str | None = None, jit: bool | str = False) -> Program:
         """The train step ``step(state, batch) -> (state, metrics)`` (a ``Program``, which also
         has ``init``, ``params``, ``put``, ``loss`` and ``sample``); every check runs here, before
         any rank starts. ``grad_clip > 0`` clips by the global norm over every shard;
         ``nvme_dir``: where ``offload=nvme`` keeps the state's files (default: a new temporary
-        directory)."""
-        return Program(self, model, tx, mesh, grad_clip=grad_clip, nvme_dir=nvme_dir)
+        directory); ``jit``: compile each rank's step with ``cfx.jit`` (True: inductor, or a
+        ``torch.compile`` backend name), the state donated to it."""
+        return Program(self, model, tx, mesh, grad_clip=grad_clip, nvme_dir=nvme_dir, jit=jit)
 
     def init(self, model: Any, tx: Any, key, *, mesh: Mesh) -> TrainState:
         """Sharded params and optimizer state; ``plan.step(model, tx, mesh=mesh).init(key)``."""

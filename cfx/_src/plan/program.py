@@ -21,7 +21,8 @@ runtime already has:
    inside ``cfx.optim.sharded`` so global norms and inf/nan checks span every rank's part.
 
 State between steps is ``TrainState(params, opt_state)`` of ShardedArrays, donated to each
-step (the outputs are written into its buffers); nothing is ever gathered whole.
+step (the outputs are written into its buffers); nothing is ever gathered whole. With ``jit``
+each rank runs its step as one compiled graph (``cfx.jit(shard_map(body))``).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 from cfx._src import amp, donation, memory
 from cfx._src import tree as tree_util
 from cfx._src.gemini.mapped import mapped_copy
+from cfx._src.jit.api import jit as cfx_jit
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.context import current_or_none
 from cfx._src.mesh.spec import P
@@ -47,8 +49,8 @@ from cfx._src.optim.reduction import sharded
 from cfx._src.parallel.megatron import tensor_parallel
 from cfx._src.parallel.state import tree_pmean
 from cfx._src.pipeline.executor import pipeline
-from cfx._src.plan.build import (check_mesh, check_model, free_device_bytes, make_optimizer, make_placement, make_schedule,
-                                 wrap_blocks)
+from cfx._src.plan.build import (check_jit, check_mesh, check_model, free_device_bytes, make_optimizer, make_placement,
+                                 make_schedule, wrap_blocks)
 from cfx._src.plan.layout import Layout, put_tree
 from cfx._src.remat import remat
 from cfx._src.shard_map import shard_map
@@ -67,10 +69,12 @@ class TrainState(NamedTuple):
 class Program:
     """``plan`` applied to ``model``, ``tx`` on ``mesh``; callable as the train step."""
 
-    def __init__(self, plan, model, tx, mesh, *, grad_clip: float = 0.0, nvme_dir: str | None = None):
+    def __init__(self, plan, model, tx, mesh, *, grad_clip: float = 0.0, nvme_dir: str | None = None,
+                 jit: bool | str = False):
         self.plan, self.model, self.tx, self.mesh, self.grad_clip = plan, model, tx, mesh, float(grad_clip)
         check_model(plan, model)
         check_mesh(plan, mesh)
+        check_jit(plan, jit)
         self.layout = layout = Layout(plan, model, mesh)
         self.policy = amp.policy(plan.precision)
         # 1. tensor parallelism, 2. ZeRO-3: each block gathered just before use, 3. remat per
@@ -99,6 +103,8 @@ class Program:
         batch = (layout.batch_spec, layout.batch_spec)
         self._step = shard_map(self._body, mesh=mesh, in_specs=(specs, batch, P()), out_specs=(specs, P()),
                                donate_argnums=(0,))
+        if jit:  # each rank's body compiled, the state donated to it
+            self._step = cfx_jit(self._step, donate_argnums=(0,), backend="inductor" if jit is True else jit)
         self._solve = plan.remat == "auto"
         self._loss = shard_map(self._eval_loss, mesh=mesh, in_specs=(layout.specs, layout.batch_spec,
                                                                       layout.batch_spec), out_specs=P())
@@ -212,9 +218,9 @@ class Program:
         return sharded(split, total_axes=total, every=tuple(self.mesh.axis_names), psum=lax.psum)
 
     def _loss_and_grads(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale):
-        placement = self.placement_of(current_or_none().rank)
-        if placement is None:
+        if self.plan.offload == "none":  # (a compiled step reads nothing of its rank here)
             return self._run(local, tokens, targets, key, scale, self.policy.cast_to_compute)
+        placement = self.placement_of(current_or_none().rank)
         agree = [a for a in ("data", "model") if self.plan.has(a)]  # ranks that run the same accesses
         with placement.step(local, agree=lambda v: lax.pmax(v, tuple(agree)) if agree else v):
             # the chunk copies are cast to the compute dtype; the pieces stay as stored

@@ -18,7 +18,7 @@ elements per leaf.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import itertools
 import math
 from typing import Sequence
 
@@ -37,32 +37,20 @@ class GroupLayout:
     shapes: tuple[tuple[int, ...], ...]
     n: int
 
-    @functools.cached_property
-    def numels(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) for s in self.shapes)
+    # derived, set once in __post_init__ (plain attributes: torch.compile reads them as constants)
+    numels: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    pieces: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    offsets: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)  # piece starts in a shard
+    size: int = dataclasses.field(init=False, repr=False, compare=False)     # S: elements in one shard
+    numel: int = dataclasses.field(init=False, repr=False, compare=False)    # the leaves' own (no padding)
 
-    @functools.cached_property
-    def pieces(self) -> tuple[int, ...]:
-        return tuple(piece_size(m, self.n) for m in self.numels)
-
-    @functools.cached_property
-    def offsets(self) -> tuple[int, ...]:
-        """Where each leaf's piece starts inside a shard."""
-        out, o = [], 0
-        for k in self.pieces:
-            out.append(o)
-            o += k
-        return tuple(out)
-
-    @functools.cached_property
-    def size(self) -> int:
-        """``S``: elements in one rank's shard."""
-        return sum(self.pieces)
-
-    @functools.cached_property
-    def numel(self) -> int:
-        """Elements of the leaves themselves (no padding)."""
-        return sum(self.numels)
+    def __post_init__(self):
+        numels = tuple(math.prod(s) for s in self.shapes)
+        pieces = tuple(piece_size(m, self.n) for m in numels)
+        offsets = tuple(itertools.accumulate(pieces[:-1], initial=0)) if pieces else ()
+        for name, value in (("numels", numels), ("pieces", pieces), ("offsets", offsets),
+                            ("size", sum(pieces)), ("numel", sum(numels))):
+            object.__setattr__(self, name, value)
 
     # -- one rank's shard ------------------------------------------------------------------------
     def shard_of(self, leaves: Sequence[torch.Tensor], rank: int) -> torch.Tensor:

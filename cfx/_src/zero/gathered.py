@@ -204,10 +204,14 @@ class Gathered:
         if not own:
             return fn(tree, *args, **kwargs)
         src = self._source([items[i] for i in own])
+        leaves = [x for _, x in items]
+        if torch.compiler.is_dynamo_compiling():  # inside cfx.jit: the compiler decides what backward keeps
+            for i, view in zip(own, _gather_traced(src)):
+                leaves[i] = view
+            return fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
         # one autograd node per leaf after the shared gather: a zero-bubble W reaching one weight
         # must not run through the other nodes that share the gather (pipeline/backward.py)
         views = [v.view_as(v) for v in _GatherFn.apply(src, *src.inputs())]
-        leaves = [x for _, x in items]
         for i, view in zip(own, views):
             leaves[i] = view
         with _RegatherHooks(src, views[0]):
@@ -233,6 +237,19 @@ class Gathered:
                                  f"ranks here (pieces of {k}); re-shard with cfx.zero.shard_params on "
                                  "this mesh.")
         return ShardSource(layout, self.axis, [x.piece for _, x in own], own[0][1].piece.dtype)
+
+
+def _gather_traced(src: ShardSource) -> list[torch.Tensor]:
+    """The group's leaves, gathered by a differentiable all-gather (its transpose reduce-scatters
+    the gradient) for ``torch.compile`` to trace: the eager path's saved-tensor hooks are not
+    traceable, and a compiled graph's backward keeps (or recomputes) what its partitioner says."""
+    if type(src) is not ShardSource:
+        raise ValueError("cfx.zero.gathered: offloaded ZeRO-3 params (Gemini chunks, host or NVMe tiers) "
+                         "cannot be compiled with cfx.jit; run the step eagerly (compile=False) or keep the "
+                         "pieces on the device.")
+    shard = torch.cat([p.reshape(-1) for p in src.pieces])                        # (S,)
+    rows = lax.all_gather(shard, src.axis, dim=0, tiled=False)                    # (n, S)
+    return src.layout.leaves_of_full(src.layout.full_from_rows(rows))
 
 
 def gathered(layer: Any, *, axis: str = "data") -> Gathered:
