@@ -17,28 +17,28 @@ def check_spec(path: str, shape: Sequence[int], spec: P, mesh, where: str, *, bl
 
     ``block=True``: ``shape`` is one rank's block (any size fits), only the axes are checked.
     """
-    label = f"{where}: leaf {path or '<root>'!r} with shape {tuple(shape)} and spec {spec!r} on {mesh!r}"
+    def label() -> str:  # built only for an error: check_spec runs per leaf on every shard_map call
+        return f"{where}: leaf {path or '<root>'!r} with shape {tuple(shape)} and spec {spec!r} on {mesh!r}"
     if not isinstance(spec, P):
-        raise ValueError(f"{label}: the spec must be a cfx.P, e.g. P('data', None).")
+        raise ValueError(f"{label()}: the spec must be a cfx.P, e.g. P('data', None).")
     if len(spec) > len(shape):
-        raise ValueError(f"{label}: the spec has {len(spec)} entries but the leaf only {len(shape)} "
+        raise ValueError(f"{label()}: the spec has {len(spec)} entries but the leaf only {len(shape)} "
                          "dimensions; drop the extra entries.")
     used: list[str] = []
     for dim in range(len(spec)):
         axes = spec.axes_of(dim)
         for a in axes:
             if a not in mesh.shape:
-                raise ValueError(f"{label}: unknown mesh axis {a!r}; the mesh has axes "
+                raise ValueError(f"{label()}: unknown mesh axis {a!r}; the mesh has axes "
                                  f"{list(mesh.axis_names)}. Fix the spec or the mesh.")
         used.extend(axes)
-        n = mesh.axes_size(axes)
-        if not block and shape[dim] % n:
-            raise ValueError(f"{label}: dimension {dim} has size {shape[dim]}, not divisible by {n} "
-                             f"(the size of {'x'.join(axes)}). Pad the dimension or split it over "
-                             "other axes.")
-    dup = sorted({a for a in used if used.count(a) > 1})
-    if dup:
-        raise ValueError(f"{label}: mesh axis {dup[0]!r} is used twice in one spec; each axis may "
+        if not block and shape[dim] % mesh.axes_size(axes):
+            raise ValueError(f"{label()}: dimension {dim} has size {shape[dim]}, not divisible by "
+                             f"{mesh.axes_size(axes)} (the size of {'x'.join(axes)}). Pad the dimension or "
+                             "split it over other axes.")
+    if len(used) != len(set(used)):
+        dup = sorted({a for a in used if used.count(a) > 1})
+        raise ValueError(f"{label()}: mesh axis {dup[0]!r} is used twice in one spec; each axis may "
                          "split at most one dimension.")
 
 

@@ -17,6 +17,7 @@ it for every argument whose layout differs from its in_spec; ``cfx.reshard`` is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from typing import Any
@@ -186,8 +187,11 @@ def run_steps(x: torch.Tensor, steps: tuple[Step, ...]) -> torch.Tensor:
     return x
 
 
+@functools.lru_cache(maxsize=4096)
 def same_layout(a: P, b: P, ndim: int) -> bool:
-    return _layout(a, ndim) == _layout(b, ndim)
+    """Whether ``a`` and ``b`` split an ``ndim``-dimensional array alike (asked per leaf at every
+    shard_map boundary, of a few distinct specs)."""
+    return a == b or _layout(a, ndim) == _layout(b, ndim)
 
 
 def reshard_plan(arr: Any, spec: P) -> Plan:

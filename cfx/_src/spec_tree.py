@@ -14,9 +14,31 @@ from cfx._src import tree as tree_util
 from cfx._src.mesh.spec import P, is_spec
 
 
+_ASSIGNED: dict = {}  # (spec structure, spec leaves, tree structure, what) -> (path, spec) per leaf
+
+
 def broadcast_specs(specs: Any, tree: Any, what: str, mesh, *,
                     where: str = "shard_map") -> list[tuple[str, Any, P]]:
-    """``(path, leaf, spec)`` for every leaf of ``tree`` with the spec its prefix assigns."""
+    """``(path, leaf, spec)`` for every leaf of ``tree`` with the spec its prefix assigns
+    (worked out once per structure of the specs and of the tree: a step's boundary repeats it)."""
+    spec_leaves, spec_def = optree.tree_flatten(specs, is_leaf=is_spec, none_is_leaf=True,
+                                                namespace=tree_util.NAMESPACE)
+    leaves, treedef = tree_util.flatten(tree)
+    try:
+        key = (spec_def, tuple((type(x), x) for x in spec_leaves), treedef, what)
+        assigned = _ASSIGNED.get(key)
+    except TypeError:  # an unhashable spec leaf: not a P (reported below)
+        key = assigned = None
+    if assigned is None:
+        assigned = _assign(specs, tree, what, mesh, where)
+        if key is not None:
+            if len(_ASSIGNED) >= 1024:
+                _ASSIGNED.clear()
+            _ASSIGNED[key] = assigned
+    return [(path, leaf, spec) for (path, spec), leaf in zip(assigned, leaves)]
+
+
+def _assign(specs: Any, tree: Any, what: str, mesh, where: str) -> tuple[tuple[str, P], ...]:
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=is_spec, namespace=tree_util.NAMESPACE)
     except ValueError:
@@ -35,8 +57,8 @@ def broadcast_specs(specs: Any, tree: Any, what: str, mesh, *,
         if not is_spec(spec):
             raise ValueError(f"{where}: {what} leaf {path or '<root>'!r} must be a cfx.P spec, got "
                              f"{spec!r}.")
-        out.append((path, leaf, spec))
-    return out
+        out.append((path, spec))
+    return tuple(out)
 
 
 def _arg_path(path: str) -> str:

@@ -81,8 +81,22 @@ def flatten_with_path(
     if _compiling():
         leaves_, paths, treedef = tree_traced.flatten(tree, is_leaf, path="")
         return list(zip(paths, leaves_)), treedef
-    accessors, leaves_, treedef = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf, namespace=NAMESPACE)
-    return [(path_str(a), x) for a, x in zip(accessors, leaves_)], treedef
+    leaves_, treedef = optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return list(zip(_paths_of(treedef), leaves_)), treedef
+
+
+_PATHS: dict[PyTreeDef, tuple[str, ...]] = {}  # a structure's leaf paths: the same every step
+
+
+def _paths_of(treedef: PyTreeDef) -> tuple[str, ...]:
+    """The dotted leaf paths of a structure, built once per structure (a train step flattens the
+    same few structures every call; building the strings was most of the cost)."""
+    paths = _PATHS.get(treedef)
+    if paths is None:
+        if len(_PATHS) >= 4096:
+            _PATHS.clear()
+        paths = _PATHS[treedef] = tuple(path_str(a) for a in treedef.accessors())
+    return paths
 
 
 def leaf_paths(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:

@@ -130,17 +130,23 @@ def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
 
 def all_gather_blocks(x: torch.Tensor, ax: Axes) -> list[torch.Tensor]:
     """Every member's block, in requested order."""
+    return list(all_gather_rows(x, ax).unbind(0))
+
+
+def all_gather_rows(x: torch.Tensor, ax: Axes) -> torch.Tensor:
+    """Every member's block as the rows of one tensor (n, ...), in requested order."""
     if torch.compiler.is_dynamo_compiling():
-        return [x.clone()] if ax.size == 1 else list(_all_gather_op(x.contiguous(), ax.key, ax.size).unbind(0))
+        return x.clone()[None] if ax.size == 1 else _all_gather_op(x.contiguous(), ax.key, ax.size)
     x = x.detach().contiguous()
     ax.record("all_gather", x)
     if ax.size == 1:
-        return [x.clone()]
-    outs = [torch.empty_like(x) for _ in range(ax.size)]
+        return x.clone()[None]
+    rows = x.new_empty((ax.size, *x.shape))
+    outs = list(rows.unbind(0))  # the backend writes each member's block straight into its row
     buf_in, *buf_outs = _backend_buffers(x, *outs)
     _wait(ax.group.get().allgather([buf_outs], [buf_in]))
     _copy_back(outs, buf_outs)
-    return outs if ax.order is None else [outs[j] for j in ax.order]
+    return rows if ax.order is None else rows[ax.order]
 
 
 def reduce_scatter_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> torch.Tensor:
@@ -297,7 +303,7 @@ def _all_reduce_op(x: torch.Tensor, axes: str, op: str) -> torch.Tensor:
 @torch.library.custom_op("cfx::all_gather", mutates_args=())
 def _all_gather_op(x: torch.Tensor, axes: str, n: int) -> torch.Tensor:
     del n  # the fake's output shape
-    return torch.stack(all_gather_blocks(x, _axes_at_run(axes)))  # (n, ...)
+    return all_gather_rows(x, _axes_at_run(axes))  # (n, ...)
 
 
 @torch.library.custom_op("cfx::reduce_scatter", mutates_args=())

@@ -11,7 +11,7 @@ the whole group:
     full (n * S,)   padded leaf-major: leaf i occupies [P_i, P_i + n*k_i), its numel_i first
 
 ``reduce-scatter(rows)`` sums row r over ranks into rank r's shard; ``all-gather(shard)`` gives
-the n shards, and one strided copy per leaf (``full_from_blocks`` / ``full_from_rows``) gives
+the n shards as the rows of one buffer, and one strided copy per leaf (``full_from_rows``) gives
 ``full``, whose slices are views with the leaves' shapes. The padding is at most ``n - 1``
 elements per leaf.
 """
@@ -88,17 +88,6 @@ class GroupLayout:
         p = 0
         for k, o in zip(self.pieces, self.offsets):
             full[p:p + self.n * k].view(self.n, k).copy_(rows[:, o:o + k])
-            p += self.n * k
-        return full
-
-    def full_from_blocks(self, blocks: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``full_from_rows`` from the n shards as separate tensors (no (n, S) stack in between)."""
-        full = torch.empty(self.n * self.size, dtype=blocks[0].dtype, device=blocks[0].device)
-        p = 0
-        for k, o in zip(self.pieces, self.offsets):
-            dst = full[p:p + self.n * k].view(self.n, k)
-            for r, b in enumerate(blocks):
-                dst[r].copy_(b[o:o + k])
             p += self.n * k
         return full
 

@@ -67,11 +67,11 @@ class ShardSource:
         """The padded leaf-major buffer (n * S,) of the group, all-gathered now."""
         shard = self.shard(backward=backward)
         ax = comm.axes((self.axis,), "cfx.zero.gathered")
-        blocks = comm.all_gather_blocks(shard, ax)  # n shards (S,)
+        rows = comm.all_gather_rows(shard, ax)  # (n, S): the n shards
         del shard
         self.after_gather(backward=backward)
         with memory.ops_unwatched():  # booked as "gathered", not as an op output
-            full = self.layout.full_from_blocks(blocks)
+            full = self.layout.full_from_rows(rows)
         memory.watch(full, tier="device", kind="gathered")
         return full
 
