@@ -8,7 +8,7 @@ mesh's axis order, and ``order`` maps requested positions to group ranks.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -153,10 +153,18 @@ def reduce_scatter_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> torch.Ten
     """Sum over members of ``blocks[i]`` lands on the member at requested position ``i``."""
     if torch.compiler.is_dynamo_compiling():
         return blocks[0].clone() if ax.size == 1 else _reduce_scatter_op([b.contiguous() for b in blocks], ax.key)
+    out, done = reduce_scatter_start(blocks, ax)
+    done()
+    return out
+
+
+def reduce_scatter_start(blocks: Sequence[torch.Tensor], ax: Axes) -> tuple[torch.Tensor, Callable[[], None]]:
+    """``reduce_scatter_blocks`` issued without waiting: ``(out, done)``, where ``out`` holds the
+    result once ``done()`` returned (the caller must call it before anything reads ``out``)."""
     blocks = [b.detach().contiguous() for b in blocks]
     ax.record("reduce_scatter", torch.cat([b.reshape(-1) for b in blocks]) if len(blocks) > 1 else blocks[0])
     if ax.size == 1:
-        return blocks[0].clone()
+        return blocks[0].clone(), _nothing
     if ax.order is not None:  # group rank j receives requested position order.index(j)
         inv = [0] * ax.size
         for i, j in enumerate(ax.order):
@@ -164,9 +172,17 @@ def reduce_scatter_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> torch.Ten
         blocks = [blocks[inv[j]] for j in range(ax.size)]
     out = torch.empty_like(blocks[0])
     buf_out, *buf_blocks = _backend_buffers(out, *blocks)
-    _wait(ax.group.get().reduce_scatter([buf_out], [buf_blocks]))
-    _copy_back([out], [buf_out])
-    return out
+    work = ax.group.get().reduce_scatter([buf_out], [buf_blocks])
+
+    def done() -> None:  # holds the buffers the backend reads and writes until it finished
+        _wait(work)
+        _copy_back([out], [buf_out])
+        del buf_blocks[:]
+    return out, done
+
+
+def _nothing() -> None:
+    pass
 
 
 def all_to_all_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> list[torch.Tensor]:

@@ -100,7 +100,14 @@ class _GatherFn(torch.autograd.Function):
         src = ctx.src
         src.regathered = None  # every use of the params in backward is done
         rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
-        grad = comm.reduce_scatter_blocks(list(rows.unbind(0)), comm.axes((src.axis,), "cfx.zero.gathered"))
+        ax = comm.axes((src.axis,), "cfx.zero.gathered")
+        if type(src) is not ShardSource:  # offload's sources take the gradient at once
+            return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax))
+        # the pieces' gradients are read only once backward is over: the reduce-scatter runs
+        # under the backward of the layers before this one and is waited for at the end (FSDP's
+        # overlap), by a callback the autograd engine runs before backward returns
+        grad, done = comm.reduce_scatter_start(list(rows.unbind(0)), ax)
+        torch.autograd.Variable._execution_engine.queue_callback(done)
         return (None,) + src.deliver(grad)
 
 
