@@ -26,11 +26,16 @@ donated tensor objects are deleted: using one raises a ``ValueError`` naming the
 ``compile=False`` runs the same function eagerly with the same donation semantics (cfx's
 optimizers then update donated params and moments in place): the fast eager path, and the way to
 debug a jitted function with print and pdb.
+
+Inside ``shard_map`` (and ``cfx.jit(shard_map(f))``, which is ``shard_map(cfx.jit(f))``) the rank
+context is read into the trace as constants (axis sizes, and an axis index where code computes
+with one), and every collective is an opaque functional op the running rank executes over its own
+groups (``lax.comm``). The first rank to call compiles; a rank whose own values of what that trace
+read are the same runs the same graph, others compile theirs (``context.reads``): data parallel and
+ZeRO-3 compile once per mesh, a vocab-parallel TP head once per ``model`` index.
 """
 from __future__ import annotations
 
-import ast
-import contextlib
 import dataclasses
 import functools
 import threading
@@ -43,10 +48,11 @@ import torch
 import torch._dynamo
 from torch._dynamo import convert_frame
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
 
 from cfx._src import context, donation
 from cfx._src import tree as tree_util
-from cfx._src.jit import signature
+from cfx._src.jit import signature, tracing
 from cfx._src.lax import comm
 from cfx._src.mesh import context as ctx_lib
 
@@ -131,7 +137,7 @@ class Jitted:
         if first:
             context.reads_reset()  # what the trace reads of this rank (see _Recorder)
         try:
-            with _tracing(self.name):
+            with tracing.around_call(self.name):
                 out = entry.run(*call.dynamic, **call.kwargs)
         finally:
             entry.traced.set()  # a failed trace too: no rank waits for it forever
@@ -257,7 +263,7 @@ class Jitted:
             dynamic = [tree_util.map(torch.clone, a) if i in copy else a for i, a in enumerate(call.args)
                        if i not in call.statics]
             t0 = time.perf_counter()
-            with _tracing(self.name):
+            with tracing.around_call(self.name):
                 entry.run(*dynamic, **call.kwargs)
             entry.compile_seconds = time.perf_counter() - t0
         return Lowered(self.name, entry.graphs[-1], entry.compile_seconds, _compiles(entry))
@@ -272,38 +278,6 @@ class Jitted:
 
     def __repr__(self) -> str:
         return f"cfx.jit({self.name}, donate_argnums={self.donate}, static_argnums={self.static})"
-
-
-@contextlib.contextmanager
-def _tracing(name: str):
-    """Around a compiled call: ``cfx.grad`` traced into the graph (dynamo's config is per thread),
-    and a ``ValueError`` the traced code raised (a check of the user's input) raised as one."""
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
-        try:
-            yield
-        except torch._dynamo.exc.InternalTorchDynamoError as e:  # raised by code dynamo ran for real
-            cause = e.__cause__ or e.__context__
-            if not isinstance(cause, ValueError):
-                raise
-            raise ValueError(f"cfx.jit({name}), while tracing: {cause}") from e
-        except torch._dynamo.exc.Unsupported as e:  # raised by code dynamo traced
-            message = _observed_value_error(e)
-            if message is None:
-                raise
-            raise ValueError(f"cfx.jit({name}), while tracing: {message}") from e
-
-
-def _observed_value_error(e: Exception) -> str | None:
-    """The message of the ValueError dynamo saw the traced code raise, if that is what stopped it."""
-    cause = e.__cause__
-    text = str(cause.args[0]) if cause is not None and cause.args else ""
-    prefix = "raised exception ValueError("
-    if not (type(cause).__name__ == "ObservedValueErrorError" and text.startswith(prefix) and text.endswith(")")):
-        return None
-    try:
-        return str(ast.literal_eval(text[len(prefix):-1]))
-    except (ValueError, SyntaxError):
-        return text
 
 
 def _compiles(entry: _Entry) -> int:
@@ -329,7 +303,11 @@ class _Recorder:
         self.entry.graphs.append(gm)
         self.entry.reads = context.reads()
         try:
-            return self.inner(gm, example_inputs)
+            # graph modules with their code generated now, not on the first call: ranks sharing
+            # this graph make their first calls at once, and a lazy module's codegen is not
+            # thread-safe
+            with _force_skip_lazy_graph_module():
+                return self.inner(gm, example_inputs)
         finally:
             self.entry.traced.set()  # the other ranks may go on (before this one runs the graph)
 

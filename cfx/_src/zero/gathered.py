@@ -30,17 +30,33 @@ hook does not own go to the enclosing hooks (remat re-gathers while recomputing)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
 import torch
 
-from cfx._src import memory
+from cfx._src import context, memory
 from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.lax import comm
 from cfx._src.zero.flat import GroupLayout
 from cfx._src.zero.params import ShardedLeaf, ZeroParams
+
+
+_captured: context.Var[bool] = context.Var("cfx_zero_grads_captured", False)
+
+
+@contextlib.contextmanager
+def grads_captured():
+    """Inside, the gathered layers' gradients are returned by ``torch.autograd.grad`` (as
+    ``ztx.value_and_grad`` does), never accumulated into ``.grad`` during backward, so their
+    reduce-scatters may complete at the end of backward."""
+    token = _captured.set(True)
+    try:
+        yield
+    finally:
+        _captured.reset(token)
 
 
 class ShardSource:
@@ -101,11 +117,12 @@ class _GatherFn(torch.autograd.Function):
         src.regathered = None  # every use of the params in backward is done
         rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
         ax = comm.axes((src.axis,), "cfx.zero.gathered")
-        if type(src) is not ShardSource:  # offload's sources take the gradient at once
+        if type(src) is not ShardSource or not _captured.get():  # the gradient is read at once
             return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax))
-        # the pieces' gradients are read only once backward is over: the reduce-scatter runs
-        # under the backward of the layers before this one and is waited for at the end (FSDP's
-        # overlap), by a callback the autograd engine runs before backward returns
+        # the pieces' gradients are returned by the backward (not accumulated into .grad), so
+        # they are read only once it is over: the reduce-scatter runs under the backward of the
+        # layers before this one and is waited for by a callback the autograd engine runs before
+        # backward returns (FSDP's overlap)
         grad, done = comm.reduce_scatter_start(list(rows.unbind(0)), ax)
         torch.autograd.Variable._execution_engine.queue_callback(done)
         return (None,) + src.deliver(grad)

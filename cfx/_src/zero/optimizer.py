@@ -45,6 +45,7 @@ from cfx._src.optim import reduction
 from cfx._src.mesh.spec import is_spec
 from cfx._src.transforms import value_and_grad as _value_and_grad
 from cfx._src.zero.flat import GroupLayout, make_groups, piece_size
+from cfx._src.zero.gathered import grads_captured
 from cfx._src.zero.params import ZeroParams, check_axis_size
 
 
@@ -278,6 +279,9 @@ class ZeroTransformation:
                 from cfx._src.zero.buckets import bucketed_value_and_grad
                 out, grads = bucketed_value_and_grad(fun, self.plan(params), self.axis, params, args,
                                                      kwargs, has_aux=has_aux)
+            elif self.stage == 3:  # the gathered layers' reduce-scatters complete at the end of backward
+                with grads_captured():
+                    out, grads = _value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
             else:
                 out, grads = _value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
             _watch(grads, "grad", self.tier)
