@@ -159,3 +159,20 @@ def test_plans_jit_cannot_compile_say_why():
     with plan.make_mesh() as mesh:
         with pytest.raises(ValueError, match="a pipe axis runs its schedule's sends .* offload=host"):
             plan.step(model, cfx.optim.adamw(1e-3), mesh=mesh, jit=True)
+
+
+def test_a_jitted_loss_differentiated_in_the_body_equals_eager_and_compiles_per_rank():
+    def loss(w, x):
+        return cfx.lax.psum(((x @ w) ** 2).sum(), "model")
+
+    jitted = cfx.jit(loss, backend="aot_eager")
+    x, w = torch.randn(4, 8), torch.randn(8, 6)
+    with cfx.Mesh({"model": 2}) as mesh:
+        specs = dict(mesh=mesh, in_specs=(P(None, "model"), P()), out_specs=P(None, "model"))
+        want = cfx.shard_map(lambda w, x: cfx.grad(loss)(w, x), **specs)(w, x)
+        for _ in range(2):
+            got = cfx.shard_map(lambda w, x: cfx.grad(jitted)(w, x), **specs)(w, x)
+            torch.testing.assert_close(cfx.device_get(got), cfx.device_get(want))
+    # its backward is compiled by AOT autograd on the first call: each rank has its own graph
+    stats = jitted.stats()
+    assert (stats.signatures, stats.recompiles, stats.calls) == (2, 0, 4)

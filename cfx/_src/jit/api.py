@@ -162,6 +162,8 @@ class Jitted:
         where = ctx_lib.compile_key()
         if where is None:
             return self._get(call.key, call)
+        if any(t.requires_grad for t in call.tensors):  # differentiated from outside: AOT compiles its
+            return self._get((call.key, where), call)  # backward lazily, on the first call: not shared
         shape, rank = where
         key = (call.key, shape)
         while True:

@@ -50,8 +50,9 @@ _captured: context.Var[bool] = context.Var("cfx_zero_grads_captured", False)
 @contextlib.contextmanager
 def grads_captured():
     """Inside, the gathered layers' gradients are returned by ``torch.autograd.grad`` (as
-    ``ztx.value_and_grad`` does), never accumulated into ``.grad`` during backward, so their
-    reduce-scatters may complete at the end of backward."""
+    ``ztx.value_and_grad`` does), never accumulated into ``.grad`` during backward, so the
+    reduce-scatters of layers whose pieces are those leaves themselves (not casts of them) may
+    complete at the end of backward."""
     token = _captured.set(True)
     try:
         yield
@@ -65,6 +66,7 @@ class ShardSource:
     def __init__(self, layout: GroupLayout, axis: str, pieces: list[torch.Tensor], dtype: torch.dtype):
         self.layout, self.axis, self.pieces, self.dtype = layout, axis, pieces, dtype
         self.regathered: torch.Tensor | None = None
+        self.deferred = False  # its gradient's reduce-scatter may finish at the end of backward
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.pieces)
@@ -117,7 +119,7 @@ class _GatherFn(torch.autograd.Function):
         src.regathered = None  # every use of the params in backward is done
         rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
         ax = comm.axes((src.axis,), "cfx.zero.gathered")
-        if type(src) is not ShardSource or not _captured.get():  # the gradient is read at once
+        if not src.deferred:  # the gradient is read at once
             return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax))
         # the pieces' gradients are returned by the backward (not accumulated into .grad), so
         # they are read only once it is over: the reduce-scatter runs under the backward of the
@@ -235,6 +237,10 @@ class Gathered:
             return fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
         # one autograd node per leaf after the shared gather: a zero-bubble W reaching one weight
         # must not run through the other nodes that share the gather (pipeline/backward.py)
+        # deferred only where nothing in backward reads the pieces' gradients: they are the leaves
+        # autograd.grad returns (no cast in between, no accumulation into .grad)
+        src.deferred = (type(src) is ShardSource and _captured.get()
+                        and all(p.grad_fn is None for p in src.inputs()))
         views = [v.view_as(v) for v in _GatherFn.apply(src, *src.inputs())]
         for i, view in zip(own, views):
             leaves[i] = view
