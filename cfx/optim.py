@@ -8,6 +8,8 @@ An optimizer is ``GradientTransformation(init, update)``, a pair of pure functio
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)
     params = cfx.optim.apply_updates(params, updates)
+    # or, in one sweep where tx allows (adam / adamw, into donated params):
+    params, state = cfx.optim.apply_gradients(tx, grads, state, params)
 
 The state is a pytree of tensors (step counts included), so it checkpoints like params; ``update``
 never modifies grads, params or the old state. ``sgd``, ``adam`` and ``adamw`` match
@@ -20,6 +22,7 @@ from cfx._src.optim.base import (
     EmptyState,
     init_empty_state,
     GradientTransformation,
+    apply_gradients,
     apply_updates,
     chain,
     global_norm,
@@ -58,7 +61,7 @@ from cfx._src.optim.transforms import (
 __all__ = [
     "EmptyState", "GradientTransformation", "LossScaleState", "ScaleByAdamState",
     "ScaleByScheduleState", "TraceState", "adam", "adamw", "add_decayed_weights", "all_finite",
-    "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "cosine_decay_schedule",
+    "apply_gradients", "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "cosine_decay_schedule",
     "dynamic_loss_scale", "global_norm", "identity", "join_schedules", "lamb", "lars",
     "linear_schedule", "loss_scale", "scale", "scale_by_adam", "scale_by_lars",
     "scale_by_learning_rate", "scale_by_schedule", "scale_by_trust_ratio", "scale_loss", "sgd", "sharded",

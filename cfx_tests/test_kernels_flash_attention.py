@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import cfx
 import cfx_kernels.flash_attention as fa
 from cfx_kernels.attention_reference import attention_reference
+from cfx_tests.budget import examples
 
 MASKS = ("none", "pad", "rows", "add", "addpad")
 
@@ -88,13 +89,13 @@ def _run_kernel_vs_reference(p, dtype, tol):
 # ------------------------------------------------------------------ kernel (interpreted) vs reference
 
 
-@settings(max_examples=20)
+@examples(ci=8)
 @given(p=shapes)
 def test_kernel_matches_reference_fp32(interpret, p):
     _run_kernel_vs_reference(p, torch.float32, 1e-4)
 
 
-@settings(max_examples=12)
+@examples(ci=6)
 @given(p=shapes, dtype=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_kernel_matches_reference_half(interpret, p, dtype):
     _run_kernel_vs_reference(p, dtype, 1e-2)

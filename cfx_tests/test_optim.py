@@ -385,3 +385,67 @@ def test_donated_adam_writes_in_place_and_gives_the_same_numbers():
             assert torch.equal(a, b)
         kept = {x.data_ptr() for x in cfx.tree.leaves((p2, s2, u if decoupled else {})) if x.dim()}
         assert kept <= set(ptrs)  # params, moments (and adamw's updates) live in the donated buffers
+
+
+def run_applied(tx, params, grads_seq, *, donate):
+    """``apply_gradients`` step after step: with ``donate``, params, state and grads donated (the
+    fused sweep writes into the params' buffers); else the inputs must stay untouched."""
+    from cfx._src import donation
+    params, state = clone(params), tx.init(params)
+    for grads in grads_seq:
+        grads = clone(grads)
+        before = clone((grads, params, state))
+        ptrs = [x.data_ptr() for x in cfx.tree.leaves(params) if x.numel()]
+        with donation.donated(cfx.tree.leaves((params, state, grads)) if donate else []):
+            new, state = optim.apply_gradients(tx, grads, state, params)
+        if donate:
+            assert [x.data_ptr() for x in cfx.tree.leaves(new) if x.numel()] == ptrs  # in place
+        else:
+            assert_tree_equal((grads, params, before[2]), before)
+        params = new
+    return params
+
+
+@given(seeds, shapes, lrs, st.floats(0.0, 0.99), st.floats(0.5, 0.9999), st.floats(1e-8, 1e-3),
+       st.sampled_from([0.0, 0.01, 0.3]), st.sampled_from(["adamw", "adam", "clip+adamw", "sgd"]),
+       st.booleans())
+def test_apply_gradients_matches_torch_donated_or_not(seed, shapes_, lr, b1, b2, eps, wd, which, donate):
+    params, grads = problem(seed, shapes_)
+    if which == "sgd":  # no fused apply: update, then apply_updates
+        tx = optim.sgd(lr, momentum=b1, weight_decay=wd)
+        make = lambda ps: torch.optim.SGD(ps, lr=lr, momentum=b1, weight_decay=wd)  # noqa: E731
+    elif which == "adam":
+        tx = optim.adam(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
+        make = lambda ps: torch.optim.Adam(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)  # noqa: E731
+    else:
+        tx = optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
+        make = lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)  # noqa: E731
+        if which == "clip+adamw":  # a chain whose last member fuses: the clip runs first
+            tx = optim.chain(optim.clip_by_global_norm(1e9), tx)
+    assert (tx.apply is None) == (which == "sgd")
+    ours = run_applied(tx, params, grads, donate=donate)
+    cfx.tree.assert_tree_close(ours, run_torch(make, params, grads))
+
+
+def test_apply_gradients_sweeps_straight_into_donated_params():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cfx._src import donation
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    params, grads = problem(0, [(4, 3), (3,), (2,)])
+    tx = optim.adamw(1e-2, weight_decay=0.1)
+    for donate, fused in ((True, True), (False, False)):
+        p, g, s = clone(params), clone(grads[0]), tx.init(params)
+        with donation.donated(cfx.tree.leaves((p, s, g)) if donate else []), Ops() as ops:
+            optim.apply_gradients(tx, g, s, p)
+        # fused: one addcdiv into the params, no updates tree added afterwards
+        assert ("_foreach_addcdiv_" in ops.names) == fused and ("_foreach_add" in ops.names) != fused

@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 
 import cfx
 from cfx.parallel import Plan
+from cfx_tests.budget import examples
 
 B, T, V = 8, 16, 64
 STEPS = 5
@@ -62,6 +63,7 @@ def run_plan(plan, model, tx, batches):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", MODELS)
+@examples(ci=5)
 @given(data=st.data())
 def test_drawn_plans_match_the_single_device_trajectory(name, data):
     model = MODELS[name]

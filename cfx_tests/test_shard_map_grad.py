@@ -21,6 +21,7 @@ from jax.sharding import AxisType, PartitionSpec as JP  # noqa: E402
 
 import cfx  # noqa: E402
 from cfx import P  # noqa: E402
+from cfx_tests.budget import examples  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 pytestmark = pytest.mark.timeout(300)
@@ -156,6 +157,7 @@ def cfx_result(problem, x, w, *, sharded_w: bool):
         return float(loss), [cfx.device_get(g) for g in grads]
 
 
+@examples(ci=5)
 @given(problems(), st.booleans())
 def test_gradients_through_shard_map_equal_jax(problem, sharded_w):
     B, D = problem[3]

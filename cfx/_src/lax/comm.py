@@ -56,10 +56,14 @@ class Axes:
             i, c[a] = divmod(i, mesh.shape[a])
         return mesh.index_in(canon, c)
 
-    def record(self, op: str, t: torch.Tensor) -> None:
-        for c in _collectors.get():
-            c.record(self.ctx.rank, op, self.names, t.numel(), t.numel() * t.element_size(),
-                     ctx_lib.in_backward())
+    def record(self, op: str, *ts: torch.Tensor) -> None:
+        """Count one collective moving ``ts`` with the active ``cfx.comm_stats`` collectors."""
+        collectors = _collectors.get()
+        if not collectors:
+            return
+        numel, nbytes = sum(t.numel() for t in ts), sum(t.numel() * t.element_size() for t in ts)
+        for c in collectors:
+            c.record(self.ctx.rank, op, self.names, numel, nbytes, ctx_lib.in_backward())
 
 
 def axes(names: tuple[str, ...], where: str) -> Axes:
@@ -162,7 +166,7 @@ def reduce_scatter_start(blocks: Sequence[torch.Tensor], ax: Axes) -> tuple[torc
     """``reduce_scatter_blocks`` issued without waiting: ``(out, done)``, where ``out`` holds the
     result once ``done()`` returned (the caller must call it before anything reads ``out``)."""
     blocks = [b.detach().contiguous() for b in blocks]
-    ax.record("reduce_scatter", torch.cat([b.reshape(-1) for b in blocks]) if len(blocks) > 1 else blocks[0])
+    ax.record("reduce_scatter", *blocks)
     if ax.size == 1:
         return blocks[0].clone(), _nothing
     if ax.order is not None:  # group rank j receives requested position order.index(j)
@@ -191,7 +195,7 @@ def all_to_all_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> list[torch.Te
         return [blocks[0].clone()] if ax.size == 1 else list(_all_to_all_op([b.contiguous() for b in blocks],
                                                                                ax.key).unbind(0))
     blocks = [b.detach().contiguous() for b in blocks]
-    ax.record("all_to_all", torch.cat([b.reshape(-1) for b in blocks]))
+    ax.record("all_to_all", *blocks)
     if ax.size == 1:
         return [blocks[0].clone()]
     if ax.order is not None:

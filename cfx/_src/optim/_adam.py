@@ -36,8 +36,12 @@ class AdamOut(NamedTuple):
 def adam_sweep(gs: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], nus: Sequence[torch.Tensor],
                count: torch.Tensor, *, b1: float, b2: float, eps: float,
                params: Sequence[torch.Tensor] | None = None, l2: float = 0.0, decay: float = 0.0,
-               decay_flags: Sequence[bool] | None = None, lr: Any = None) -> AdamOut:
-    """New moments and updates for leaves ``gs``; ``count`` is the already incremented step."""
+               decay_flags: Sequence[bool] | None = None, lr: Any = None,
+               into_params: bool = False) -> AdamOut:
+    """New moments and updates for leaves ``gs``; ``count`` is the already incremented step.
+
+    ``into_params`` (the caller checked ``can_sweep_into``): the updates are added straight into
+    ``params`` (decay first, as ``torch.optim.AdamW`` does) and returned in place of updates."""
     bc1 = _util.bias_correction(b1, count)
     sqrt_bc2 = _util.bias_correction(b2, count).sqrt()
     scale, eps_t = sqrt_bc2 / bc1, eps * sqrt_bc2
@@ -45,7 +49,15 @@ def adam_sweep(gs: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], nus: Seq
     flags = [decay != 0.0 and (decay_flags is None or f)
              for f in (decay_flags if decay_flags is not None else [True] * len(gs))]
     return _foreach(list(gs), list(mus), list(nus), params, b1, b2, scale, eps_t, l2, decay,
-                    flags, neg_lr)
+                    flags, neg_lr, into_params)
+
+
+def can_sweep_into(params: Sequence[torch.Tensor] | None, mus: Sequence[torch.Tensor], lr: Any,
+                   count: torch.Tensor) -> bool:
+    """Whether the sweep may write into ``params``: every one donated (``cfx._src.donation``) and
+    of its moment's dtype, and the step size a number (the bias correction is then read once)."""
+    return (params is not None and isinstance(lr, (int, float)) and not is_abstract(count)
+            and donation.all_donated(params) and all(p.dtype == m.dtype for p, m in zip(params, mus)))
 
 
 def _per(xs: list, t: Any) -> Any:
@@ -54,7 +66,7 @@ def _per(xs: list, t: Any) -> Any:
     return [t] * len(xs) if is_abstract(t) else t
 
 
-def _foreach(gs, mus, nus, ps, b1, b2, scale, eps_t, l2, decay, flags, neg_lr) -> AdamOut:
+def _foreach(gs, mus, nus, ps, b1, b2, scale, eps_t, l2, decay, flags, neg_lr, into_params) -> AdamOut:
     if not gs:
         return AdamOut([], [], [])
     own = [donation.is_donated(g) or g.dtype != m.dtype for g, m in zip(gs, mus)]  # casts are fresh: ours
@@ -70,19 +82,23 @@ def _foreach(gs, mus, nus, ps, b1, b2, scale, eps_t, l2, decay, flags, neg_lr) -
         mu = torch._foreach_lerp(mus, gs, 1.0 - b1)
         nu = torch._foreach_mul(nus, b2)
     torch._foreach_addcmul_(nu, gs, gs, value=1.0 - b2)
-    if own_g:  # the gradient is spent: its buffers take the denominator, then the update
+    # one buffer per leaf takes the denominator, then the update: the gradient's when it is spent,
+    # else a fresh one (one model-sized allocation a step, not two: fresh pages cost more than the math)
+    if own_g:
         u = gs
         for v, d in zip(nu, u):
             torch.sqrt(v, out=d)
-        torch._foreach_add_(u, _per(u, eps_t))
-        for m, d in zip(mu, u):
-            torch.div(m, d, out=d)
     else:
-        denom = torch._foreach_sqrt(nu)
-        torch._foreach_add_(denom, _per(denom, eps_t))
-        u = torch._foreach_div(mu, denom)
-        del denom
+        u = torch._foreach_sqrt(nu)
+    torch._foreach_add_(u, _per(u, eps_t))
     idx = [i for i, f in enumerate(flags) if f]
+    if into_params:  # p <- p * (1 - lr * decay) - lr * scale * m / d: no updates tree at all
+        if idx:
+            torch._foreach_mul_([ps[i] for i in idx], 1.0 + neg_lr * decay)
+        torch._foreach_addcdiv_(ps, mu, u, value=float(scale) * neg_lr)
+        return AdamOut(mu, nu, ps)
+    for m, d in zip(mu, u):
+        torch.div(m, d, out=d)
     if isinstance(neg_lr, float):  # fold the step size into one pass; decay gets -lr * decay
         torch._foreach_mul_(u, _per(u, scale * neg_lr))
         if idx:

@@ -11,8 +11,8 @@ import torch
 
 from cfx._src import tree as tree_util
 from cfx._src.optim import _util
-from cfx._src.optim._adam import adam_sweep, adamw_chunks, flat_chunk_kernel_applies
-from cfx._src.optim.base import GradientTransformation, chain, identity
+from cfx._src.optim._adam import adam_sweep, adamw_chunks, can_sweep_into, flat_chunk_kernel_applies
+from cfx._src.optim.base import GradientTransformation, apply_updates, chain, identity
 from cfx._src.optim.transforms import (
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -57,7 +57,7 @@ def adam(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps
         scale_by_learning_rate(learning_rate),
     )
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, *, apply=False):
         _check_chain_state("adam", state, 3)
         if weight_decay and params is None:
             raise ValueError("cfx.optim.adam: weight decay needs the params; call "
@@ -65,10 +65,13 @@ def adam(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps
         decay_state, adam_state, lr_state = state
         updates, adam_state, lr_state = _fused_adam(
             updates, adam_state, lr_state, params, learning_rate, b1=b1, b2=b2, eps=eps,
-            l2=weight_decay)
+            l2=weight_decay, apply=apply)
         return updates, (decay_state, adam_state, lr_state)
 
-    return GradientTransformation(reference.init, update)
+    def apply_fused(grads, state, params):
+        return update(grads, state, params, apply=True)
+
+    return GradientTransformation(reference.init, update, apply_fused)
 
 
 def adamw(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -93,7 +96,7 @@ def adamw(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, ep
         scale_by_learning_rate(learning_rate),
     )
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, *, apply=False):
         _check_chain_state("adamw", state, 3)
         if weight_decay and params is None:
             raise ValueError("cfx.optim.adamw: weight decay needs the params; call "
@@ -101,10 +104,13 @@ def adamw(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, ep
         adam_state, decay_state, lr_state = state
         updates, adam_state, lr_state = _fused_adam(
             updates, adam_state, lr_state, params, learning_rate, b1=b1, b2=b2, eps=eps,
-            decay=weight_decay, mask=mask, impl=impl)
+            decay=weight_decay, mask=mask, impl=impl, apply=apply)
         return updates, (adam_state, decay_state, lr_state)
 
-    return GradientTransformation(reference.init, update)
+    def apply_fused(grads, state, params):
+        return update(grads, state, params, apply=True)
+
+    return GradientTransformation(reference.init, update, apply_fused)
 
 
 def _check_chain_state(fn: str, state: Any, n: int) -> None:
@@ -115,8 +121,10 @@ def _check_chain_state(fn: str, state: Any, n: int) -> None:
 
 
 def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2, eps, l2=0.0,
-                decay=0.0, mask=None, impl="reference"):
-    """The Adam chain in one sweep (see ``_adam.py``): returns updates and the two new states."""
+                decay=0.0, mask=None, impl="reference", apply=False):
+    """The Adam chain in one sweep (see ``_adam.py``): returns updates and the two new states;
+    with ``apply``, the new params in place of the updates (written into donated params where
+    ``can_sweep_into`` allows, else ``apply_updates``)."""
     what = "cfx.optim update"
     gs, treedef = tree_util.flatten(updates)
     ps = None
@@ -131,18 +139,23 @@ def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2,
         lr = learning_rate
     count = adam_state.count + 1
     if not gs:
-        return updates, ScaleByAdamState(count, adam_state.mu, adam_state.nu), lr_state
+        return params if apply else updates, ScaleByAdamState(count, adam_state.mu, adam_state.nu), lr_state
     flags = _util.resolve_mask("cfx.optim.add_decayed_weights", mask, params, len(gs)) \
         if decay else None
     lr = _util.as_scalar(lr, gs[0].device)
+    into = False
     if not l2 and ps is not None and flat_chunk_kernel_applies(impl, gs, mus, nus, ps):
         mu, nu, out = adamw_chunks(gs, mus, nus, ps, count, b1=b1, b2=b2, eps=eps, decay=decay,
                                    decay_flags=flags, lr=lr)
     else:
+        into = apply and can_sweep_into(ps, mus, lr, count)
         mu, nu, out = adam_sweep(gs, mus, nus, count, b1=b1, b2=b2, eps=eps, params=ps, l2=l2,
-                                 decay=decay, decay_flags=flags, lr=lr)
+                                 decay=decay, decay_flags=flags, lr=lr, into_params=into)
     unflat = lambda xs: tree_util.unflatten(treedef, xs)  # noqa: E731
-    return unflat(out), ScaleByAdamState(count, unflat(mu), unflat(nu)), lr_state
+    new_state = ScaleByAdamState(count, unflat(mu), unflat(nu))
+    if into:
+        return params, new_state, lr_state
+    return (apply_updates(params, unflat(out)) if apply else unflat(out)), new_state, lr_state
 
 
 def lamb(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,

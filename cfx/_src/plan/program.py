@@ -43,7 +43,7 @@ from cfx._src.mesh.context import current_or_none
 from cfx._src.mesh.spec import P
 from cfx._src.models.parts import parts_of
 from cfx._src.models.sample import sample_bytes
-from cfx._src.optim.base import apply_updates
+from cfx._src.optim.base import apply_gradients
 from cfx._src.optim.loss_scale import loss_scale
 from cfx._src.optim.reduction import sharded
 from cfx._src.parallel.megatron import tensor_parallel
@@ -195,8 +195,8 @@ class Program:
         if self.layout.zero3:  # grads are already reduce-scattered pieces; update this rank's view
             loss = lax.pmean(loss, "data")
             with donation.donated(tree_util.leaves(grads)):
-                updates, opt_state = self.opt.update(grads, opt_state, local)
-            return TrainState(self.layout.stack_local(apply_updates(local, updates).pieces), opt_state), loss
+                new, opt_state = apply_gradients(self.opt, grads, opt_state, local)
+            return TrainState(self.layout.stack_local(new.pieces), opt_state), loss
         if self.plan.has("data"):
             loss = lax.pmean(loss, "data")
             if not self.plan.zero:  # plain data parallel: one flat all-reduce (ZeRO reduce-scatters)
@@ -207,8 +207,7 @@ class Program:
         # norms (clipping, LAMB/LARS) and the fp16 inf/nan check span every rank's part (ZeRO
         # enters cfx.optim.sharded itself, with its flat shards' axes)
         with donation.donated(tree_util.leaves(grads)), self._sharded():  # spent grads: reusable
-            updates, opt_state = self.opt.update(grads, opt_state, on)
-        new = apply_updates(on, updates)
+            new, opt_state = apply_gradients(self.opt, grads, opt_state, on)
         return TrainState(self.layout.stack_local(new) if on is local else new, opt_state), loss
 
     def _sharded(self):

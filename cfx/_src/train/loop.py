@@ -121,8 +121,8 @@ def make_train_step(model, tx, policy: amp.Policy):
     def step(params, opt_state, tokens, targets, key):
         scale = optim.loss_scale(opt_state) if policy.needs_loss_scaling else 1.0
         (_, loss), grads = grad_fn(params, tokens, targets, key, scale)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, loss
+        params, opt_state = optim.apply_gradients(tx, grads, opt_state, params)
+        return params, opt_state, loss
 
     return step
 
