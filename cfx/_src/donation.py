@@ -62,12 +62,17 @@ def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, in
     taken: dict[int, int] = {}
     free = [j for j in range(len(donated)) if not is_deleted(donated[j])]  # given away inside already
     if in_place:
+        at: dict[int, list[int]] = {}  # data_ptr -> the free donated buffers starting there
+        for j in free:
+            at.setdefault(donated[j].data_ptr(), []).append(j)
+        claimed: set[int] = set()
         for i, x in enumerate(outs):
-            for j in free:
-                if isinstance(x, torch.Tensor) and fits(i, j) and donated[j].data_ptr() == x.data_ptr():
+            for j in at.get(x.data_ptr(), ()) if isinstance(x, torch.Tensor) else ():
+                if j not in claimed and fits(i, j):
                     taken[i] = j
-                    free.remove(j)
+                    claimed.add(j)
                     break
+        free = [j for j in free if j not in claimed]
         busy = {_key(x) for x in outs if isinstance(x, torch.Tensor)}
         free = [j for j in free if _key(donated[j]) not in busy]
     for i, x in enumerate(outs):

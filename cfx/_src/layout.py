@@ -5,6 +5,8 @@ The one place that maps a ``P`` spec and a mesh to block shapes and slices; ``Sh
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Sequence
 
 import torch
@@ -17,29 +19,36 @@ def check_spec(path: str, shape: Sequence[int], spec: P, mesh, where: str, *, bl
 
     ``block=True``: ``shape`` is one rank's block (any size fits), only the axes are checked.
     """
-    def label() -> str:  # built only for an error: check_spec runs per leaf on every shard_map call
-        return f"{where}: leaf {path or '<root>'!r} with shape {tuple(shape)} and spec {spec!r} on {mesh!r}"
     if not isinstance(spec, P):
-        raise ValueError(f"{label()}: the spec must be a cfx.P, e.g. P('data', None).")
+        why = "the spec must be a cfx.P, e.g. P('data', None)."
+    else:  # runs per leaf on every shard_map call: worked out once per shape, spec and mesh shape
+        why = _why_not(tuple(shape), spec, tuple(mesh.shape.items()), block)
+    if why:
+        raise ValueError(f"{where}: leaf {path or '<root>'!r} with shape {tuple(shape)} and spec {spec!r} "
+                         f"on {mesh!r}: {why}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _why_not(shape: tuple[int, ...], spec: P, mesh_shape: tuple[tuple[str, int], ...], block: bool) -> str:
+    """What is wrong with ``spec`` over ``shape`` on a mesh of ``mesh_shape`` ('' if nothing)."""
+    sizes = dict(mesh_shape)
     if len(spec) > len(shape):
-        raise ValueError(f"{label()}: the spec has {len(spec)} entries but the leaf only {len(shape)} "
-                         "dimensions; drop the extra entries.")
+        return f"the spec has {len(spec)} entries but the leaf only {len(shape)} dimensions; drop the extra entries."
     used: list[str] = []
     for dim in range(len(spec)):
         axes = spec.axes_of(dim)
         for a in axes:
-            if a not in mesh.shape:
-                raise ValueError(f"{label()}: unknown mesh axis {a!r}; the mesh has axes "
-                                 f"{list(mesh.axis_names)}. Fix the spec or the mesh.")
+            if a not in sizes:
+                return f"unknown mesh axis {a!r}; the mesh has axes {list(sizes)}. Fix the spec or the mesh."
         used.extend(axes)
-        if not block and shape[dim] % mesh.axes_size(axes):
-            raise ValueError(f"{label()}: dimension {dim} has size {shape[dim]}, not divisible by "
-                             f"{mesh.axes_size(axes)} (the size of {'x'.join(axes)}). Pad the dimension or "
-                             "split it over other axes.")
+        n = math.prod(sizes[a] for a in axes)
+        if not block and shape[dim] % n:
+            return (f"dimension {dim} has size {shape[dim]}, not divisible by {n} (the size of "
+                    f"{'x'.join(axes)}). Pad the dimension or split it over other axes.")
     if len(used) != len(set(used)):
         dup = sorted({a for a in used if used.count(a) > 1})
-        raise ValueError(f"{label()}: mesh axis {dup[0]!r} is used twice in one spec; each axis may "
-                         "split at most one dimension.")
+        return f"mesh axis {dup[0]!r} is used twice in one spec; each axis may split at most one dimension."
+    return ""
 
 
 def block_shape(shape: Sequence[int], spec: P, mesh) -> tuple[int, ...]:

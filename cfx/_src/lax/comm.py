@@ -141,16 +141,28 @@ def all_gather_rows(x: torch.Tensor, ax: Axes) -> torch.Tensor:
     """Every member's block as the rows of one tensor (n, ...), in requested order."""
     if torch.compiler.is_dynamo_compiling():
         return x.clone()[None] if ax.size == 1 else _all_gather_op(x.contiguous(), ax.key, ax.size)
+    rows, done = all_gather_rows_start(x, ax)
+    done()
+    return rows if ax.order is None else rows[ax.order]
+
+
+def all_gather_rows_start(x: torch.Tensor, ax: Axes) -> tuple[torch.Tensor, Callable[[], None]]:
+    """``all_gather_rows`` issued without waiting: ``(rows, done)``, ``rows`` in *group* order
+    (index it with ``ax.order`` where that is not None) and filled once ``done()`` returned."""
     x = x.detach().contiguous()
     ax.record("all_gather", x)
     if ax.size == 1:
-        return x.clone()[None]
+        return x.clone()[None], _nothing
     rows = x.new_empty((ax.size, *x.shape))
     outs = list(rows.unbind(0))  # the backend writes each member's block straight into its row
     buf_in, *buf_outs = _backend_buffers(x, *outs)
-    _wait(ax.group.get().allgather([buf_outs], [buf_in]))
-    _copy_back(outs, buf_outs)
-    return rows if ax.order is None else rows[ax.order]
+    work = ax.group.get().allgather([buf_outs], [buf_in])
+
+    def done() -> None:  # holds the buffers the backend reads and writes until it finished
+        _wait(work)
+        _copy_back(outs, buf_outs)
+        del buf_outs[:]
+    return rows, done
 
 
 def reduce_scatter_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> torch.Tensor:

@@ -16,7 +16,8 @@ passes down -- and:
    leaves' gradients into rows (n, S) and reduce-scatters them; it runs after every use of the
    layer's params in backward, and drops the re-gathered buffer.
 
-So at any moment only the layers being computed are gathered, never the whole model. Wrap the
+So at any moment only the layers being computed are gathered, never the whole model (and,
+inside ``ztx.value_and_grad``, the one gather prefetched next: ``prefetch.py``). Wrap the
 blocks first, then the model for what is left (embeddings, final norm), as FSDP does::
 
     zmodel = cfx.zero.gathered(model.map_blocks(lambda b: cfx.zero.gathered(b, axis="data")),
@@ -36,28 +37,25 @@ from typing import Any
 
 import torch
 
-from cfx._src import context, memory
+from cfx._src import memory
 from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.lax import comm
+from cfx._src.mesh.context import in_backward
+from cfx._src.zero import prefetch
 from cfx._src.zero.flat import GroupLayout
 from cfx._src.zero.params import ShardedLeaf, ZeroParams
-
-
-_captured: context.Var[bool] = context.Var("cfx_zero_grads_captured", False)
 
 
 @contextlib.contextmanager
 def grads_captured():
     """Inside, the gathered layers' gradients are returned by ``torch.autograd.grad`` (as
-    ``ztx.value_and_grad`` does), never accumulated into ``.grad`` during backward, so the
-    reduce-scatters of layers whose pieces are those leaves themselves (not casts of them) may
-    complete at the end of backward."""
-    token = _captured.set(True)
-    try:
+    ``ztx.value_and_grad`` does), never accumulated into ``.grad`` during backward, and backward
+    runs once, in the reverse order of forward. So the reduce-scatters of layers whose pieces are
+    those leaves themselves (not casts of them) may complete at the end of backward, and gathers
+    are prefetched in forward and in backward (``prefetch.py``)."""
+    with prefetch.step_scope():
         yield
-    finally:
-        _captured.reset(token)
 
 
 class ShardSource:
@@ -67,6 +65,9 @@ class ShardSource:
         self.layout, self.axis, self.pieces, self.dtype = layout, axis, pieces, dtype
         self.regathered: torch.Tensor | None = None
         self.deferred = False  # its gradient's reduce-scatter may finish at the end of backward
+        self.before: ShardSource | None = None  # gathered just before this one in forward (prefetched after it in backward)
+        self._started: tuple | None = None      # a gather started ahead: (rows, done, order)
+        self.prefetch = False                    # may its gathers start ahead (Gathered.prefetch)
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.pieces)
@@ -82,16 +83,21 @@ class ShardSource:
         pass
 
     def gather(self, *, backward: bool) -> torch.Tensor:
-        """The padded leaf-major buffer (n * S,) of the group, all-gathered now."""
-        shard = self.shard(backward=backward)
-        ax = comm.axes((self.axis,), "cfx.zero.gathered")
-        rows = comm.all_gather_rows(shard, ax)  # (n, S): the n shards
-        del shard
+        """The padded leaf-major buffer (n * S,) of the group, all-gathered now (or, prefetched,
+        finished now)."""
+        started, self._started = self._started, None
+        rows, done, order = started if started is not None else self._start(backward=backward)
+        done()
+        if order is not None:
+            rows = rows[order]  # (n, S): the n shards, in requested order
         self.after_gather(backward=backward)
         with memory.ops_unwatched():  # booked as "gathered", not as an op output
             full = self.layout.full_from_rows(rows)
         memory.watch(full, tier="device", kind="gathered")
         return full
+
+    def _start(self, *, backward: bool) -> tuple:
+        return prefetch.start(self.shard(backward=backward), self.axis)
 
     def after_gather(self, *, backward: bool) -> None:
         pass
@@ -99,6 +105,9 @@ class ShardSource:
     def get_regathered(self) -> torch.Tensor:
         if self.regathered is None:
             self.regathered = self.gather(backward=True)
+            prev = self.before
+            if prev is not None and prev.prefetch and prev.regathered is None and prev._started is None:
+                prev._started = prev._start(backward=True)  # backward needs it next: in flight meanwhile
         return self.regathered
 
 
@@ -117,6 +126,9 @@ class _GatherFn(torch.autograd.Function):
     def backward(ctx, *grads):
         src = ctx.src
         src.regathered = None  # every use of the params in backward is done
+        if src._started is not None:  # prefetched but never used (nothing in backward read the params)
+            src._started[1]()
+            src._started = None
         rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
         ax = comm.axes((src.axis,), "cfx.zero.gathered")
         if not src.deferred:  # the gradient is read at once
@@ -165,12 +177,24 @@ class _RegatherHooks:
         return ctx.__exit__(*exc)
 
 
-def _contains_gathered(obj: Any, depth: int = 0) -> bool:
+def _inner_gathered(obj: Any, depth: int = 0) -> "Gathered | None":
+    """The ``Gathered`` ``obj`` is or wraps (``cfx.remat(gathered(b))``), else None."""
     if isinstance(obj, Gathered):
-        return True
+        return obj
     if depth > 3 or isinstance(obj, type) or not dataclasses.is_dataclass(obj):
-        return False
-    return any(_contains_gathered(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj))
+        return None
+    for f in dataclasses.fields(obj):
+        found = _inner_gathered(getattr(obj, f.name), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _field(layer: Any, prefix: str) -> Any:
+    """The sub-layer at a ``gathered_children`` prefix: ``blocks.3`` or ``head``."""
+    name, _, index = prefix.partition(".")
+    value = getattr(layer, name)
+    return value[int(index)] if index else value
 
 
 def gathered_children(layer: Any) -> list[str]:
@@ -179,8 +203,8 @@ def gathered_children(layer: Any) -> list[str]:
     for f in dataclasses.fields(layer) if dataclasses.is_dataclass(layer) else ():
         v = getattr(layer, f.name)
         if isinstance(v, (tuple, list)):
-            out += [f"{f.name}.{i}" for i, item in enumerate(v) if _contains_gathered(item)]
-        elif _contains_gathered(v):
+            out += [f"{f.name}.{i}" for i, item in enumerate(v) if _inner_gathered(item) is not None]
+        elif _inner_gathered(v) is not None:
             out.append(f.name)
     return out
 
@@ -195,6 +219,7 @@ class Gathered:
 
     layer: Any
     axis: str = "data"
+    prefetch: bool = True
 
     def init(self, key: torch.Tensor) -> Any:
         return self.layer.init(key)
@@ -239,15 +264,40 @@ class Gathered:
         # must not run through the other nodes that share the gather (pipeline/backward.py)
         # deferred only where nothing in backward reads the pieces' gradients: they are the leaves
         # autograd.grad returns (no cast in between, no accumulation into .grad)
-        src.deferred = (type(src) is ShardSource and _captured.get()
-                        and all(p.grad_fn is None for p in src.inputs()))
+        step = prefetch.current() if type(src) is ShardSource else None
+        src.deferred = step is not None and all(p.grad_fn is None for p in src.inputs())
+        if step is not None and in_backward():
+            step = None  # a remat recompute is no step of forward: nothing to prefetch
+        if step is not None:
+            src.prefetch = self.prefetch
+            src._started = step.take(src.pieces)
+            src.before = step.order[-1] if step.order else None
+            step.order.append(src)
         views = [v.view_as(v) for v in _GatherFn.apply(src, *src.inputs())]
+        if step is not None:
+            step.then(src.pieces)
+            step.expect(self._child_groups(items, children))
         for i, view in zip(own, views):
             leaves[i] = view
         with _RegatherHooks(src, views[0]):
             out = fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
         src.after_forward()
         return out
+
+    def _child_groups(self, items: list, children: list[str]) -> list[tuple[list[torch.Tensor], str]]:
+        """What the gathered children will gather, in order: each child's plain pieces and axis,
+        up to the first child whose group cannot be told from here (one with gathered children
+        of its own, or offloaded pieces)."""
+        groups = []
+        for prefix in children:
+            inner = _inner_gathered(_field(self.layer, prefix))
+            if inner is None or not inner.prefetch or gathered_children(inner.layer):
+                break
+            own = [x for p, x in items if isinstance(x, ShardedLeaf) and _under(p, [prefix])]
+            if not own or any(x.source is not None for x in own):
+                break
+            groups.append(([x.piece for x in own], inner.axis))
+        return groups
 
     def _source(self, own: list[tuple[str, ShardedLeaf]]) -> ShardSource:
         n = lax.axis_size(self.axis)
@@ -282,9 +332,11 @@ def _gather_traced(src: ShardSource) -> list[torch.Tensor]:
     return src.layout.leaves_of_full(src.layout.full_from_rows(rows))
 
 
-def gathered(layer: Any, *, axis: str = "data") -> Gathered:
-    """``layer`` as a ZeRO-3 layer over mesh axis ``axis`` (see the module doc)."""
+def gathered(layer: Any, *, axis: str = "data", prefetch: bool = True) -> Gathered:
+    """``layer`` as a ZeRO-3 layer over mesh axis ``axis`` (see the module doc). ``prefetch``:
+    inside ``ztx.value_and_grad`` its gathers may start while the layer before it (forward) or
+    after it (backward) computes, holding one more layer gathered (``prefetch.py``)."""
     if not all(callable(getattr(layer, a, None)) for a in ("init", "apply", "axes")):
         raise ValueError(f"cfx.zero.gathered: {type(layer).__name__} is not a layer (needs init, apply "
                          "and axes); wrap a block or a model.")
-    return Gathered(layer, axis)
+    return Gathered(layer, axis, bool(prefetch))
