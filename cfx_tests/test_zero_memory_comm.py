@@ -6,7 +6,9 @@ an all-reduce its buffer. Elements a rank sends with the bandwidth-optimal (ring
 all-gather ``S * (n - 1)``, reduce-scatter ``numel * (n - 1) / n``, all-reduce
 ``2 * numel * (n - 1) / n``. The ZeRO paper's per-step figures in those units: stages 0-2 move
 ``2 * Psi * (n - 1) / n``, stage 3 ``3 * Psi * (n - 1) / n`` (forward gather, backward re-gather,
-reduce-scatter), Psi the parameter count; we allow 1% plus the per-leaf padding.
+reduce-scatter), Psi the parameter count; we allow 1% plus the per-leaf padding. cfx's stage 3
+moves less by the model root's re-gather: the outermost gathered layer keeps what its backward
+reads (FSDP keeps its root the same way), so its params cross the wire twice, not three times.
 
 Memory: live bytes of kinds ``param``, ``grad``, ``optim`` on one rank right after the gradients
 exist, against the paper's model-state formulas (Adam: params + grads + fp32 master, m, v).
@@ -54,22 +56,25 @@ def measured_step(stage, n, dtype, probe):
 
 
 def counts(n):
-    numels = [x.numel() for x in cfx.tree.leaves(gpt2().init(cfx.random.key(0)))]
-    return sum(numels), sum(piece_size(m, n) * n for m in numels)
+    """(Psi, Psi with every leaf padded to n pieces, the root's padded params: all but the blocks)"""
+    params = gpt2().init(cfx.random.key(0))
+    numels = [x.numel() for x in cfx.tree.leaves(params)]
+    root = sum(piece_size(x.numel(), n) * n for k, v in params.items() if k != "blocks" for x in cfx.tree.leaves(v))
+    return sum(numels), sum(piece_size(m, n) * n for m in numels), root
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 4])
 def test_elements_moved_per_step_match_the_paper(n):
-    psi, padded = counts(n)
+    psi, padded, root = counts(n)
     for stage, k in ((0, 2), (1, 2), (2, 2), (3, 3)):
         _, records = measured_step(stage, n, torch.float32, lambda r: None)
         moved = elements_moved([r for r in records if r.rank == 0 and r.axes == ("data",)], n)
-        target = k * psi * (n - 1) / n
+        target = k * psi * (n - 1) / n - (root * (n - 1) / n if stage == 3 else 0)  # the root's kept gather
         assert abs(moved - target) <= 0.01 * target + k * (padded - psi) * (n - 1) / n, (stage, moved, target)
-        if stage == 3:  # one all-gather per layer forward, one re-gather in backward, one reduce-scatter
+        if stage == 3:  # one all-gather per layer forward, a re-gather in backward but the root's, one reduce-scatter
             ops = [(r.op, r.backward) for r in records if r.rank == 0 and r.op != "all_reduce"]
-            assert ops.count(("all_gather", False)) == ops.count(("all_gather", True)) == 3
+            assert ops.count(("all_gather", False)) == 3 and ops.count(("all_gather", True)) == 2
             assert ops.count(("reduce_scatter", True)) == 3
 
 
@@ -85,7 +90,7 @@ FORMULAS = {  # bytes per rank: (fp32 Adam, mixed-precision Adam)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_model_state_bytes_match_the_zero_formulas(dtype):
     n = 4
-    psi, _ = counts(n)
+    psi, _, _ = counts(n)
     block = sum(x.numel() for x in cfx.tree.leaves(gpt2().init(cfx.random.key(0))["blocks"][0]))
     chunk = 4 * block // n  # one layer's fp32 shard: the tolerance
     for stage in (0, 1, 2, 3):

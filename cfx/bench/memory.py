@@ -18,7 +18,8 @@ threads), GPT-2, AdamW, params and optimizer state as ShardedArrays across donat
   ``all_gather_object`` (what the ``dist`` backend did before ShardedArrays) shows the measurement
   sees such traffic;
 * the counted collectives per step against their textbook totals (ring algorithms): DP
-  ``2 Psi (N-1)/N``, ZeRO-3 ``3 Psi (N-1)/N`` (padded pieces), DP x TP Megatron's
+  ``2 Psi (N-1)/N``, ZeRO-3 ``(3 Psi - root) (N-1)/N`` (padded pieces; the root is not
+  gathered again in backward), DP x TP Megatron's
   ``4 L + 2`` all-reduces of ``b s h`` and 3 of ``b s`` over ``model`` plus the
   tensor-parallel shard's gradient all-reduce over ``data``.
 """
@@ -36,6 +37,7 @@ from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.zero.flat import piece_size
 from cfx.bench.common import Row, report
 from cfx.bench.memory_worker import N, config
+from cfx.bench.zero import root_elements
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RSS_SLACK = 8 << 20  # per process: gloo's buffers, the allocator's slack, the logits' softmax
@@ -100,8 +102,10 @@ def _textbook(name: str, cfg: dict, psi: int, records: list, steps: int) -> tupl
         return got, 4 * (psi + 1) * SENT["all_reduce"](N)
     if name == "zero3":
         model = cfx.models.gpt2("tiny", **m)
-        padded = sum(piece_size(x.numel(), N) * N for x in cfx.tree.leaves(cfx.eval_shape(model.init, cfx.random.key(0))))
-        return got, 3 * 4 * padded * (N - 1) / N + 4 * 4 * SENT["all_reduce"](N)  # + ghost norm, loss
+        shapes = cfx.eval_shape(model.init, cfx.random.key(0))
+        padded = sum(piece_size(x.numel(), N) * N for x in cfx.tree.leaves(shapes))
+        three = 3 * padded - root_elements(shapes, N)  # the root is not gathered again in backward
+        return got, 4 * three * (N - 1) / N + 4 * 4 * SENT["all_reduce"](N)  # + ghost norm, loss
     model = cfx.models.gpt2("tiny", **m)
     with cfx.Mesh({"model": 2}) as mesh:
         specs = cfx.Rules(MEGATRON_RULES).specs(model.axes(), mesh=mesh)

@@ -12,10 +12,12 @@
   chunks of 1/v each; ZB-H1 counted until W, which is when this executor frees them);
 * step time of ``cfx.pipeline`` against ``torch.distributed.pipelining`` (ScheduleGPipe /
   Schedule1F1B) on the same GPT-2 stages, both in the same gloo processes (one per rank, the
-  cfx side on a ``dist`` mesh), in alternating rounds; rows ``1f1b_vs_torch_{p}stages`` (m = 8,
-  target <= 1.00). torch's stages are nn.Modules of the same
-  math (``torch_gpt2.Block``); its last stage holds an untied copy of the head weight, since a
-  torch pipeline stage cannot share a parameter with another stage.
+  cfx side on a ``dist`` mesh; each rank holding only its own blocks on both sides, cfx's
+  ``local_blocks=True`` as a Plan runs it), in alternating rounds, each step started on every
+  rank together and lasting as long as its slowest rank (``lockstep_medians``); rows
+  ``1f1b_vs_torch_{p}stages`` (m = 8, target <= 1.00). torch's stages are nn.Modules of the
+  same math (``torch_gpt2.Block``); its last stage holds an untied copy of the head weight, since
+  a torch pipeline stage cannot share a parameter with another stage.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 import cfx
 from cfx import P
 from cfx._src.pipeline.api import pipeline
-from cfx.bench.common import Row, interleaved_medians, report
+from cfx.bench.common import Row, end_worker, lockstep_medians, report
 from cfx.bench.torch_gpt2 import TorchGPT2
 
 V, T, C, N_LAYER, ROWS = 256, 32, 64, 8, 2  # ROWS: rows per microbatch
@@ -139,7 +141,8 @@ def _worker(rank: int, p: int, ms: list, rounds: int, init_file: str, out_file: 
             x, y = batch(m)
             for name, torch_cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
                 sched = schedules(p, m)[name]
-                step = pipeline(mdl, sched, sum_grads=False)
+                # each rank holds and differentiates only its own blocks, as torch's stages do
+                step = pipeline(mdl, sched, sum_grads=False, local_blocks=True)
                 lo, hi = step.plan.bounds[rank], step.plan.bounds[rank + 1]
                 stage = _TorchStage(TorchGPT2(mdl.config).load_cfx(params), lo, hi,
                                     first=rank == 0, last=rank == p - 1)
@@ -155,19 +158,21 @@ def _worker(rank: int, p: int, ms: list, rounds: int, init_file: str, out_file: 
                     got["torch"] = float(torch.stack(losses).detach().mean()) if losses else 0.0
 
                 def body(params, x, y):
+                    own = {**params, "blocks": [params["blocks"][i] for i in step.held_blocks(rank)]}
+
                     def cfx_step():
-                        got["cfx"] = float(step(params, x, y)[0])
-                    return torch.tensor(interleaved_medians([cfx_step, torch_step], rounds))
-                times = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()),
-                                                     out_specs=P("pipe"))(params, x, y))  # a collective
+                        got["cfx"] = float(step(own, x, y)[0])
+                    got["t"] = lockstep_medians([cfx_step, torch_step], rounds)  # equal on every rank
+                    return torch.zeros(())
+                cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P())(params, x, y)
                 losses = torch.tensor([got["cfx"], got["torch"]])
                 dist.broadcast(losses, p - 1)  # the last stage knows the losses
-                results.append(dict(name=name, m=m, t=times.view(p, 2).max(0).values.tolist(),
-                                    loss=losses.tolist()))
+                results.append(dict(name=name, m=m, t=got["t"], loss=losses.tolist()))
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+    end_worker()
 
 
 def torch_rows(p: int, ms: list, rounds: int) -> list[Row]:
@@ -209,5 +214,5 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
     rows = simulated_rows([(p, m) for p in (2, 4) for m in (4, 8, 16)])
     rows += measured_rows(grid, 3 if quick else 5)
     for p in ps:
-        rows += torch_rows(p, list(ms), 5 if quick else 9)
+        rows += torch_rows(p, list(ms), 5 if quick else 30)
     return report("pipeline", rows, json_path)

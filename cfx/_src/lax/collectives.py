@@ -14,7 +14,7 @@ vary over a collective's axes is first implicitly ``pvary``'d, as JAX does.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -267,8 +267,17 @@ def recv(axis: Axis, *, src: int, shape: Sequence[int], dtype: torch.dtype = tor
          device: torch.device | str = "cpu", tag: int = 0) -> torch.Tensor:
     """Point-to-point, not differentiable: the tensor position ``src`` of ``axis`` sent with
     ``tag`` (of the given ``shape`` and ``dtype``); blocks until it arrives."""
+    out, done = recv_start(axis, src=src, shape=shape, dtype=dtype, device=device, tag=tag)
+    done()
+    return out
+
+
+def recv_start(axis: Axis, *, src: int, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", tag: int = 0) -> tuple[torch.Tensor, Callable[[], None]]:
+    """``recv`` posted without waiting: ``(out, done)``; ``out`` holds the message once ``done()``
+    returned (call it before reading ``out``, and before the step ends)."""
     where = "cfx.lax.recv"
     ax = _ax(axis, where)
     _check_peer(ax, src, tag, where, "src")
-    out = comm.recv(shape, dtype, device, ax, src, tag)
-    return vma.mark(out, ax.names) if vma.is_tracking() else out
+    out, done = comm.recv_start(shape, dtype, device, ax, src, tag)
+    return (vma.mark(out, ax.names) if vma.is_tracking() else out), done

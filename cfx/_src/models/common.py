@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -41,12 +42,30 @@ def check_params(where: str, model: Any, params: Any) -> None:
     another structure then fails in the model's ops instead of with this message)."""
     if torch.compiler.is_dynamo_compiling():
         return
-    ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=is_axes_leaf)
-    what = (f"{where}: params differ from {type(model).__name__}.init's structure "
-            "(were they made by a model with another config or layout?)")
-    if tree_util.structure(params) != tree_util.structure(ref):
+    if tree_util.structure(params) != _params_structure(model):
+        ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=is_axes_leaf)
+        what = (f"{where}: params differ from {type(model).__name__}.init's structure "
+                "(were they made by a model with another config or layout?)")
         # cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node
         tree_util.check_same_structure(what, ref, quantized_as_leaves(params))
+
+
+_STRUCTURES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _params_structure(model: Any) -> Any:
+    """The tree structure of ``model.init``'s params, from its axes; kept per model (equal
+    configurations share one), since every call of a model's ``apply`` checks against it."""
+    try:
+        return _STRUCTURES[model]
+    except (KeyError, TypeError):  # not seen yet, or a model that cannot be a key
+        pass
+    ref = tree_util.structure(tree_util.map(lambda a: 0, model.axes(), is_leaf=is_axes_leaf))
+    try:
+        _STRUCTURES[model] = ref
+    except TypeError:
+        pass
+    return ref
 
 
 def _check_int_2d(where: str, name: str, x: Any) -> None:

@@ -20,6 +20,7 @@ from cfx._src.nn.dropout import dropout
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import split_keys
 from cfx._src.nn.norm import LayerNorm
+from cfx._src.nn.sublayers import keep_sublayers
 
 GPT2_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256),
@@ -80,8 +81,12 @@ class GPT2(DecoderLM):
             object.__setattr__(self, "blocks", (block,) * c.n_layer)
         elif len(self.blocks) != self.config.n_layer:
             raise ValueError(f"GPT2: got {len(self.blocks)} blocks for n_layer={self.config.n_layer}.")
+        keep_sublayers(self, self._build_layers())
 
     def _layers(self) -> dict:
+        return self._sublayers
+
+    def _build_layers(self) -> dict:
         c = self.config
         return {
             "wte": Embedding(c.vocab_size, c.n_embd, init_std=c.init_std),

@@ -17,6 +17,7 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.norm import RMSNorm
+from cfx._src.nn.sublayers import keep_sublayers
 
 # Real sizes use default RoPE only: Llama 3.x's "llama3" frequency scaling is not implemented, so
 # "1b" is Llama-3.2-1B's shape at its original 8192-token context.
@@ -96,8 +97,12 @@ class Llama(DecoderLM):
             object.__setattr__(self, "blocks", (block,) * c.n_layer)
         elif len(self.blocks) != self.config.n_layer:
             raise ValueError(f"Llama: got {len(self.blocks)} blocks for n_layer={self.config.n_layer}.")
+        keep_sublayers(self, self._build_layers())
 
     def _layers(self) -> dict:
+        return self._sublayers
+
+    def _build_layers(self) -> dict:
         c = self.config
         layers = {
             "embed": Embedding(c.vocab_size, c.hidden_size, init_std=c.init_std),

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.rope import apply_rope, rope_cos_sin
+from cfx._src.nn.sublayers import keep_sublayers
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -149,6 +150,7 @@ class Attention:
             raise ValueError(f"Attention: impl must be one of {_IMPLS}, got {self.impl!r}.")
         if self.rope and self.dim % 2:
             raise ValueError(f"Attention: rope needs an even head_dim, got {self.dim}.")
+        keep_sublayers(self, self._build_layers())
 
     @property
     def kv_heads(self) -> int:
@@ -159,6 +161,9 @@ class Attention:
         return self.features // self.n_heads if self.head_dim is None else self.head_dim
 
     def _layers(self) -> dict:
+        return self._sublayers
+
+    def _build_layers(self) -> dict:
         C, D = self.features, self.dim
         out_std = self.init_std if self.out_init_std is None else self.out_init_std
         kw = dict(bias=self.bias, init_std=self.init_std)

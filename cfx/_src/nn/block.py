@@ -10,6 +10,7 @@ from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
 from cfx._src.nn.mlp import MLP
 from cfx._src.nn.norm import LayerNorm, RMSNorm
+from cfx._src.nn.sublayers import keep_sublayers
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -43,8 +44,12 @@ class TransformerBlock:
             raise ValueError(f"TransformerBlock: unknown norm {self.norm!r}; use one of {NORMS}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"TransformerBlock: dropout must be in [0, 1), got {self.dropout!r}.")
+        keep_sublayers(self, self._build_layers())
 
     def _layers(self) -> dict:
+        return self._sublayers
+
+    def _build_layers(self) -> dict:
         if self.norm == "layernorm":
             norm = LayerNorm(self.features, eps=self.norm_eps, bias=self.bias)
         else:

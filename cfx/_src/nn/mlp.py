@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from cfx._src.nn.linear import Linear, split_keys
+from cfx._src.nn.sublayers import keep_sublayers
 
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu", "swiglu")
 
@@ -44,8 +45,12 @@ class MLP:
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MLP: unknown activation {self.activation!r}; use one of {ACTIVATIONS}.")
+        keep_sublayers(self, self._build_layers())
 
     def _layers(self) -> dict:
+        return self._sublayers
+
+    def _build_layers(self) -> dict:
         out_std = self.init_std if self.out_init_std is None else self.out_init_std
         up = Linear(self.features, self.hidden, bias=self.bias, axes_names=("embed", "mlp"),
                     init_std=self.init_std)

@@ -42,6 +42,9 @@ class TensorParallelBlock:
     block: Any
     axis: str = "model"
 
+    def __post_init__(self):
+        object.__setattr__(self, "_local_by_n", {})  # axis size -> the local sublayers
+
     def init(self, key: torch.Tensor) -> dict:
         return self.block.init(key)
 
@@ -58,13 +61,17 @@ class TensorParallelBlock:
                                  f"{what}={size} is not divisible by {n}; use a mesh axis size dividing it.")
 
     def _local_layers(self, n: int) -> dict:
-        self.check(n)
-        layers = self.block._layers()
-        attn, mlp = layers["attn"], layers["mlp"]
-        layers["attn"] = dataclasses.replace(attn, n_heads=attn.n_heads // n,
-                                             n_kv_heads=attn.kv_heads // n, head_dim=attn.dim)
-        layers["mlp"] = dataclasses.replace(mlp, hidden=mlp.hidden // n)
-        return layers
+        """The block's sublayers as one rank of ``n`` runs them (made once per ``n``)."""
+        local = self._local_by_n.get(n)
+        if local is None:
+            self.check(n)
+            attn, mlp = self.block._layers()["attn"], self.block._layers()["mlp"]
+            local = {**self.block._layers(),
+                     "attn": dataclasses.replace(attn, n_heads=attn.n_heads // n,
+                                                 n_kv_heads=attn.kv_heads // n, head_dim=attn.dim),
+                     "mlp": dataclasses.replace(mlp, hidden=mlp.hidden // n)}
+            self._local_by_n[n] = local
+        return local
 
     def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
               positions: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,8 @@ action list in order, holding the stages ``partition`` gave it (virtual stage s 
           parameter gradients (accumulated). I / W: the zero-bubble split (``backward.py``).
   SEND_*  point-to-point ``lax.collectives.send`` of an activation (b, T, C) or its gradient,
           tagged (family, stage, microbatch); never waits for the peer.
-  RECV_*  ``lax.collectives.recv`` into a fresh (b, T, C) buffer; blocks until it arrived.
+  RECV_*  the message, in a fresh (b, T, C) buffer; blocks until it arrived. Each receive is
+          posted when the previous one is read, so the bytes move while the rank computes.
 
 Returned values. ``loss``: the full-batch mean loss on every pipe rank (the last stage's sum,
 all-reduced over the axis). ``grads``: shaped like ``params``. With ``sum_grads=True`` (default)
@@ -65,6 +66,7 @@ from cfx._src.zero.params import ShardedLeaf
 
 WHERE = "cfx.pipeline"
 FORWARD = ("F", "SEND_F", "RECV_F")  # what an evaluation runs of a schedule
+RECVS = ("RECV_F", "RECV_B")  # indexed by message family (the tag's first part)
 
 
 def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StagePlan | None = None,
@@ -202,6 +204,8 @@ class _Run:
         self.live: dict[tuple, tuple] = {}        # (stage, mb) -> (root, x) awaiting B / I
         self.split: dict[tuple, SplitBackward] = {}  # (stage, mb) -> awaiting W
         self.sends: list = []
+        self.posted: collections.deque = collections.deque()    # (RECV action, buffer, done), in order
+        self.unposted: collections.deque = collections.deque()  # RECV actions not posted yet
         self.scale = None
         self.loss = torch.zeros((), dtype=torch.float32, device=w.device)
 
@@ -210,9 +214,10 @@ class _Run:
         step = self.step
         collectors = trace_lib.active()
         events = []
-        for a in step.schedule.actions[self.rank]:
-            if self.forward_only and a.kind not in FORWARD:
-                continue
+        actions = [a for a in step.schedule.actions[self.rank] if not self.forward_only or a.kind in FORWARD]
+        self.unposted = collections.deque(a for a in actions if a.kind in RECVS)
+        self._post_next()
+        for a in actions:
             t0 = time.perf_counter()
             getattr(self, "_" + a.kind)(a.stage, a.microbatch, a.peer)
             events.append((a, t0, time.perf_counter()))
@@ -221,7 +226,7 @@ class _Run:
             s.wait()
         self.sends = []
         assert not (self.inputs or self.outputs or self.out_grads or self.in_grads or self.live
-                    or self.split), "a validated schedule consumes everything it produces"
+                    or self.split or self.posted), "a validated schedule consumes everything it produces"
         group = tuple((n, c) for n, c in ctx.coords.items() if n != step.axis)
         for c in collectors:
             c._add(ctx.rank, self.rank, group, step.schedule, events)
@@ -337,14 +342,29 @@ class _Run:
         self._send(self.outputs.pop((s, mb)), 0, s, mb, peer)
 
     def _RECV_F(self, s: int, mb: int, peer: int) -> None:
-        self.inputs[s + 1, mb] = lax.recv(self.step.axis, src=peer, tag=self._tag(0, s, mb), **self.msg)
+        self.inputs[s + 1, mb] = self._received("RECV_F", s, mb)
 
     def _SEND_B(self, s: int, mb: int, peer: int) -> None:
         self._send(self.in_grads.pop((s, mb)), 1, s, mb, peer)
 
     def _RECV_B(self, s: int, mb: int, peer: int) -> None:
-        self.out_grads[s - 1, mb] = lax.recv(self.step.axis, src=peer, tag=self._tag(1, s, mb),
-                                             **self.msg)
+        self.out_grads[s - 1, mb] = self._received("RECV_B", s, mb)
+
+    # Receives are posted one ahead: while this rank computes, the next message it will read can
+    # already move (gloo moves a message only once its receive is posted), so a RECV action
+    # mostly finds its bytes arrived instead of starting the transfer. One message buffer more.
+    def _post_next(self) -> None:
+        if self.unposted:
+            a = self.unposted.popleft()
+            tag = self._tag(RECVS.index(a.kind), a.stage, a.microbatch)
+            self.posted.append((a, *lax.recv_start(self.step.axis, src=a.peer, tag=tag, **self.msg)))
+
+    def _received(self, kind: str, s: int, mb: int) -> torch.Tensor:
+        a, out, done = self.posted.popleft()
+        assert (a.kind, a.stage, a.microbatch) == (kind, s, mb), "receives are posted in action order"
+        self._post_next()
+        done()
+        return out
 
     # -- results ----------------------------------------------------------------------------------
     def results(self) -> tuple[torch.Tensor, Any]:

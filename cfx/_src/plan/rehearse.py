@@ -41,7 +41,7 @@ class _DryGroup:
     def _call(self, *args, **kwargs) -> _Done:
         return _Done()
 
-    allreduce = allgather = reduce_scatter = alltoall_base = send = recv = _call
+    allreduce = allgather = _reduce_scatter_base = alltoall_base = send = recv = _call
 
 
 @dataclasses.dataclass(frozen=True)

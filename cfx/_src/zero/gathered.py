@@ -11,7 +11,9 @@ passes down -- and:
    that lives in that buffer (a weight kept for the input gradient, its transpose, ...) by a
    small ``_Ref(offset, size, stride)``, so when ``apply`` returns nothing holds the buffer;
 3. *re-gathers in backward*: the first ``_Ref`` unpacked in backward all-gathers the shard
-   again and every ``_Ref`` of the layer is served from that one buffer;
+   again and every ``_Ref`` of the layer is served from that one buffer (except, inside
+   ``ztx.value_and_grad``, for the step's outermost gathered layer: its backward begins where
+   forward ends, so what it saved stays gathered, as FSDP keeps its root);
 4. *reduce-scatters the gradient*: the gather is an autograd function whose backward packs the
    leaves' gradients into rows (n, S) and reduce-scatters them; it runs after every use of the
    layer's params in backward, and drops the re-gathered buffer.
@@ -268,8 +270,12 @@ class Gathered:
         src.deferred = step is not None and all(p.grad_fn is None for p in src.inputs())
         if step is not None and in_backward():
             step = None  # a remat recompute is no step of forward: nothing to prefetch
+        # the step's outermost gathered layer (the model's root) runs through the whole forward
+        # and its backward starts where forward ends: what backward reads of its params stays
+        # gathered for it instead of being freed and gathered again at once (FSDP's root)
+        root = step is not None and not step.order
         if step is not None:
-            src.prefetch = self.prefetch
+            src.prefetch = self.prefetch and not root
             src._started = step.take(src.pieces)
             src.before = step.order[-1] if step.order else None
             step.order.append(src)
@@ -279,7 +285,7 @@ class Gathered:
             step.expect(self._child_groups(items, children))
         for i, view in zip(own, views):
             leaves[i] = view
-        with _RegatherHooks(src, views[0]):
+        with contextlib.nullcontext() if root else _RegatherHooks(src, views[0]):
             out = fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
         src.after_forward()
         return out
