@@ -407,7 +407,7 @@ def run_applied(tx, params, grads_seq, *, donate):
 
 
 @given(seeds, shapes, lrs, st.floats(0.0, 0.99), st.floats(0.5, 0.9999), st.floats(1e-8, 1e-3),
-       st.sampled_from([0.0, 0.01, 0.3]), st.sampled_from(["adamw", "adam", "clip+adamw", "sgd"]),
+       st.sampled_from([0.0, 0.01, 0.3]), st.sampled_from(["adamw", "adam", "clip+adamw", "masked adamw", "sgd"]),
        st.booleans())
 def test_apply_gradients_matches_torch_donated_or_not(seed, shapes_, lr, b1, b2, eps, wd, which, donate):
     params, grads = problem(seed, shapes_)
@@ -422,6 +422,13 @@ def test_apply_gradients_matches_torch_donated_or_not(seed, shapes_, lr, b1, b2,
         make = lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)  # noqa: E731
         if which == "clip+adamw":  # a chain whose last member fuses: the clip runs first
             tx = optim.chain(optim.clip_by_global_norm(1e9), tx)
+        if which == "masked adamw":  # only matrices decay: two param groups in torch
+            tx = optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd,
+                             mask=lambda p: cfx.tree.map(lambda x: x.dim() >= 2, p))
+            make = lambda ps: torch.optim.AdamW(  # noqa: E731
+                [g for g in ({"params": [p for p in ps if p.dim() >= 2]},
+                             {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}) if g["params"]],
+                lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
     assert (tx.apply is None) == (which == "sgd")
     ours = run_applied(tx, params, grads, donate=donate)
     cfx.tree.assert_tree_close(ours, run_torch(make, params, grads))
@@ -443,9 +450,11 @@ def test_apply_gradients_sweeps_straight_into_donated_params():
 
     params, grads = problem(0, [(4, 3), (3,), (2,)])
     tx = optim.adamw(1e-2, weight_decay=0.1)
-    for donate, fused in ((True, True), (False, False)):
+    for donate in (True, False):
         p, g, s = clone(params), clone(grads[0]), tx.init(params)
         with donation.donated(cfx.tree.leaves((p, s, g)) if donate else []), Ops() as ops:
             optim.apply_gradients(tx, g, s, p)
-        # fused: one addcdiv into the params, no updates tree added afterwards
-        assert ("_foreach_addcdiv_" in ops.names) == fused and ("_foreach_add" in ops.names) != fused
+        if donate:  # one pass per leaf in place (torch's fused AdamW kernel): no intermediate, no updates tree
+            assert "_fused_adamw_" in ops.names and not {"_foreach_sqrt", "_foreach_add"} & set(ops.names)
+        else:  # the foreach sweep, then its updates tree added to fresh params
+            assert "_fused_adamw_" not in ops.names and "_foreach_add" in ops.names

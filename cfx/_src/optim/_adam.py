@@ -9,7 +9,9 @@ Per leaf (all ops elementwise, ``t`` the new count)::
     u   = u * (-lr)                                   (optional)
 
 with ``bc = 1 - b ** t``, as multi-tensor (``torch._foreach_*``) kernels over all leaves: a
-handful of launches per step however many leaves there are. Inputs are written only where their
+handful of launches per step however many leaves there are. Where the caller donated params and
+moments (an eager ``cfx.jit(..., donate_argnums=...)`` step through ``optim.apply_gradients``),
+torch's one-pass Adam kernels do the whole sweep in place instead (``_one_pass``). Inputs are written only where their
 caller donated them (``cfx._src.donation``): donated moments are updated in place, and donated
 gradients hold the denominator and then the update, so a donated step allocates nothing the
 size of the model; the numbers are the same either way. (A cache-blocked CPU variant was
@@ -48,8 +50,44 @@ def adam_sweep(gs: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], nus: Seq
     neg_lr = None if lr is None else -lr
     flags = [decay != 0.0 and (decay_flags is None or f)
              for f in (decay_flags if decay_flags is not None else [True] * len(gs))]
+    if into_params and _one_pass_applies(gs, mus, nus, params):
+        return _one_pass(list(gs), list(mus), list(nus), list(params), count, b1=b1, b2=b2, eps=eps,
+                         l2=l2, decay=decay, flags=flags, lr=lr)
     return _foreach(list(gs), list(mus), list(nus), params, b1, b2, scale, eps_t, l2, decay,
                     flags, neg_lr, into_params)
+
+
+def _one_pass_applies(gs, mus, nus, ps) -> bool:
+    """Whether torch's one-pass Adam kernels (``torch._fused_adam_`` / ``_fused_adamw_``, what
+    ``torch.optim.AdamW(fused=True)`` runs) can step these leaves in place: eager, moments and
+    params donated, one floating dtype and device per leaf, on the CPU or CUDA."""
+    if torch.compiler.is_dynamo_compiling() or not hasattr(torch, "_fused_adamw_"):
+        return False  # a compiled step fuses the foreach sweep itself
+    if not (donation.all_donated(mus) and donation.all_donated(nus)):
+        return False
+    return all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
+               and g.dtype == m.dtype == v.dtype == p.dtype and g.device == p.device and not is_abstract(p)
+               for g, m, v, p in zip(gs, mus, nus, ps))
+
+
+def _one_pass(gs, mus, nus, ps, count, *, b1, b2, eps, l2, decay, flags, lr) -> AdamOut:
+    """The sweep as one pass per leaf that reads the gradient and writes the moments and the
+    params in place: no intermediate the size of the model, one trip through memory (the foreach
+    sweep makes six). Leaves that decay and leaves that do not go in two calls."""
+    step = count.to(torch.float32)
+    steps = [step] * len(gs)  # read only: the count was already incremented
+    if l2:  # adam's coupled L2 on the gradient
+        torch._fused_adam_(ps, gs, mus, nus, [], steps, lr=float(lr), beta1=b1, beta2=b2,
+                           weight_decay=l2, eps=eps, amsgrad=False, maximize=False)
+        return AdamOut(mus, nus, ps)
+    for decays in (True, False):
+        idx = [i for i, f in enumerate(flags) if f == decays]
+        if idx:
+            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            torch._fused_adamw_(pick(ps), pick(gs), pick(mus), pick(nus), [], pick(steps), lr=float(lr),
+                                beta1=b1, beta2=b2, weight_decay=decay if decays else 0.0, eps=eps,
+                                amsgrad=False, maximize=False)
+    return AdamOut(mus, nus, ps)
 
 
 def can_sweep_into(params: Sequence[torch.Tensor] | None, mus: Sequence[torch.Tensor], lr: Any,
