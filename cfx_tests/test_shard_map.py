@@ -124,6 +124,18 @@ def test_a_failing_rank_raises_its_traceback_fast_and_the_mesh_stays_usable():
         torch.testing.assert_close(out, torch.full((3,), 4.0))
 
 
+@pytest.mark.timeout(30)
+def test_a_shard_map_inside_a_body_is_refused_at_once_and_the_mesh_stays_usable():
+    # it used to hang: the inner call waits for ranks that are busy in the outer one
+    with cfx.Mesh({"data": 2}, timeout=20) as mesh:
+        inner = cfx.shard_map(lambda x: cfx.lax.psum(x, "data"), mesh=mesh, in_specs=P(), out_specs=P())
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match=r"inside the body of another shard_map.*call <lambda> directly"):
+            cfx.device_get(cfx.shard_map(lambda x: inner(x), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(3)))
+        assert time.perf_counter() - t0 < 5
+        torch.testing.assert_close(cfx.device_get(inner(torch.ones(3))), torch.full((3,), 2.0))
+
+
 def test_startup_is_fast_and_close_leaks_no_threads():
     before = threading.active_count()
     t0 = time.perf_counter()

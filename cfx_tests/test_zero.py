@@ -50,14 +50,17 @@ def single_device(model, tx, batches, *, micro=1, dtype=torch.float32):
     return torch.stack(losses), master
 
 
-def zero_run(model, tx, batches, mesh, stage, *, micro=1, dtype=torch.float32, bucket_numel=20000):
-    """The same training inside one shard_map: ZeRO along data, Megatron TP along model."""
+def zero_run(model, tx, batches, mesh, stage, *, micro=1, dtype=torch.float32, bucket_numel=20000,
+             tell_specs=True):
+    """The same training inside one shard_map: ZeRO along data, Megatron TP along model
+    (``tell_specs=False``: without telling ZeRO the params' specs)."""
     tp = "model" in mesh.shape
     rules = cfx.Rules({**MEGATRON_RULES} if tp else {})
     pspecs = rules.specs(model.axes(), mesh=mesh)
     net = tensor_parallel(model, "model") if tp else model
     net = gathered_model(net) if stage == 3 else net
-    ztx = zero(tx, stage=stage, axis="data", param_specs=pspecs, bucket_numel=bucket_numel)
+    ztx = zero(tx, stage=stage, axis="data", param_specs=pspecs if tell_specs else None,
+               bucket_numel=bucket_numel)
 
     def body(params, batches):
         p = zero.shard_params(params, axis="data") if stage == 3 else params
@@ -124,6 +127,41 @@ def test_clip_by_global_norm_uses_the_norm_over_every_shard():
             losses, params = zero_run(model, tx, batches, mesh, stage)
             torch.testing.assert_close(losses, ref_losses)
             cfx.tree.assert_tree_close(params, ref_params)
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_params_without_specs_are_refused_not_normed_wrong():
+    # the newcomer's trap: TP shards counted as whole leaves made the clipped update 28% off;
+    # now every rank refuses at the first update, naming a split leaf and the fix
+    model, batches = gpt2(), data(1)
+    tx = cfx.optim.chain(cfx.optim.clip_by_global_norm(0.1), cfx.optim.adamw(1e-3))
+    with cfx.Mesh({"data": 2, "model": 2}) as mesh:
+        for stage in (1, 3):
+            with pytest.raises(ValueError, match=r"blocks\.0\.attn.*differs across mesh axes \['model'\].*param_specs"):
+                zero_run(model, tx, batches, mesh, stage, tell_specs=False)
+
+
+@pytest.mark.timeout(120)
+def test_params_replicated_over_the_other_axes_need_no_specs():
+    # plain data parallel on a mesh that also has a model axis: the params are whole on every
+    # rank, so no specs are needed and the run equals one device
+    model, batches = gpt2(), data(2)
+    tx = cfx.optim.chain(cfx.optim.clip_by_global_norm(0.1), cfx.optim.sgd(0.3, momentum=0.9))
+    ref_losses, ref_params = single_device(model, tx, batches)
+    ztx = zero(tx, stage=2, axis="data")
+
+    def body(params, batches):
+        state = ztx.init(params)
+        for t in batches:
+            loss, g = ztx.value_and_grad(lambda p: model.loss(p, t[:, :-1], t[:, 1:]))(params)
+            u, state = ztx.update(g, state, params)
+            params = cfx.optim.apply_updates(params, u)
+        return params
+
+    with cfx.Mesh({"data": 2, "model": 2}) as mesh:
+        params = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")), out_specs=P())(
+            model.init(cfx.random.key(0)), batches))
+    cfx.tree.assert_tree_close(params, ref_params)
 
 
 @dataclasses.dataclass(frozen=True)

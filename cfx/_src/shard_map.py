@@ -38,6 +38,7 @@ import torch
 from cfx._src import donation, layout
 from cfx._src import tree as tree_util
 from cfx._src.lax import vma
+from cfx._src.mesh import context as ctx_lib
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.reshard import plan as reshard_plan, run_steps, same_layout
 from cfx._src.sharded import Cell, ShardedArray, same_layout_mesh
@@ -314,10 +315,23 @@ def shard_map(f: Callable[..., Any], *, mesh, in_specs: Any, out_specs: Any, che
     return _mapped(f, mesh, in_specs, out_specs, check_rep, check_vma, donate, ())
 
 
+def _check_not_nested(f, mesh) -> None:
+    """A shard_map called from a rank's body would wait for ranks that are busy in the outer one
+    (a hang): refuse at once, on every rank that makes the call."""
+    outer = ctx_lib.current_or_none()
+    if outer is not None:
+        name = getattr(f, "__name__", "the function")
+        raise ValueError(f"shard_map({name}) on {mesh!r} was called inside the body of another shard_map "
+                         f"(rank {outer.rank} of {outer.mesh!r}); nesting is not supported. Inside a body "
+                         "each rank already holds its blocks and cfx.lax collectives reach every mesh axis: "
+                         f"call {name} directly there, or call the inner shard_map outside the outer body.")
+
+
 def _mapped(f, mesh, in_specs, out_specs, check_rep: bool, check_vma: bool, donate: tuple,
             body_donates: tuple) -> Callable[..., Any]:
     @functools.wraps(f)
     def wrapped(*args):
+        _check_not_nested(f, mesh)
         call = _Call(f, mesh, in_specs, out_specs, check_rep, donate, args, check_vma)
         outs = _run_differentiable(call) if call.differentiable else call.run()
         for n in body_donates:  # the body took these blocks' buffers (a cfx.jit with donate_argnums)

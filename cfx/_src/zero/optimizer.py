@@ -41,6 +41,7 @@ import torch
 from cfx._src import donation, memory
 from cfx._src import tree as tree_util
 from cfx._src.lax import collectives as lax
+from cfx._src.mesh import context as ctx_lib
 from cfx._src.optim import reduction
 from cfx._src.mesh.spec import is_spec
 from cfx._src.transforms import value_and_grad as _value_and_grad
@@ -98,6 +99,7 @@ class ZeroTransformation:
             raise ValueError(f"cfx.zero: axis must be one mesh axis name, got {self.axis!r}.")
         if self.bucket_numel < 1:
             raise ValueError(f"cfx.zero: bucket_numel={self.bucket_numel} must be >= 1 elements.")
+        object.__setattr__(self, "_checked", set())  # params layouts seen replicated (_check_replicated)
 
     # -- layout -------------------------------------------------------------------------------
     def plan(self, params: Any) -> Plan:
@@ -174,6 +176,7 @@ class ZeroTransformation:
                              f"({len(plan.groups)} groups); pass the state from ztx.init / ztx.update.")
         with torch.no_grad():
             leaves = self._param_leaves(params)
+            self._check_replicated(leaves, plan)
             shards = self._reduce(grads, plan)
             derived = self._masters(leaves, plan) if any(m is None for m in state.master) else None
             masters = [m if m is not None else derived[g] for g, m in enumerate(state.master)]
@@ -186,6 +189,33 @@ class ZeroTransformation:
         new_state = ZeroState(new_master, inner)
         _watch(new_state, "optim", self.tier)
         return updates, new_state
+
+    def _check_replicated(self, leaves: list[torch.Tensor], plan: Plan) -> None:
+        """Without ``param_specs`` every leaf counts as replicated over the mesh's other axes, so
+        a norm (clipping, LAMB / LARS, the fp16 inf check) sums its squares once. A leaf whose
+        values differ across one of those axes is split over it (tensor parallelism) and that
+        norm would be silently wrong: refuse, on every rank alike, naming the leaf, the axes and
+        the fix. Checked once per params layout (one all-reduce of a number per leaf); not inside
+        a compiled step (``cfx.jit``), whose first eager step should make it."""
+        if self.param_specs is not None or torch.compiler.is_dynamo_compiling():
+            return
+        ctx = ctx_lib.current("cfx.zero")
+        mesh, key = ctx.mesh, (ctx.rank, plan.paths)  # per rank: each makes the same checks in turn
+        others = tuple(a for a in mesh.axis_names if a != self.axis and mesh.shape[a] > 1)
+        if not others or key in self._checked:
+            return
+        sq = torch.stack([x.detach().float().square().sum() for x in leaves]) if leaves else torch.zeros(0)
+        spread = lax.pmax(sq, others) - lax.pmin(sq, others)
+        spread = lax.pmax(spread, tuple(mesh.axis_names))  # one verdict on every rank of the mesh
+        bad = [plan.paths[i] for i in torch.nonzero(spread).flatten().tolist()]
+        if bad:
+            raise ValueError(
+                f"cfx.zero: params leaf {bad[0]!r}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
+                f"differs across mesh axes {list(others)} of {mesh!r}: it is split there (tensor "
+                "parallelism), but no param_specs were given, so norms (clipping, LAMB / LARS, the fp16 "
+                "inf check) would count it as whole. Pass the params' specs: cfx.zero(tx, stage=..., "
+                f"axis={self.axis!r}, param_specs=rules.specs(model.axes(), mesh=mesh)).")
+        self._checked.add(key)
 
     def _sharded(self, plan: Plan):
         every = sorted({a for axes in plan.total_axes for a in axes} | ({self.axis} if self.stage else set()))
