@@ -29,3 +29,10 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     losses = [float(line.split()[1]) for line in out.splitlines() if re.fullmatch(r"\d+ [\d.]+", line)]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_every_optimizer_update_in_the_readme_is_applied():
+    # a block that computes updates and never applies them trains nothing when copied
+    for code in python_blocks():
+        for name in re.findall(r"^\s*(\w+), \w+ = \w+\.update\(", code, flags=re.M):
+            assert re.search(rf"apply_updates\([^)]*\b{name}\b", code), f"README: {name!r} is never applied:\n{code}"

@@ -84,6 +84,23 @@ def test_mesh_training_tracks_single_device(model, text_file):
                                torch.tensor([l for _, l in single["history"]["train"]]), rtol=1e-4, atol=1e-5)
 
 
+def test_torchrun_without_mesh_trains_data_parallel_and_fp16_on_cpu_says_it_is_slow():
+    from cfx._src.train.loop import launched_config
+    cfg, note = launched_config(TrainConfig(), {"WORLD_SIZE": "4", "RANK": "0"})
+    assert cfg.mesh == "data=4" and "4 processes and no --mesh" in note  # not 4 copies of one run
+    cfg, note = launched_config(TrainConfig(mesh="data=2,model=2"), {"WORLD_SIZE": "4"})
+    assert cfg.mesh == "data=2,model=2" and note is None  # an explicit mesh is kept
+    assert launched_config(TrainConfig(), {}) == (TrainConfig(), None)
+    _, note = launched_config(TrainConfig(precision="fp16"), {})
+    assert "fp16 on the CPU" in note and "bf16" in note
+
+
+def test_fp16_cli_run_prints_the_note(text_file, capsys):
+    assert main(["--steps", "1", "--batch", "2", "--seq", "16", "--data", text_file, "--no-progress",
+                 "--precision", "fp16", "--eval-every", "0", "--sample-bytes", "0"]) == 0
+    assert "fp16 on the CPU" in capsys.readouterr().err
+
+
 def test_mesh_flag_errors(text_file, capsys):
     assert main(["--mesh", "data=2,expert=2", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
     assert "AXIS=SIZE" in capsys.readouterr().err
@@ -107,7 +124,7 @@ def test_pipeline_training_tracks_single_device(mesh, schedule, text_file):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("remat,mesh", [("blocks", None), ("dots", None), ("blocks", "data=2,model=2"),
-                                        ("auto", None)])
+                                        ("auto", None), ("auto", "pipe=2")])  # once refused naming a library call
 def test_remat_flag_keeps_the_loss_trajectory(remat, mesh, text_file):
     base = dict(SMALL, steps=3, data=text_file)
     ref = train(TrainConfig(**base))
