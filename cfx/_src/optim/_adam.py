@@ -11,12 +11,12 @@ Per leaf (all ops elementwise, ``t`` the new count)::
 with ``bc = 1 - b ** t``, as multi-tensor (``torch._foreach_*``) kernels over all leaves: a
 handful of launches per step however many leaves there are. Where the caller donated params and
 moments (an eager ``cfx.jit(..., donate_argnums=...)`` step through ``optim.apply_gradients``),
-torch's one-pass Adam kernels do the whole sweep in place instead (``_one_pass``). Inputs are written only where their
-caller donated them (``cfx._src.donation``): donated moments are updated in place, and donated
-gradients hold the denominator and then the update, so a donated step allocates nothing the
-size of the model; the numbers are the same either way. (A cache-blocked CPU variant was
-measured slower inside a real GPT-2 train step, where fresh outputs cost page reuse, not
-bandwidth.)
+torch's one-pass Adam kernels do the whole sweep in place instead (``_one_pass``). Inputs are
+written only where their caller donated them (``cfx._src.donation``): donated moments are
+updated in place, and donated gradients hold the denominator and then the update, so a donated
+step allocates nothing the size of the model; the numbers are the same either way. (A
+cache-blocked CPU variant was measured slower inside a real GPT-2 train step, where fresh
+outputs cost page reuse, not bandwidth.)
 """
 from __future__ import annotations
 

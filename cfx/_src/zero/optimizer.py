@@ -205,9 +205,10 @@ class ZeroTransformation:
         if not others or key in self._checked:
             return
         sq = torch.stack([x.detach().float().square().sum() for x in leaves]) if leaves else torch.zeros(0)
-        spread = lax.pmax(sq, others) - lax.pmin(sq, others)
-        spread = lax.pmax(spread, tuple(mesh.axis_names))  # one verdict on every rank of the mesh
-        bad = [plan.paths[i] for i in torch.nonzero(spread).flatten().tolist()]
+        hi, lo = lax.pmax(sq, others), lax.pmin(sq, others)
+        differs = ((hi != lo) & ~(hi.isnan() & lo.isnan())).float()  # a non-finite leaf is no sharding
+        differs = lax.pmax(differs, tuple(mesh.axis_names))  # one verdict on every rank of the mesh
+        bad = [plan.paths[i] for i in torch.nonzero(differs).flatten().tolist()]
         if bad:
             raise ValueError(
                 f"cfx.zero: params leaf {bad[0]!r}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
