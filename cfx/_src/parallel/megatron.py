@@ -65,8 +65,9 @@ class TensorParallelBlock:
         local = self._local_by_n.get(n)
         if local is None:
             self.check(n)
-            attn, mlp = self.block._layers()["attn"], self.block._layers()["mlp"]
-            local = {**self.block._layers(),
+            layers = self.block._layers()
+            attn, mlp = layers["attn"], layers["mlp"]
+            local = {**layers,
                      "attn": dataclasses.replace(attn, n_heads=attn.n_heads // n,
                                                  n_kv_heads=attn.kv_heads // n, head_dim=attn.dim),
                      "mlp": dataclasses.replace(mlp, hidden=mlp.hidden // n)}
