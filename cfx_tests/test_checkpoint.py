@@ -1,5 +1,7 @@
 """cfx.checkpoint: exact round trips, atomic writes, and errors naming the leaf."""
 import os
+import subprocess
+import sys
 from typing import NamedTuple
 
 import pytest
@@ -54,6 +56,33 @@ def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["ckpt.safetensors"]  # no temp file left behind
     _, meta = checkpoint.load(path, sample())
     assert meta["step"] == 1  # the old checkpoint is intact
+
+
+KILLED_MID_SAVE = """
+import os, sys, torch
+from cfx import checkpoint
+os.fsync = lambda fd: os._exit(9)  # the process dies after the bytes are written, before the rename
+checkpoint.save(sys.argv[1], {"w": torch.ones(1000)})
+"""
+
+
+def test_a_save_killed_mid_write_leaves_nothing_after_the_next_save(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(path)], timeout=120)
+    assert proc.returncode == 9
+    (left,) = os.listdir(tmp_path)  # the killed writer's temporary file, and no checkpoint
+    assert left.startswith(".tmp-ckpt.safetensors-")
+    (tmp_path / ".tmp-other.safetensors-x").write_text("")  # another checkpoint's: not ours to touch
+    checkpoint.save(path, sample())
+    assert sorted(os.listdir(tmp_path)) == [".tmp-other.safetensors-x", "ckpt.safetensors"]
+
+
+def test_a_running_writers_temporary_file_is_kept(tmp_path):
+    import socket
+    live = tmp_path / f".tmp-c.safetensors-{socket.gethostname()}-{os.getpid()}-abc"
+    live.write_text("")  # a save in progress in this process (another thread): not swept
+    checkpoint.save(tmp_path / "c.safetensors", sample())
+    assert live.exists()
 
 
 def test_mismatch_names_the_leaf(tmp_path):

@@ -1,4 +1,5 @@
 """Gemini tier stores: bit-exact round trips, NVMe integrity checks, memory accounting."""
+import gc
 import os
 
 import pytest
@@ -121,3 +122,45 @@ def test_stores_report_bytes_per_tier(tmp_path):
         assert mem.live("host", kind="optim") == 40 and mem.peak("device") == 500
         assert mem.peak("nvme") == 400 and mem.live("nvme") == 0
         assert [stores[t].nbytes for t in ("device", "host", "nvme")] == [400, 140, 0]
+
+
+def test_nvme_store_removes_its_files_on_close_and_when_collected(tmp_path):
+    store = NvmeStore(tmp_path / "a")
+    for k in range(3):
+        store.put(("param", k), torch.ones(8))
+    assert len(os.listdir(tmp_path / "a")) == 3
+    store.close()
+    assert not (tmp_path / "a").exists() and len(store) == 0  # the directory it made, too
+    dropped = NvmeStore(tmp_path / "b")
+    dropped.put("x", torch.ones(8))
+    del dropped
+    gc.collect()
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "mine").write_text("")  # a directory the store did not make is left in place
+    shared = NvmeStore(tmp_path / "c")
+    shared.put("x", torch.ones(8))
+    shared.close()
+    assert os.listdir(tmp_path / "c") == ["mine"]
+
+
+def test_nvme_store_keep_leaves_the_files(tmp_path):
+    store = NvmeStore(tmp_path / "kept", keep=True)
+    store.put("x", torch.arange(4.0))
+    store.close()
+    del store
+    gc.collect()
+    assert len(os.listdir(tmp_path / "kept")) == 1
+
+
+def test_nvme_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    store = NvmeStore(tmp_path)
+    store.put("x", torch.zeros(4))
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        store.put("x", torch.ones(4))
+    monkeypatch.undo()
+    assert len(os.listdir(tmp_path)) == 1 and torch.equal(store.get("x"), torch.zeros(4))  # the old bytes

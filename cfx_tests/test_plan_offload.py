@@ -3,6 +3,9 @@ bit, on every axis; params, grads and optimizer state on the host; ``auto`` keep
 its budget and moves fewer chunks than ``host``; a budget below one chunk fails before any rank."""
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 
@@ -65,6 +68,17 @@ def test_nvme_keeps_the_state_in_files_across_steps(tmp_path):
         assert [s.data_ptr() for s in storages(state)] == before  # written in place: still the files
         assert step.placement_of(0).traffic["nvme->device"] > 0
     assert list(tmp_path.iterdir()) == []  # unlinked at once: nothing left behind
+
+
+def test_the_default_nvme_directory_goes_with_its_program():
+    plan = Plan.parse("data=2 zero=3 offload=nvme")
+    with plan.make_mesh() as mesh:
+        step = plan.step(MODELS["gpt2"], cfx.optim.adamw(1e-3), mesh=mesh)
+        made = step.nvme_dir
+        assert os.path.isdir(made) and os.path.basename(made).startswith("cfx-nvme-")
+        del step
+        gc.collect()
+    assert not os.path.exists(made)
 
 
 def test_an_unwritable_nvme_dir_is_refused_before_any_rank_runs(tmp_path):

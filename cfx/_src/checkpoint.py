@@ -1,14 +1,18 @@
 """Checkpoints of pytrees as safetensors files, keyed by dotted leaf paths.
 
 ``save`` writes to a temporary name in the same directory, fsyncs, then renames, so a crash
-never leaves a half-written checkpoint under the real name. ``load`` restores into the structure
+never leaves a half-written checkpoint under the real name. The temporary name carries the
+writer's host and pid (``.tmp-<name>-<host>-<pid>-...``): a save removes the temporary files
+that writers on this host which are no longer running left for the same checkpoint. ``load`` restores into the structure
 of a template tree (e.g. ``{"params": model.init(key), "opt_state": tx.init(params)}``) and
 checks every leaf's shape and dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import tempfile
 from typing import Any
 
@@ -44,7 +48,9 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None 
     os.makedirs(directory, exist_ok=True)
     tensors = _flat_tensors(tree)
     meta = {_META_KEY: json.dumps(metadata or {})}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=directory)
+    prefix = f".tmp-{os.path.basename(path)}-{socket.gethostname()}-"
+    _sweep(directory, prefix)
+    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=directory)
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=meta)
@@ -55,6 +61,25 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None 
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _sweep(directory: str, prefix: str) -> None:
+    """Remove ``prefix<pid>-*`` files in ``directory`` whose pid no longer runs (a killed save's)."""
+    for name in os.listdir(directory):
+        pid = name[len(prefix):].split("-", 1)[0]
+        if name.startswith(prefix) and pid.isdigit() and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def load(path: str | os.PathLike, like: Any) -> tuple[Any, dict[str, Any]]:

@@ -10,9 +10,11 @@ caller names another). A store belongs to one rank and is not thread-safe.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import urllib.parse
+import weakref
 import zlib
 from typing import Any
 
@@ -62,6 +64,10 @@ class _Store:
     def clear(self) -> None:
         for key in list(self._data):
             self.delete(key)
+
+    def close(self) -> None:
+        """Drop everything the store holds."""
+        self.clear()
 
 
 class _MemoryStore(_Store):
@@ -137,18 +143,26 @@ class NvmeStore(_Store):
     """Payloads as raw bytes, one file per key in ``directory``, verified by CRC-32 on read.
 
     A write goes to a temporary file that is flushed, fsync'ed and renamed over the final name,
-    so a crash leaves either the old file or the new one. dtype, shape and checksum are kept in
-    this object. The constructor proves the directory writable (creating it if needed, then
-    writing and removing a probe file) before anything else happens.
+    so a crash leaves either the old file or the new one; a write that fails (a full disk)
+    removes its temporary file. dtype, shape and checksum are kept in this object. The
+    constructor proves the directory writable (creating it if needed, then writing and removing a
+    probe file) before anything else happens.
+
+    The chunk files are the store's own: ``close()`` removes them, and so does the store's
+    garbage collection or the interpreter's exit if nobody called it, together with the
+    directory when the store created it and it is left empty. ``keep=True`` leaves the files
+    (e.g. to inspect them after a run).
     """
 
     tier = "nvme"
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, *, keep: bool = False):
         super().__init__()
         self.directory = os.fspath(directory)
+        self.keep = keep
         probe = os.path.join(self.directory, f".cfx-probe-{os.getpid()}-{threading.get_ident()}")
         try:
+            created = not os.path.isdir(self.directory)
             os.makedirs(self.directory, exist_ok=True)
             with open(probe, "wb") as f:
                 f.write(b"\0")
@@ -157,6 +171,20 @@ class NvmeStore(_Store):
             raise ValueError(f"NvmeStore: directory {self.directory!r} is not writable ({e.strerror or e}); "
                              "pass a directory this user can create files in (e.g. on a local NVMe "
                              "drive) or fix its permissions.") from None
+        self._finalizer = weakref.finalize(self, _remove_files, self._data, self._tokens,
+                                           self.directory if created else None)
+        if keep:
+            self._finalizer.detach()
+
+    def close(self) -> None:
+        """Forget every entry and remove its file (unless ``keep``); the store is empty after."""
+        if self.keep:
+            for key in list(self._data):
+                self._data.pop(key)
+                self._unbook(key)
+        else:
+            self.clear()
+            self._finalizer()  # the directory, if this store made it and nothing else is in it
 
     def _path(self, key) -> str:
         return os.path.join(self.directory, urllib.parse.quote(str(key), safe="") + ".chunk")
@@ -167,11 +195,16 @@ class NvmeStore(_Store):
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
         path = self._path(key)
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(memoryview(raw))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(raw))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         if key in self._data:
             self._unbook(key)
         self._data[key] = (path, t.dtype, tuple(t.shape), raw.nbytes, zlib.crc32(memoryview(raw)))
@@ -203,6 +236,19 @@ class NvmeStore(_Store):
         path = self._data.pop(key)[0]
         os.remove(path)
         self._unbook(key)
+
+
+def _remove_files(entries: dict, tokens: dict, directory: str | None) -> None:
+    """The files of an NvmeStore's ``entries`` (and ``directory`` if given and left empty)."""
+    for path, *_ in list(entries.values()):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    entries.clear()
+    for token in tokens.values():
+        memory.record_free(token)
+    if directory is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)  # only succeeds when empty
 
 
 def make_stores(device: str | torch.device = "cpu", *, pin_memory: bool = False,

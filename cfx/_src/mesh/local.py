@@ -95,6 +95,7 @@ class LocalBackend:
                 ctx.drop_groups()  # closes sockets: peers blocked on this rank fail fast
                 self._outbox.put((call, rank, False, RankFailure(rank, ctx.coords, e, text)))
                 del e
+            job = fn = out = None  # the worker keeps nothing of a finished call: it is the caller's
 
     def run(self, fn: Callable[[int], Any]) -> dict[int, Any]:
         if self._closed:

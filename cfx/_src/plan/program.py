@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import os
 import tempfile
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -95,7 +96,11 @@ class Program:
         self.home = {"none": "device", "nvme": "nvme"}.get(plan.offload, "host")
         self.nvme_dir = None
         if plan.offload == "nvme":  # a directory this process can write, or a ValueError now
-            self.nvme_dir = os.fspath(nvme_dir) if nvme_dir is not None else tempfile.mkdtemp(prefix="cfx-nvme-")
+            if nvme_dir is None:  # a directory of our own, removed with the program (its files are
+                self.nvme_dir = tempfile.mkdtemp(prefix="cfx-nvme-")  # unlinked as they are made)
+                weakref.finalize(self, _remove_dir, self.nvme_dir)
+            else:
+                self.nvme_dir = os.fspath(nvme_dir)
             probe_nvme_dir(self.nvme_dir)
         self._placements: dict[int, Placement] = {}
         self.chunking = self._new_placement().chunks if plan.offload != "none" else None
@@ -286,3 +291,8 @@ def _check_batch(plan, tokens: Any) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ValueError(f"Plan {str(plan)!r}: a batch is (tokens, targets), each a (B, T) integer tensor.")
     plan.check_batch(tokens.shape[0])
+
+
+def _remove_dir(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)

@@ -277,9 +277,10 @@ class GeminiEngine:
         return ZeroParams(tree_util.unflatten(self.treedef, leaves), self.shapes, self.n)
 
     def close(self) -> None:
-        """Drop every chunk, gradient and optimizer state from the stores (NVMe files included)."""
+        """Drop every chunk, gradient and optimizer state from the stores (NVMe files and the
+        engine's NVMe directory included; an engine that is garbage collected does the same)."""
         for store in self.stores.values():
-            store.clear()
+            store.close()
         self.placer.resident.clear()
 
     def inner_state(self, c: int = 0):
