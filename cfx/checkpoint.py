@@ -1,4 +1,4 @@
 """Atomic safetensors checkpoints of pytrees: ``cfx.checkpoint.save`` / ``load``."""
-from cfx._src.checkpoint import load, save
+from cfx._src.checkpoint import check_writable, load, save
 
-__all__ = ["load", "save"]
+__all__ = ["check_writable", "load", "save"]

@@ -98,3 +98,26 @@ def test_mismatch_names_the_leaf(tmp_path):
         checkpoint.load(path, extra)
     with pytest.raises(ValueError, match="no checkpoint"):
         checkpoint.load(tmp_path / "missing.safetensors", sample())
+
+
+def test_unreadable_or_corrupted_files_are_one_line_errors_naming_the_path(tmp_path):
+    path = tmp_path / "c.safetensors"
+    checkpoint.save(path, sample(), metadata={"step": 3})
+    good = path.read_bytes()
+    header = 8 + int.from_bytes(good[:8], "little")  # safetensors: u64 header size, JSON header, data
+
+    def load_bytes(data: bytes):
+        path.write_bytes(data)
+        return checkpoint.load(path, sample())
+    for data, match in [(good[:len(good) // 2], "not a readable checkpoint"),   # a copy cut short
+                        (b"PK\x03\x04 this is a zip", "not a readable checkpoint"),  # another format
+                        (good[:header] + bytes(8) + good[header + 8:], r"leaf '.*' in .* is corrupted")]:
+        with pytest.raises(ValueError, match=match) as info:
+            load_bytes(data)
+        assert str(path) in str(info.value) and "\n" not in str(info.value)
+    flipped = bytearray(good)
+    flipped[-3] ^= 0x10  # one bit in the last tensor's data
+    with pytest.raises(ValueError, match=r"leaf '[a-z_.0-9]+' in .* is corrupted"):
+        load_bytes(bytes(flipped))
+    restored, meta = load_bytes(good)
+    assert meta == {"step": 3}

@@ -24,8 +24,11 @@ def test_batches_are_shifted_windows(tmp_path):
     assert torch.equal(x, x2)
 
 
-def test_bad_input():
+def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         data.text_file("/nonexistent/file.txt")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"--data '.*empty\.txt': the file is empty"):
+        data.text_file(str(tmp_path / "empty.txt"))
     with pytest.raises(ValueError, match="seq_len"):
         data.sample_batch(torch.zeros(5, dtype=torch.uint8), cfx.random.key(0), 1, 10)

@@ -214,6 +214,11 @@ def test_bad_inputs_raise_value_errors(hf_model):
     del bad["blocks"][1]["attn"]["q"]["b"]
     with pytest.raises(ValueError, match=r"blocks\.1\.attn\.q\.b"):
         model.apply(bad, tok)
+    mixed = cfx.tree.map(lambda x: x, params)
+    mixed["blocks"][1]["mlp"]["fc"]["w"] = mixed["blocks"][1]["mlp"]["fc"]["w"].double()
+    with pytest.raises(ValueError, match=r"params mix dtypes: blocks\.1\.mlp\.fc\.w \(torch\.float64\) .*"
+                                         r"are torch\.float32.*cfx\.amp"):
+        model.apply(mixed, tok)
     with pytest.raises(ValueError, match="model="):
         models.from_hf(hf_model.state_dict())
     other = models.gpt2("tiny", **{**CFG, "n_embd": 32})

@@ -458,3 +458,11 @@ def test_apply_gradients_sweeps_straight_into_donated_params():
             assert "_fused_adamw_" in ops.names and not {"_foreach_sqrt", "_foreach_add"} & set(ops.names)
         else:  # the foreach sweep, then its updates tree added to fresh params
             assert "_fused_adamw_" not in ops.names and "_foreach_add" in ops.names
+
+
+@pytest.mark.parametrize("make", [lambda: optim.adamw(1e-3), lambda: optim.adam(1e-3), lambda: optim.lamb(1e-3),
+                                  lambda: optim.sgd(0.1, momentum=0.9), lambda: optim.lars(0.1)])
+def test_integer_params_are_refused_at_init_naming_the_leaf(make):
+    params = {"w": torch.ones(3), "blocks": [{"steps": torch.zeros(2, dtype=torch.int64)}]}
+    with pytest.raises(ValueError, match=r"param 'blocks\.0\.steps' is torch\.int64.*floating dtype.*x\.float\(\)"):
+        make().init(params)

@@ -65,6 +65,63 @@ def test_cli_prints_summary_and_writes_json(tmp_path, text_file, capsys):
     assert json.loads(out.read_text())["steps"] == 2
 
 
+def test_an_unwritable_save_is_refused_before_step_one(tmp_path, text_file, capsys, monkeypatch):
+    import os
+
+    from cfx._src.train import loop
+    steps = []
+    real = loop.data_lib.sample_batch
+    monkeypatch.setattr(loop.data_lib, "sample_batch", lambda *a, **k: steps.append(1) or real(*a, **k))
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "ckpt.safetensors"  # under a regular file: no directory can be made there
+    if os.geteuid() != 0:  # (root ignores permission bits, so a read-only directory would not do)
+        (tmp_path / "ro").mkdir(mode=0o500)
+        bad = tmp_path / "ro" / "ckpt.safetensors"
+    argv = ["--steps", "3", "--batch", "2", "--seq", "16", "--data", text_file, "--no-progress"]
+    assert main([*argv, "--save", str(bad)]) == 2
+    assert f"--save '{bad}': cannot write a file there" in capsys.readouterr().err
+    assert steps == []  # refused before any batch was drawn
+    assert main([*argv, "--save", str(tmp_path)]) == 2
+    assert "that is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--schedule", "gpipe"], "--schedule applies to a pipeline: add pipe=N to --mesh"),
+    (["--mesh", "data=2", "--microbatches", "2"], "--microbatches applies to a pipeline"),
+    (["--mesh", "pipe=2", "--chunks", "3"], "--chunks applies to --schedule interleaved only"),
+    (["--remat", "blocks", "--remat-budget", "64MiB"], "--remat-budget applies to --remat auto only"),
+    (["--zero", "2"], "--zero needs a mesh with a data axis"),
+    (["--mesh", "data=2", "--zero", "3", "--offload", "host", "--offload-budget", "1MiB"],
+     "--offload-budget applies to --offload auto only"),
+    (["--nvme-dir", "/tmp/x"], "--nvme-dir applies to --offload nvme only"),
+    (["--save-every", "5"], "--save-every needs --save PATH"),
+])
+def test_flags_that_would_be_ignored_are_refused(flags, match, text_file, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*flags, "--steps", "1", "--data", text_file, "--no-progress"])
+    assert info.value.code == 2
+    assert match in capsys.readouterr().err
+    with pytest.raises(ValueError, match=match.split(":")[0]):  # a TrainConfig set alike is refused too
+        train(TrainConfig(**{**SMALL, "steps": 1, "data": text_file}, **_fields(flags)))
+
+
+def _fields(flags):
+    out, it = {}, iter(flags)
+    for flag in it:
+        name, value = flag[2:].replace("-", "_"), next(it)
+        out[name] = int(value) if value.isdigit() else value
+    return out
+
+
+def test_the_summary_names_the_whole_strategy(text_file, capsys):
+    assert main(["--mesh", "pipe=2", "--schedule", "gpipe", "--microbatches", "2", "--remat", "auto",
+                 "--remat-budget", "64MiB", "--steps", "1", "--batch", "4", "--seq", "16", "--data", text_file,
+                 "--no-progress", "--sample-bytes", "0"]) == 0
+    out = capsys.readouterr().out
+    assert ("mesh pipe=2; precision fp32; zero 0; offload none; remat auto (budget 64MiB); schedule gpipe, "
+            "2 microbatches") in out
+
+
 def test_cli_reports_bad_input(text_file, capsys):
     assert main(["--preset", "huge", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
     assert "unknown preset 'huge'" in capsys.readouterr().err

@@ -6,6 +6,11 @@ writer's host and pid (``.tmp-<name>-<host>-<pid>-...``): a save removes the tem
 that writers on this host which are no longer running left for the same checkpoint. ``load`` restores into the structure
 of a template tree (e.g. ``{"params": model.init(key), "opt_state": tx.init(params)}``) and
 checks every leaf's shape and dtype.
+
+Every tensor's CRC-32 is written into the file's metadata and verified on load, so a file that
+was truncated, is not safetensors, or had bytes changed is a one-line ``ValueError`` naming the
+path (and the leaf), not a raw parser traceback or numbers that go wrong later. (Files written
+before checksums were kept load unverified.)
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import json
 import os
 import socket
 import tempfile
+import zlib
 from typing import Any
 
 import torch
@@ -22,6 +28,14 @@ from cfx._src import tree as tree_util
 
 _ROOT = "<root>"
 _META_KEY = "cfx"
+_CRC_KEY = "cfx_crc32"
+
+
+def _crc32(t: torch.Tensor) -> int:
+    """CRC-32 of a CPU contiguous tensor's bytes (any dtype)."""
+    if t.numel() == 0:
+        return 0
+    return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _flat_tensors(tree: Any) -> dict[str, torch.Tensor]:
@@ -47,7 +61,8 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None 
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tensors = _flat_tensors(tree)
-    meta = {_META_KEY: json.dumps(metadata or {})}
+    meta = {_META_KEY: json.dumps(metadata or {}),
+            _CRC_KEY: json.dumps({k: _crc32(t) for k, t in tensors.items()})}
     prefix = f".tmp-{os.path.basename(path)}-{socket.gethostname()}-"
     _sweep(directory, prefix)
     fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=directory)
@@ -61,6 +76,26 @@ def save(path: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None 
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def check_writable(path: str | os.PathLike, *, what: str = "cfx.checkpoint.save") -> None:
+    """ValueError now if ``save(path, ...)`` could not write there (checked before a long run).
+
+    Creates the directory if needed, and writes and removes a probe file in it."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path!r}: that is a directory; name a file in it "
+                         f"(e.g. {os.path.join(path, 'ckpt.safetensors')!r}).")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".tmp-{os.path.basename(path)}-{socket.gethostname()}-"
+                                            f"{os.getpid()}-probe-", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{what} {path!r}: cannot write a file there ({e.strerror or e}); choose a "
+                         "directory this user can write, or fix its permissions.") from None
 
 
 def _sweep(directory: str, prefix: str) -> None:
@@ -94,24 +129,49 @@ def load(path: str | os.PathLike, like: Any) -> tuple[Any, dict[str, Any]]:
     if not os.path.exists(path):
         raise ValueError(f"cfx.checkpoint.load: no checkpoint at {path!r}.")
     items, treedef = tree_util.flatten_with_path(like)
-    with safe_open(path, framework="pt") as f:
-        stored = set(f.keys())
-        wanted = [p or _ROOT for p, _ in items]
-        missing = [p for p in wanted if p not in stored]
-        extra = sorted(stored - set(wanted))
-        if missing or extra:
-            raise ValueError(f"cfx.checkpoint.load: {path!r} does not match the template: missing "
-                             f"{missing[:5]}, unexpected {extra[:5]}. Build the template with the same "
-                             "model config and optimizer that wrote the checkpoint.")
-        leaves = []
-        for (p, ref), key in zip(items, wanted):
-            t = f.get_tensor(key)
-            if hasattr(ref, "shape") and hasattr(ref, "dtype"):  # a tensor or a ShapeDtype (eval_shape)
-                if t.shape != tuple(ref.shape) or t.dtype != ref.dtype:
-                    raise ValueError(f"cfx.checkpoint.load: leaf {key!r} is {t.dtype} {tuple(t.shape)} in the "
-                                     f"checkpoint but {ref.dtype} {tuple(ref.shape)} in the template.")
-                if isinstance(ref, torch.Tensor):
-                    t = t.to(ref.device)
-            leaves.append(t)
-        meta = json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
-    return tree_util.unflatten(treedef, leaves), meta
+    try:
+        with safe_open(path, framework="pt") as f:
+            return _read(f, path, items, treedef)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the parser's errors (SafetensorError, OSError, ...)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"cfx.checkpoint.load: {path!r} is not a readable checkpoint ({reason}); it may be "
+                         "truncated (a copy or a save cut short) or another format. Restore it from another copy "
+                         "or point at a file cfx.checkpoint.save wrote.") from None
+
+
+def _read(f, path: str, items: list, treedef) -> tuple[Any, dict[str, Any]]:
+    """``load``'s body on an open safetensors file ``f``."""
+    stored = set(f.keys())
+    wanted = [p or _ROOT for p, _ in items]
+    missing = [p for p in wanted if p not in stored]
+    extra = sorted(stored - set(wanted))
+    if missing or extra:
+        raise ValueError(f"cfx.checkpoint.load: {path!r} does not match the template: missing "
+                         f"{missing[:5]}, unexpected {extra[:5]}. Build the template with the same "
+                         "model config and optimizer that wrote the checkpoint.")
+    stored_meta = f.metadata() or {}
+    crcs = _json(stored_meta, _CRC_KEY, path)
+    leaves = []
+    for (p, ref), key in zip(items, wanted):
+        t = f.get_tensor(key)
+        if key in crcs and _crc32(t.contiguous()) != crcs[key]:
+            raise ValueError(f"cfx.checkpoint.load: leaf {key!r} in {path!r} is corrupted (its bytes do not "
+                             "match the checksum written with them); restore the file from another copy.")
+        if hasattr(ref, "shape") and hasattr(ref, "dtype"):  # a tensor or a ShapeDtype (eval_shape)
+            if t.shape != tuple(ref.shape) or t.dtype != ref.dtype:
+                raise ValueError(f"cfx.checkpoint.load: leaf {key!r} is {t.dtype} {tuple(t.shape)} in the "
+                                 f"checkpoint but {ref.dtype} {tuple(ref.shape)} in the template.")
+            if isinstance(ref, torch.Tensor):
+                t = t.to(ref.device)
+        leaves.append(t)
+    return tree_util.unflatten(treedef, leaves), _json(stored_meta, _META_KEY, path)
+
+
+def _json(meta: dict, key: str, path: str) -> Any:
+    try:
+        return json.loads(meta.get(key, "{}"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cfx.checkpoint.load: {path!r} has corrupted metadata ({key}: {e}); restore the "
+                         "file from another copy.") from None

@@ -46,6 +46,9 @@ def text_file(path: str) -> torch.Tensor:
         raise ValueError(f"--data {path!r}: no such file; pass a path to a UTF-8 text file.")
     with open(path, "rb") as f:
         data = f.read()
+    if not data:
+        raise ValueError(f"--data {path!r}: the file is empty; pass a text file to train on (or leave "
+                         "--data out to train on Python's own sources).")
     return _to_tensor(data)
 
 

@@ -5,7 +5,10 @@
 * per-call overhead of ``shard_map`` on an identity function;
 * all-reduce throughput through ``cfx.lax.psum`` vs raw ``ProcessGroupGloo.allreduce`` on the
   same groups and sizes (ratio, target >= 0.9);
-* bytes moved per rank by ``reshard`` vs gather-then-split on a table of spec pairs.
+* bytes moved per rank by ``reshard`` vs gather-then-split on a table of spec pairs;
+* ``collective_check_overhead``: a data x tensor parallel GPT-2 train step (a Plan, 4 ranks) on a
+  mesh that matches every collective across ranks (``check_collectives``, the local default) over
+  the same step on a mesh that does not (target <= 1.05).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch.multiprocessing as mp
 
 import cfx
 from cfx import P
-from cfx.bench.common import Row, report
+from cfx.bench.common import Row, interleaved_medians, report
 
 
 def _mp_worker(rank: int, size: int, init_file: str) -> None:
@@ -108,6 +111,44 @@ RESHARD_PAIRS = [
 ]
 
 
+def collective_check_overhead(quick: bool) -> tuple[float, float, int]:
+    """``(ratio checked/unchecked, unchecked step s, collectives per step)`` of a DP x TP GPT-2 step."""
+    model = cfx.models.gpt2("tiny", vocab_size=256, n_positions=64, n_layer=2 if quick else 4)
+    plan = cfx.parallel.Plan.parse("data=2,model=2")
+    tokens = cfx.random.randint(cfx.random.key(1), (8, 65), 0, 256)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    with plan.make_mesh(check_collectives=True) as on, plan.make_mesh(check_collectives=False) as off:
+        steps, states = {}, {}
+        for name, mesh in (("on", on), ("off", off)):
+            steps[name] = plan.step(model, cfx.optim.adamw(1e-3), mesh=mesh)
+            states[name] = steps[name].init(cfx.random.key(0))
+
+        def runner(name):
+            def f():
+                states[name], metrics = steps[name](states[name], batch)
+                float(metrics["loss"])
+            return f
+        t_on, t_off = interleaved_medians([runner("on"), runner("off")], rounds=10 if quick else 60, warmup=2)
+        with cfx.comm_stats() as stats:
+            runner("off")()
+        per_step = len(stats.records) // plan.size("data") // plan.size("model")
+    return t_on / t_off, t_off, per_step
+
+
+def ledger_post_us(posts: int) -> float:
+    """Microseconds one rank spends matching one collective in the local backend's ledger."""
+    from cfx._src.mesh.ledger import Call, Ledger
+    with cfx.Mesh({"data": 2}) as mesh:
+        ledger = Ledger(mesh)
+        ledger.begin(0)
+        call = Call("all_reduce[sum]", ("data",), ((1024,),), torch.float32)
+        t0 = time.perf_counter()
+        for seq in range(posts):
+            ledger.post("bench", (0, 1), seq, 0, call)
+            ledger.post("bench", (0, 1), seq, 1, call)
+        return (time.perf_counter() - t0) / (2 * posts) * 1e6
+
+
 def run(*, quick: bool = False, json_path: str | None = None) -> dict:
     rows = []
     sizes = (2, 4, 8)
@@ -132,4 +173,10 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
             plan = cfx.reshard_plan(arr, dst)
         rows.append(Row(f"reshard {src}->{dst} on {shape}: bytes/rank (gather-then-split {plan.naive_bytes:,.0f})",
                         plan.nbytes, "B", "<= gather-then-split", plan.nbytes <= plan.naive_bytes))
+    ratio, t_off, per_step = collective_check_overhead(quick)
+    rows.append(Row("collective_check_overhead (DP x TP GPT-2 step, 4 ranks, checked/unchecked)", ratio, "x",
+                    "<= 1.05", ratio <= 1.05))
+    rows.append(Row("  unchecked step time", t_off, "s"))
+    rows.append(Row("  collectives per rank per step", per_step, "count"))
+    rows.append(Row("  ledger matching cost per collective per rank", ledger_post_us(10_000 if quick else 100_000), "us"))
     return report("spmd", rows, json_path)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from cfx._src import context, donation, memory
 from cfx._src.mesh import context as ctx_lib
+from cfx._src.mesh.ledger import Call
 
 _collectors: context.Var[tuple] = context.Var("cfx_comm_stats", ())
 
@@ -87,10 +88,6 @@ def index_of(ax: Axes) -> int:
     return ax.index
 
 
-def _wait(work) -> None:
-    work.wait()
-
-
 def _backend_buffers(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The buffers handed to the backend: the tensors themselves, or private copies while a
     ``cfx.memory`` tracker is active.
@@ -124,10 +121,13 @@ def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
     ax.record("all_reduce", out)
     if ax.size == 1:
         return out
+    group = ax.group
+    call = Call(f"all_reduce[{op}]", ax.names, (tuple(out.shape),), out.dtype)
+    seq = group.issue(call)
     opts = dist.AllreduceOptions()
     opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     buf = _backend_buffers(out)
-    _wait(ax.group.get().allreduce(buf, opts))
+    group.wait(group.get().allreduce(buf, opts), call, seq)
     _copy_back([out], buf)
     return out
 
@@ -153,13 +153,16 @@ def all_gather_rows_start(x: torch.Tensor, ax: Axes) -> tuple[torch.Tensor, Call
     ax.record("all_gather", x)
     if ax.size == 1:
         return x.clone()[None], _nothing
+    group = ax.group
+    call = Call("all_gather", ax.names, (tuple(x.shape),), x.dtype)
+    seq = group.issue(call)
     rows = x.new_empty((ax.size, *x.shape))
     outs = list(rows.unbind(0))  # the backend writes each member's block straight into its row
     buf_in, *buf_outs = _backend_buffers(x, *outs)
-    work = ax.group.get().allgather([buf_outs], [buf_in])
+    work = group.get().allgather([buf_outs], [buf_in])
 
     def done() -> None:  # holds the buffers the backend reads and writes until it finished
-        _wait(work)
+        group.wait(work, call, seq)
         _copy_back(outs, buf_outs)
         del buf_outs[:]
     return rows, done
@@ -188,14 +191,17 @@ def reduce_scatter_start(blocks: Sequence[torch.Tensor], ax: Axes) -> tuple[torc
         blocks = [blocks[inv[j]] for j in range(ax.size)]
     # one (n, ...) input: gloo's reduce-scatter of a list of blocks is its slow path (at 4 ranks on
     # 2 cores, 18 ms where the one-tensor form takes 7-10 ms for 50k-200k-element blocks)
+    group = ax.group
+    call = Call("reduce_scatter", ax.names, tuple(tuple(b.shape) for b in blocks), blocks[0].dtype)
+    seq = group.issue(call)
     rows = _stacked(blocks)  # (n, ...) in group order
     out = torch.empty_like(blocks[0])
     buf_out, buf_rows = _backend_buffers(out, rows)
-    work = ax.group.get()._reduce_scatter_base(buf_out.view(-1), buf_rows.view(-1))  # (k,) <- (n * k,)
+    work = group.get()._reduce_scatter_base(buf_out.view(-1), buf_rows.view(-1))  # (k,) <- (n * k,)
 
     def done() -> None:  # holds the buffers the backend reads and writes until it finished
         nonlocal buf_rows
-        _wait(work)
+        group.wait(work, call, seq)
         _copy_back([out], [buf_out])
         buf_rows = None
     return out, done
@@ -236,10 +242,13 @@ def all_to_all_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> list[torch.Te
     shapes = [b.shape for b in blocks]
     if any(s != shapes[0] for s in shapes):
         raise AssertionError("all_to_all blocks must have equal shapes")
+    group = ax.group
+    call = Call("all_to_all", ax.names, (tuple(shapes[0]),), blocks[0].dtype)
+    seq = group.issue(call)
     inp = torch.stack(blocks)  # (N, ...) by destination
     out = torch.empty_like(inp)
     buf_out, buf_in = _backend_buffers(out, inp)
-    _wait(ax.group.get().alltoall_base(buf_out, buf_in, [], []))
+    group.wait(group.get().alltoall_base(buf_out, buf_in, [], []), call, seq)
     _copy_back([out], [buf_out])
     received = list(out.unbind(0))  # by source group rank
     return received if ax.order is None else [received[j] for j in ax.order]
@@ -254,7 +263,11 @@ def permute(x: torch.Tensor, ax: Axes, perm: Sequence[tuple[int, int]]) -> torch
     out = torch.zeros_like(x)
     to_group = (lambda i: i) if ax.order is None else (lambda i: ax.order[i])
     works = []
-    pg = ax.group.get() if ax.size > 1 else None
+    if ax.size > 1:
+        group = ax.group
+        call = Call("ppermute", ax.names, (tuple(x.shape),), x.dtype, f"perm {sorted(perm)}")
+        seq = group.issue(call)
+        pg = group.get()
     buf_x, buf_out = _backend_buffers(x, out)
     for src, dst in perm:
         if src == ax.index and dst == ax.index:
@@ -264,7 +277,7 @@ def permute(x: torch.Tensor, ax: Axes, perm: Sequence[tuple[int, int]]) -> torch
         elif dst == ax.index:
             works.append(pg.recv([buf_out], to_group(src), 0))
     for w in works:
-        _wait(w)
+        group.wait(w, call, seq)
     if any(dst == ax.index and src != ax.index for src, dst in perm):
         _copy_back([out], [buf_out])
     return out
@@ -280,15 +293,15 @@ def permute(x: torch.Tensor, ax: Axes, perm: Sequence[tuple[int, int]]) -> torch
 class Pending:
     """An issued ``send``: ``wait()`` blocks until the payload has left; holds it until then."""
 
-    __slots__ = ("_work", "_payload")
+    __slots__ = ("_work", "_payload", "_wait")
 
-    def __init__(self, work, payload: torch.Tensor):
-        self._work, self._payload = work, payload
+    def __init__(self, work, payload: torch.Tensor, wait: Callable):
+        self._work, self._payload, self._wait = work, payload, wait
 
     def wait(self) -> None:
         if self._work is not None:
-            _wait(self._work)
-        self._work = self._payload = None
+            self._wait(self._work)
+        self._work = self._payload = self._wait = None
 
     def done(self) -> bool:
         """True once the send completed (never blocks); the payload is released then."""
@@ -313,8 +326,11 @@ def send(x: torch.Tensor, ax: Axes, dst: int, tag: int = 0) -> Pending:
     assert dst != ax.index and ax.size > 1, "a rank never sends to itself"
     x = x.detach().contiguous()
     ax.record("send", x)
+    group, to = ax.group, _group_rank(ax, dst)
+    call = Call("message", ax.names, (tuple(x.shape),), x.dtype, f"tag {tag}")
+    key, seq = group.issue_message(call, group.rank, to, tag)
     buf, = _backend_buffers(x)
-    return Pending(ax.group.get().send([buf], _group_rank(ax, dst), tag), buf)
+    return Pending(group.get().send([buf], to, tag), buf, lambda work: group.wait(work, call, seq, key))
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, ax: Axes, src: int,
@@ -335,11 +351,14 @@ def recv_start(shape: Sequence[int], dtype: torch.dtype, device: torch.device | 
     assert src != ax.index and ax.size > 1, "a rank never receives from itself"
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
     ax.record("recv", out)
+    group, frm = ax.group, _group_rank(ax, src)
+    call = Call("message", ax.names, (tuple(out.shape),), out.dtype, f"tag {tag}")
+    key, seq = group.issue_message(call, frm, group.rank, tag)
     buf, = _backend_buffers(out)
-    work = ax.group.get().recv([buf], _group_rank(ax, src), tag)
+    work = group.get().recv([buf], frm, tag)
 
     def done() -> None:
-        _wait(work)
+        group.wait(work, call, seq, key)
         _copy_back([out], [buf])
     return out, done
 

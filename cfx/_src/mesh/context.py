@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from cfx._src import context
+from cfx._src.mesh import ledger
 
 
 class Group:
@@ -20,18 +21,69 @@ class Group:
 
     Holds the only strong reference to the torch ProcessGroup, so that dropping it on failure
     closes its sockets and fails peers blocked on this rank fast instead of at the timeout.
+    Numbers the collectives this rank issues on it and has them matched across its members
+    before they run (``issue``; ``cfx._src.mesh.ledger``): ``check`` is the local backend's
+    ``Ledger``, ``"fingerprints"`` (the dist backend's exchange) or None.
     """
 
-    __slots__ = ("axes", "size", "rank", "pg")
+    __slots__ = ("axes", "size", "rank", "pg", "key", "members", "mesh", "me", "check", "seq", "_messages")
 
-    def __init__(self, axes: tuple[str, ...], size: int, rank: int, pg: Any):
+    def __init__(self, axes: tuple[str, ...], size: int, rank: int, pg: Any, *, key: Any = None,
+                 members: tuple[int, ...] = (), mesh: Any = None, me: int = 0, check: Any = None):
         self.axes, self.size, self.rank, self.pg = axes, size, rank, pg
+        self.key, self.members, self.mesh, self.me, self.check = key, tuple(members), mesh, me, check
+        self.seq = 0
+        self._messages: dict[tuple, int] = {}
 
     def get(self) -> Any:
         if self.pg is None:
             raise RuntimeError(f"the process group for mesh axes {self.axes} was torn down after a "
                                "failure on another rank; this call cannot continue.")
         return self.pg
+
+    def issue(self, call: ledger.Call) -> int:
+        """Number ``call`` (this rank's next collective on the group) and match it across members."""
+        self.seq += 1
+        if self.check is None:
+            return self.seq
+        if self.check == "fingerprints":
+            self._exchange(call)
+        else:
+            self.check.post(self.key, self.members, self.seq, self.me, call)
+        return self.seq
+
+    def issue_message(self, call: ledger.Call, src: int, dst: int, tag: int) -> tuple[Any, int]:
+        """Number a point-to-point message from group rank ``src`` to ``dst`` (both sides count
+        their messages of one pair and tag alike) and match it; ``(slot key, seq)``."""
+        pair = (src, dst, tag)
+        seq = self._messages[pair] = self._messages.get(pair, 0) + 1
+        key = (self.key, "message", *pair)
+        if isinstance(self.check, ledger.Ledger):
+            self.check.post(key, (self.members[src], self.members[dst]), seq, self.me, call)
+        return key, seq
+
+    def wait(self, work: Any, call: ledger.Call, seq: int, key: Any = None) -> None:
+        """``work.wait()``, raising a named mismatch or timeout instead of the backend's error."""
+        try:
+            work.wait()
+        except RuntimeError as e:
+            better = self.explain(key if key is not None else self.key, seq, call, e)
+            if better is None:
+                raise
+            raise better from None
+
+    def explain(self, key: Any, seq: int, call: ledger.Call, exc: BaseException) -> BaseException | None:
+        if isinstance(self.check, ledger.Ledger):
+            return self.check.explain(key, seq, self.me, call, exc)
+        if self.mesh is not None and ledger.timed_out(exc):
+            return ledger.timeout_error(self.mesh, self.me, call, seq, reached=None, others="")
+        return None
+
+    def _exchange(self, call: ledger.Call) -> None:
+        mine = ledger.fingerprint(self.seq, call)
+        rows = mine.new_empty((self.size, mine.numel()))
+        self.get().allgather([list(rows.unbind(0))], [mine]).wait()
+        ledger.compare_fingerprints(self.mesh, self.members, self.me, self.seq, call, rows)
 
 
 @dataclasses.dataclass

@@ -45,7 +45,9 @@ class DistBackend:
                     seen.add(members)
                     pg = dist.new_group(list(members), timeout=datetime.timedelta(seconds=mesh.timeout))
                     if self.rank in members:
-                        self._groups[axes] = ctx_lib.Group(axes, len(members), members.index(self.rank), pg)
+                        self._groups[axes] = ctx_lib.Group(
+                            axes, len(members), members.index(self.rank), pg, key=axes, members=members,
+                            mesh=mesh, me=self.rank, check="fingerprints" if mesh.check_collectives else None)
         self._ctx = ctx_lib.RankContext(mesh, self.rank, mesh.coords(self.rank), self._groups.__getitem__)
         self._ctx.groups = dict(self._groups)
         self._closed = False

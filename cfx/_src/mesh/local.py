@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cfx._src.mesh import context as ctx_lib
+from cfx._src.mesh import context as ctx_lib, ledger
 
 
 class RankFailure(Exception):
@@ -32,8 +32,10 @@ class RankFailure(Exception):
 
 def _is_cascade(exc: BaseException) -> bool:
     msg = str(exc)
-    return isinstance(exc, RuntimeError) and ("Connection closed by peer" in msg or "torn down" in msg
-                                              or "Timed out" in msg or "Connection reset" in msg)
+    return ledger.is_echo(exc) or (
+        isinstance(exc, RuntimeError) and not isinstance(exc, ledger.CollectiveTimeout)
+        and ("Connection closed by peer" in msg or "torn down" in msg or "Timed out" in msg
+             or "Connection reset" in msg or "Wait timeout" in msg))
 
 
 class LocalBackend:
@@ -43,6 +45,7 @@ class LocalBackend:
         self.mesh = mesh
         self.local_ranks = list(range(mesh.size))
         self._store = dist.HashStore()
+        self._ledger = ledger.Ledger(mesh)  # group rendezvous always; collective matching if asked
         self._generation = 0
         self._calls = 0
         self._closed = False
@@ -72,9 +75,12 @@ class LocalBackend:
         index = mesh.index_in(axes, coords)
         if len(members) == 1:
             return ctx_lib.Group(axes, 1, 0, _SingletonGroup())
+        # every member arrives before any connects: a member that fails first releases the others
+        self._ledger.join(prefix, tuple(members), rank, axes, mesh.timeout)
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), index, len(members),
                                    datetime.timedelta(seconds=mesh.timeout))
-        return ctx_lib.Group(axes, len(members), index, pg)
+        return ctx_lib.Group(axes, len(members), index, pg, key=prefix, members=tuple(members), mesh=mesh,
+                             me=rank, check=self._ledger if mesh.check_collectives else None)
 
     # -- execution ----------------------------------------------------------------------------
     def _worker(self, rank: int) -> None:
@@ -88,10 +94,13 @@ class LocalBackend:
             try:
                 with ctx_lib.installed(ctx):
                     out = fn(rank)
+                if self.mesh.check_collectives:
+                    self._ledger.finish(rank, call)  # raises if a peer waits in a collective this rank skipped
                 self._outbox.put((call, rank, True, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the controller
                 text = "".join(traceback.format_exception(e))
                 traceback.clear_frames(e.__traceback__)  # release tensors and process groups
+                self._ledger.fail(rank, call)  # peers waiting to meet this rank at a group's first use stop
                 ctx.drop_groups()  # closes sockets: peers blocked on this rank fail fast
                 self._outbox.put((call, rank, False, RankFailure(rank, ctx.coords, e, text)))
                 del e
@@ -103,6 +112,7 @@ class LocalBackend:
         with self._lock:
             self._calls += 1
             call = self._calls
+            self._ledger.begin(call)
             for q in self._inbox:
                 q.put((call, fn))
             results: list[Any] = [None] * self.mesh.size

@@ -22,12 +22,18 @@ class Mesh:
     ``backend``: ``"local"`` (every rank a thread of this process, real gloo groups over an
     in-process store), ``"dist"`` (one process per rank: under torchrun or an initialised
     process group), or ``"auto"`` (``dist`` when ``torch.distributed`` is initialised or
-    ``WORLD_SIZE`` is set, else ``local``). ``timeout`` (seconds) bounds every collective: a
-    rank that fails makes the others fail within it. Use as a context manager, or ``close()``.
+    ``WORLD_SIZE`` is set, else ``local``). ``timeout`` (seconds, default 60) bounds every
+    collective: a rank that fails makes the others fail within it, and a collective that does not
+    complete raises ``CollectiveTimeout`` naming the rank, the axes, the op and its number.
+    ``check_collectives``: match every collective across the ranks of its group before it runs
+    (op, axes, shapes, dtype, sequence number), raising ``CollectiveMismatch`` naming both sides
+    instead of hanging, mixing up values or aborting in the backend; on by default on ``local``
+    (a shared table, nearly free), off on ``dist`` (where it all-gathers a small fingerprint
+    before each collective). Use as a context manager, or ``close()``.
     """
 
     def __init__(self, axes: Mapping[str, int], *, backend: str = "auto",
-                 timeout: float = DEFAULT_TIMEOUT_S):
+                 timeout: float = DEFAULT_TIMEOUT_S, check_collectives: bool | None = None):
         if not isinstance(axes, Mapping) or not axes:
             raise ValueError(f"Mesh: axes must be a non-empty mapping of axis name -> size, e.g. "
                              f"Mesh({{'data': 2}}); got {axes!r}.")
@@ -44,6 +50,7 @@ class Mesh:
         self.timeout = float(timeout)
         if backend == "auto":
             backend = "dist" if _dist_initialised_or_launched() else "local"
+        self.check_collectives = bool(backend == "local" if check_collectives is None else check_collectives)
         if backend == "local":
             from cfx._src.mesh.local import LocalBackend
             self.backend = LocalBackend(self)

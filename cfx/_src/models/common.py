@@ -11,7 +11,7 @@ from cfx._src import random
 from cfx._src import tree as tree_util
 from cfx._src.lax.collectives import pvary
 from cfx._src.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_embed
-from cfx._src.quant import quantized_as_leaves
+from cfx._src.quant import is_quantized, quantized_as_leaves
 from cfx._src.shapes import is_abstract
 from cfx_kernels.cross_entropy import cross_entropy as _cross_entropy
 
@@ -48,6 +48,23 @@ def check_params(where: str, model: Any, params: Any) -> None:
                 "(were they made by a model with another config or layout?)")
         # cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node
         tree_util.check_same_structure(what, ref, quantized_as_leaves(params))
+    _check_one_float_dtype(where, params)
+
+
+def _check_one_float_dtype(where: str, params: Any) -> None:
+    """ValueError naming the odd leaves if the floating params mix dtypes (quantized weights aside)."""
+    leaves = tree_util.leaves(params, is_leaf=is_quantized)
+    dtypes = {x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    if len(dtypes) <= 1:
+        return
+    items = [(p, x.dtype) for p, x in tree_util.flatten_with_path(quantized_as_leaves(params))[0]
+             if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    common = max(dtypes, key=lambda d: sum(dt == d for _, dt in items))
+    odd = [f"{p} ({dt})" for p, dt in items if dt != common]
+    raise ValueError(f"{where}: params mix dtypes: {', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''} "
+                     f"where the other {len(items) - len(odd)} are {common}. Cast the tree to one dtype "
+                     f"(cfx.tree.map(lambda x: x.to({common}), params)), or keep fp32 params and compute in "
+                     "another dtype with a cfx.amp policy.")
 
 
 _STRUCTURES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()

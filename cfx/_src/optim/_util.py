@@ -39,7 +39,13 @@ def zero_count(params: PyTree) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int32, device=first_device(params))
 
 
-def zeros_like_tree(params: PyTree) -> PyTree:
+def zeros_like_tree(where: str, params: PyTree) -> PyTree:
+    """Zero moments shaped like ``params``, which must be floating (ValueError naming the leaf)."""
+    for path, p in tree_util.flatten_with_path(params)[0]:
+        if not (p.is_floating_point() or p.is_complex()):
+            raise ValueError(f"cfx.optim ({where}): param {path or '<root>'!r} is {p.dtype}; its moments need a "
+                             "floating dtype. Cast it (x.float()), or keep integer state out of the tree "
+                             "the optimizer updates.")
     return tree_util.map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params)
 
 

@@ -83,8 +83,8 @@ def scale_by_adam(*, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> G
     _util.check_nonneg("scale_by_adam", "eps", eps, "typical values are 1e-8 to 1e-6")
 
     def init(params):
-        return ScaleByAdamState(count=_util.zero_count(params), mu=_util.zeros_like_tree(params),
-                                nu=_util.zeros_like_tree(params))
+        return ScaleByAdamState(count=_util.zero_count(params), mu=_util.zeros_like_tree("adam/adamw/lamb", params),
+                                nu=_util.zeros_like_tree("adam/adamw/lamb", params))
 
     def update(updates, state, params=None):
         del params
@@ -108,7 +108,7 @@ def trace(decay: float, *, nesterov: bool = False) -> GradientTransformation:
     _util.check_nonneg("trace", "decay", decay, "typical momentum values are 0.9-0.99")
 
     def init(params):
-        return TraceState(trace=_util.zeros_like_tree(params))
+        return TraceState(trace=_util.zeros_like_tree("sgd/lars momentum", params))
 
     def update(updates, state, params=None):
         del params

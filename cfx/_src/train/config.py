@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from typing import Sequence
 
 
@@ -100,4 +101,34 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     for name in ("steps", "batch", "seq"):
         if getattr(cfg, name) <= 0:
             p.error(f"--{name} must be positive, got {getattr(cfg, name)}")
+    given = {action.dest for action in p._actions for arg in (sys.argv[1:] if argv is None else argv)
+             if any(arg == o or arg.startswith(o + "=") for o in action.option_strings)}
+    try:
+        check_flags(cfg, given)
+    except ValueError as e:
+        p.error(str(e))
     return cfg
+
+
+def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
+    """ValueError naming a flag that would be silently ignored with the others given: one that
+    was ``given`` on the command line, or a config field set away from its default."""
+    d = TrainConfig()
+    set_ = {f.name for f in dataclasses.fields(cfg) if f.name in given or getattr(cfg, f.name) != getattr(d, f.name)}
+    axes = {part.partition("=")[0].strip() for part in (cfg.mesh or "").split(",") if part}
+    rules = [
+        (("schedule", "microbatches", "chunks"), "pipe" not in axes,
+         "applies to a pipeline: add pipe=N to --mesh (e.g. --mesh pipe=2)"),
+        (("chunks",), cfg.schedule != "interleaved", "applies to --schedule interleaved only"),
+        (("remat_budget",), cfg.remat != "auto", "applies to --remat auto only (blocks and dots keep a fixed set)"),
+        (("zero",), not cfg.mesh, "needs a mesh with a data axis: add --mesh data=N"),
+        (("offload",), not cfg.mesh, "needs --mesh data=N --zero 3"),
+        (("offload_budget",), cfg.offload != "auto", "applies to --offload auto only"),
+        (("nvme_dir",), cfg.offload != "nvme", "applies to --offload nvme only"),
+        (("save_every",), not cfg.save, "needs --save PATH (where to write the checkpoints)"),
+    ]
+    for names, ignored, why in rules:
+        for name in names:
+            if ignored and name in set_:
+                raise ValueError(f"--{name.replace('_', '-')} {why}; as given it would be ignored.")
+

@@ -22,7 +22,7 @@ from cfx._src.models.common import is_axes_leaf
 from cfx._src.remat import remat
 from cfx._src.shapes import ShapeDtype, eval_shape
 from cfx._src.table import format_table
-from cfx._src.train.config import TrainConfig
+from cfx._src.train.config import TrainConfig, check_flags
 from cfx._src.models.sample import sample_bytes
 from cfx._src.plan.config import AXES
 from cfx._src.plan.plan import Plan
@@ -159,13 +159,30 @@ def launched_config(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -
     return cfg, "\n".join(notes) or None
 
 
+def strategy(cfg: TrainConfig) -> str:
+    """Everything that decides how the run trains, defaults included (the summary's row)."""
+    parts = [f"mesh {cfg.mesh or 'none (one device)'}", f"precision {cfg.precision}"]
+    if cfg.mesh:
+        parts.append(f"zero {cfg.zero}")
+        parts.append(f"offload {cfg.offload}" + (f" (budget {cfg.offload_budget or 'what is free'})"
+                                                 if cfg.offload == "auto" else ""))
+    parts.append(f"remat {cfg.remat}" + (f" (budget {cfg.remat_budget})" if cfg.remat == "auto" else ""))
+    if "pipe" in (cfg.mesh or ""):
+        parts.append(f"schedule {cfg.schedule}, {cfg.microbatches} microbatches"
+                     + (f", {cfg.chunks} chunks" if cfg.schedule == "interleaved" else ""))
+    return "; ".join(parts)
+
+
 def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
+    check_flags(cfg)  # a flag the rest would ignore is refused (the CLI checked what it was given)
     cfg, note = launched_config(cfg)
     if note and int(os.environ.get("RANK", "0") or 0) == 0:
         print(note, file=sys.stderr, flush=True)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     policy = amp.policy(cfg.precision)
+    if cfg.save:  # a checkpoint that cannot be written fails now, not after the last step
+        checkpoint.check_writable(cfg.save, what="--save")
     corpus = data_lib.text_file(cfg.data) if cfg.data else data_lib.stdlib_corpus()
     train_data, val_data = data_lib.train_val_split(corpus)
     model = build_model(cfg)
@@ -261,6 +278,7 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         save(end)
     summary = {
         "model": f"{cfg.model}-{cfg.preset}", "n_params": n_params, "mesh": cfg.mesh or "none", "precision": cfg.precision,
+        "strategy": strategy(cfg),
         "steps": end - start, "tokens": tokens,
         "train_loss_first": history["train"][0][1] if history["train"] else float("nan"),
         "train_loss_last": ema if ema is not None else float("nan"),
@@ -289,7 +307,7 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
 
 def print_summary(s: dict[str, Any]) -> None:
     rows = [
-        ("model", s["model"]), ("mesh", s["mesh"]), ("parameters", f"{s['n_params']:,}"), ("precision", s["precision"]),
+        ("model", s["model"]), ("strategy", s["strategy"]), ("parameters", f"{s['n_params']:,}"),
         ("steps", s["steps"]), ("tokens", f"{s['tokens']:,}"),
         ("train loss (first -> last, EMA)", f"{s['train_loss_first']:.3f} -> {s['train_loss_last']:.3f}"),
         ("eval loss (first -> last)", f"{s['eval_loss_first']:.3f} -> {s['eval_loss_last']:.3f}"),

@@ -71,7 +71,7 @@ class Offload:
 
 def probe_nvme_dir(directory: str) -> None:
     """ValueError now (not mid-training) if ``directory`` cannot hold chunk files."""
-    NvmeStore(directory)  # creates the directory, writes and removes a probe file, or raises
+    NvmeStore(directory, keep=True)  # creates the directory (kept), writes and removes a probe file, or raises
 
 
 def offload(policy: Any, *, nvme_dir: str | os.PathLike | None = None) -> Offload:
