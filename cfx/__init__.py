@@ -9,6 +9,7 @@ from cfx._src.arrays import device_get, device_put, reshard
 from cfx._src.init_sharded import init_sharded
 from cfx._src.jit.api import jit
 from cfx._src.lax.stats import CommStats, comm_stats
+from cfx._src.mesh.ledger import CollectiveMismatch, CollectiveTimeout
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.mesh.spec import P
 from cfx._src.parallel.rules import Rules
@@ -25,7 +26,7 @@ from cfx._src.zero.api import zero
 __version__ = "0.1.0"
 
 __all__ = [
-    "ActivationStats", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShapeDtype", "ShardedArray", "activation_stats", "amp",
+    "ActivationStats", "CollectiveMismatch", "CollectiveTimeout", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShapeDtype", "ShardedArray", "activation_stats", "amp",
     "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put", "eval_shape",
     "gemini", "grad", "init_sharded", "jit", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
     "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap", "zero",

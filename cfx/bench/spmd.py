@@ -128,7 +128,7 @@ def collective_check_overhead(quick: bool) -> tuple[float, float, int]:
                 states[name], metrics = steps[name](states[name], batch)
                 float(metrics["loss"])
             return f
-        t_on, t_off = interleaved_medians([runner("on"), runner("off")], rounds=10 if quick else 60, warmup=2)
+        t_on, t_off = interleaved_medians([runner("on"), runner("off")], rounds=30 if quick else 60, warmup=2)
         with cfx.comm_stats() as stats:
             runner("off")()
         per_step = len(stats.records) // plan.size("data") // plan.size("model")

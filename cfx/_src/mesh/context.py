@@ -76,7 +76,8 @@ class Group:
         if isinstance(self.check, ledger.Ledger):
             return self.check.explain(key, seq, self.me, call, exc)
         if self.mesh is not None and ledger.timed_out(exc):
-            return ledger.timeout_error(self.mesh, self.me, call, seq, reached=None, others="")
+            reached = ledger.who_reached(self.key, seq, self.me, self.members, self.mesh.timeout)
+            return ledger.timeout_error(self.mesh, self.me, call, seq, reached=reached, others="")
         return None
 
     def _exchange(self, call: ledger.Call) -> None:

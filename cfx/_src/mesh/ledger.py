@@ -218,6 +218,25 @@ def timeout_error(mesh: Any, rank: int, call: Call, seq: int, *, reached: list[i
         "leaves its peers here; raise Mesh(timeout=...) if a rank legitimately computes that long.")
 
 
+def who_reached(key: Any, seq: int, rank: int, members: tuple[int, ...], timeout: float) -> list[int] | None:
+    """The dist backend after a timeout: the members that also timed out in this collective, found
+    by each one writing a key to the job's store and waiting briefly for the others' (a member
+    that never reached it writes none). None if the store cannot be reached."""
+    import torch.distributed as dist
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        tag = f"cfx/timed_out/{'.'.join(key) if isinstance(key, tuple) else key}/{seq}"
+        store.set(f"{tag}/{rank}", "1")
+        deadline = time.monotonic() + min(2.0, timeout)
+        found = {rank}
+        while time.monotonic() < deadline and len(found) < len(members):
+            found |= {m for m in members if m not in found and store.check([f"{tag}/{m}"])}
+            time.sleep(0.05)
+        return sorted(found)
+    except Exception:  # noqa: BLE001 - a report, not a requirement
+        return None
+
+
 # -- the dist backend's fingerprint exchange ------------------------------------------------------
 _MAX_DIMS = 8
 
