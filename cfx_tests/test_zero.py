@@ -182,6 +182,38 @@ class Skipped:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_value_and_grad_gives_the_single_device_gradient(stage):
+    # each rank's loss is the mean over its quarter of the batch; the single-device loss is the
+    # mean over the whole batch. Stages 0-1 return this rank's own gradient (their mean over
+    # data is the single-device one); stages 2-3 return this rank's slice of the mean itself.
+    model, tokens = gpt2(), data(1)[0]
+    params = model.init(cfx.random.key(0))
+    _, ref = cfx.value_and_grad(model.loss)(params, tokens[:, :-1], tokens[:, 1:])
+    net = gathered_model(model) if stage == 3 else model
+    ztx = zero(cfx.optim.sgd(0.1), stage=stage, axis="data", bucket_numel=20000)
+
+    def body(params, ref, t):
+        p = zero.shard_params(params, axis="data") if stage == 3 else params
+        _, g = ztx.value_and_grad(lambda p: net.loss(p, t[:, :-1], t[:, 1:]))(p)
+        if stage == 3:
+            return zero.gather_params(g, axis="data")
+        if stage == 2:  # this rank's row of each group's (n, S) packing of the reference
+            r = cfx.lax.axis_index("data")
+            leaves = cfx.tree.leaves(ref)
+            want = [lay.rows_from_leaves([leaves[i] for i in idx], dtype=dt)[r] for idx, lay, dt in ztx.plan(p).groups]
+            for got, w in zip(g.shards, want):
+                torch.testing.assert_close(got, w)
+            return ref
+        return cfx.tree.map(lambda x: cfx.lax.pmean(x, "data"), g)
+
+    with cfx.Mesh({"data": 4}) as mesh:
+        grads = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                             out_specs=P())(params, ref, tokens))
+    cfx.tree.assert_tree_close(grads, ref)
+
+
+@pytest.mark.timeout(120)
 def test_accumulation_and_params_without_gradient():
     base = gpt2()
     model = dataclasses.replace(base, blocks=(base.blocks[0], Skipped(base.blocks[1])))
@@ -230,10 +262,10 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(stage):
             leaves[0] = leaves[0].clone()
             leaves[0].view(-1)[0] = float("inf")
         g = cfx.tree.unflatten(td, leaves)
-        if stage == 2:  # as the stage-2 backward would deliver them: summed shards
+        if stage == 2:  # as the stage-2 backward would deliver them: averaged shards
             plan = ztx.plan(p)
             g = zero.ShardGrads(tuple(cfx.lax.psum_scatter(lay.rows_from_leaves([cfx.tree.leaves(g)[i] for i in idx],
-                                                                                 dtype=dt), "data", tiled=False)
+                                                                                 dtype=dt), "data", tiled=False) / 4
                                       for idx, lay, dt in plan.groups))
         u, state = ztx.update(g, state, p)
         new = cfx.optim.apply_updates(p, u)

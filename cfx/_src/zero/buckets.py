@@ -5,7 +5,7 @@ differentiable input is a *sink*: a zero shard (S,) per group. Autograd runs the
 once every gradient of the group's leaves exists (right after the last layer using them); it
 packs them into rows (n, S), reduce-scatters, and hands this rank's shard to the sink. So the
 group's full gradient lives only inside that call, and ``value_and_grad`` returns the sinks'
-gradients: ``ShardGrads``, one summed (not yet averaged) shard per group. Parameters without a
+gradients: ``ShardGrads``, one shard per group of the gradient averaged over the axis. Parameters without a
 gradient contribute zeros; a group none of whose leaves is used is never reduced (on any rank)
 and its shard is zero.
 """
@@ -31,8 +31,8 @@ class _BucketScatter(torch.autograd.Function):
     def backward(ctx, *grads):
         layout, dtype, axis = ctx.info
         rows = layout.rows_from_leaves(list(grads), dtype=dtype)   # (n, S); None -> zeros
-        shard = lax.psum_scatter(rows, axis, dim=0, tiled=False)   # (S,)
-        return (shard, None) + (None,) * len(grads)
+        shard = lax.psum_scatter(rows, axis, dim=0, tiled=False)   # (S,) summed over the axis
+        return (shard.div_(lax.axis_size(axis)), None) + (None,) * len(grads)
 
 
 def bucketed_value_and_grad(fun: Callable[..., Any], plan, axis: str, params: Any, args: tuple,

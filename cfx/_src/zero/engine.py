@@ -238,7 +238,7 @@ class GeminiEngine:
     def _grad(self, c) -> torch.Tensor:
         key = ("grad", c)
         store = self.stores[self.cfg.grad_home]
-        g = store.get(key).to(torch.float32) / self.n if key in store else \
+        g = store.get(key).to(torch.float32) if key in store else \
             torch.zeros(self.chunks.size, dtype=torch.float32)
         if key in store:
             store.delete(key)

@@ -15,8 +15,10 @@ passes down -- and:
    ``ztx.value_and_grad``, for the step's outermost gathered layer: its backward begins where
    forward ends, so what it saved stays gathered, as FSDP keeps its root);
 4. *reduce-scatters the gradient*: the gather is an autograd function whose backward packs the
-   leaves' gradients into rows (n, S) and reduce-scatters them; it runs after every use of the
-   layer's params in backward, and drops the re-gathered buffer.
+   leaves' gradients into rows (n, S), reduce-scatters them and divides by n -- each piece's
+   gradient is its slice of the gradient *averaged* over ``axis``, which for a loss averaged over
+   this rank's batch is the single-device gradient of the whole batch (DDP's and FSDP's mean);
+   it runs after every use of the layer's params in backward, and drops the re-gathered buffer.
 
 So at any moment only the layers being computed are gathered, never the whole model (and,
 inside ``ztx.value_and_grad``, the one gather prefetched next: ``prefetch.py``). Wrap the
@@ -134,13 +136,17 @@ class _GatherFn(torch.autograd.Function):
         rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
         ax = comm.axes((src.axis,), "cfx.zero.gathered")
         if not src.deferred:  # the gradient is read at once
-            return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax))
+            return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax).div_(ax.size))
         # the pieces' gradients are returned by the backward (not accumulated into .grad), so
         # they are read only once it is over: the reduce-scatter runs under the backward of the
         # layers before this one and is waited for by a callback the autograd engine runs before
         # backward returns (FSDP's overlap)
         grad, done = comm.reduce_scatter_start(list(rows.unbind(0)), ax)
-        torch.autograd.Variable._execution_engine.queue_callback(done)
+
+        def mean() -> None:
+            done()
+            grad.div_(ax.size)  # the pieces delivered are views of it
+        torch.autograd.Variable._execution_engine.queue_callback(mean)
         return (None,) + src.deliver(grad)
 
 
@@ -334,8 +340,22 @@ def _gather_traced(src: ShardSource) -> list[torch.Tensor]:
                          "cannot be compiled with cfx.jit; run the step eagerly (compile=False) or keep the "
                          "pieces on the device.")
     shard = torch.cat([p.reshape(-1) for p in src.pieces])                        # (S,)
-    rows = lax.all_gather(shard, src.axis, dim=0, tiled=False)                    # (n, S)
+    rows = lax.all_gather(_MeanGrad.apply(shard, src.axis), src.axis, dim=0, tiled=False)  # (n, S)
     return src.layout.leaves_of_full(src.layout.full_from_rows(rows))
+
+
+class _MeanGrad(torch.autograd.Function):
+    """The identity; its backward divides the gradient by the size of ``axis`` (after the
+    all-gather's transpose summed it over the axis: the mean, as the eager backward gives)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.n = lax.axis_size(axis)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.n, None
 
 
 def gathered(layer: Any, *, axis: str = "data", prefetch: bool = True) -> Gathered:

@@ -4,7 +4,7 @@ Used inside ``shard_map``; every rank calls the same methods::
 
     ztx = cfx.zero(cfx.optim.adamw(1e-3), stage=2, axis="data")
     state = ztx.init(params)
-    loss, grads = ztx.value_and_grad(loss_fn)(params, batch)   # this rank's un-averaged grads
+    loss, grads = ztx.value_and_grad(loss_fn)(params, batch)   # see "Gradients" below
     updates, state = ztx.update(grads, state, params)
     params = cfx.optim.apply_updates(params, updates)
 
@@ -25,6 +25,13 @@ leaf (views into the group shards; at stage 0 the whole flattened leaf), and run
 leaf's other axes, so per-leaf rules (``lamb`` / ``lars`` trust ratios, weight-decay masks, which
 are functions of the tree) and global norms (``clip_by_global_norm``) see the whole parameter, and
 an inf/nan on any rank skips the step on every rank (``dynamic_loss_scale``).
+
+Gradients are *averaged* over the ZeRO axis, as DDP and FSDP average them: for a loss that is
+the mean over each rank's batch, the step is the single-device step on the whole batch.
+``value_and_grad`` returns, at stages 0-1, this rank's own gradient (of its batch; ``update``
+averages it in the all-reduce / reduce-scatter it needs anyway), at stage 2 ``ShardGrads`` (this
+rank's shard of the mean gradient) and at stage 3 ``ZeroParams`` of the mean gradient's pieces
+(the gathered layers' backward averages): each equal to that slice of the single-device gradient.
 
 Mixed precision is the ZeRO paper's: params (and grads) in fp16/bf16, an fp32 master shard in
 the state (``ZeroState.master``); fp32 params are their own master (no copy).
@@ -56,7 +63,7 @@ class ZeroState(NamedTuple):
 
 
 class ShardGrads(NamedTuple):
-    shards: tuple   # per group: this rank's shard of the gradient summed over the ZeRO axis
+    shards: tuple   # per group: this rank's shard of the gradient averaged over the ZeRO axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +174,7 @@ class ZeroTransformation:
         return state
 
     def update(self, grads: Any, state: ZeroState, params: Any) -> tuple[Any, ZeroState]:
-        """Updates for ``params`` from this rank's grads (``value_and_grad``'s, un-averaged)."""
+        """Updates for ``params`` from ``value_and_grad``'s grads (see "Gradients" in the module doc)."""
         if params is None:
             raise ValueError("cfx.zero: update needs the params; call ztx.update(grads, state, params).")
         plan = self.plan(params)
@@ -223,13 +230,14 @@ class ZeroTransformation:
         return reduction.sharded(plan.axes, total_axes=plan.total_axes, every=tuple(every), psum=lax.psum)
 
     def _reduce(self, grads: Any, plan: Plan) -> list[torch.Tensor]:
-        """Per group, this rank's fp32 shard of the gradient averaged over the axis."""
+        """Per group, this rank's fp32 shard of the gradient averaged over the axis (a fresh
+        tensor: the update may reuse it)."""
         n_axis = lax.axis_size(self.axis)
         if isinstance(grads, ShardGrads):
             if self.stage != 2 or len(grads.shards) != len(plan.groups):
                 raise ValueError(f"cfx.zero(stage={self.stage}): got ShardGrads of {len(grads.shards)} groups; "
                                  "they come from the same stage-2 ztx.value_and_grad on these params.")
-            return [s.to(torch.float32) / n_axis for s in grads.shards]
+            return [s.to(torch.float32, copy=True) for s in grads.shards]  # averaged in backward
         g_leaves = self._param_leaves(grads) if self.stage == 3 else tree_util.leaves(grads)
         if self.stage == 3 and not isinstance(grads, ZeroParams) or len(g_leaves) != len(plan.paths):
             raise ValueError(f"cfx.zero(stage={self.stage}): grads do not match the params "
@@ -238,9 +246,10 @@ class ZeroTransformation:
         out = []
         for idx, lay, dt in plan.groups:
             gs = [g_leaves[i] for i in idx]
-            if self.stage == 3:    # already reduce-scattered by the gathered layers' backward
-                flat = torch.cat([g.reshape(-1) for g in gs])
-            elif self.stage == 0:
+            if self.stage == 3:    # already reduce-scattered and averaged by the gathered layers' backward
+                out.append(torch.cat([g.reshape(-1) for g in gs]).to(torch.float32))
+                continue
+            if self.stage == 0:
                 flat = lax.psum(torch.cat([g.reshape(-1).to(dt) for g in gs]), self.axis)
             else:
                 flat = lax.psum_scatter(lay.rows_from_leaves(gs, dtype=dt), self.axis, dim=0, tiled=False)
@@ -301,7 +310,8 @@ class ZeroTransformation:
 
     def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
         """``cfx.value_and_grad(fun)`` w.r.t. the first argument (the params), stage-aware:
-        stage 2 returns ``ShardGrads`` reduce-scattered bucket by bucket during backward."""
+        stage 2 returns ``ShardGrads`` reduce-scattered bucket by bucket during backward; stages
+        2-3 return the gradient averaged over the axis (see "Gradients" in the module doc)."""
 
         @functools.wraps(fun)
         def wrapped(params, *args, **kwargs):
