@@ -19,12 +19,16 @@ from cfx.parallel import MEGATRON_RULES, state_specs, tensor_parallel, tree_pmea
 pytestmark = pytest.mark.timeout(300)
 
 
-def _tp_step(model, tx):
+def _tp_step(model, tx, pspecs):
     tp_model = tensor_parallel(model, "model")
+    split = [tuple(s.all_axes()) for s in cfx.tree.leaves(pspecs, is_leaf=lambda s: isinstance(s, P))]
 
     def step(params, state, batch):  # per rank: its batch shard, its TP shard of the params
         loss, grads = cfx.value_and_grad(lambda p: tp_model.loss(p, batch[:, :-1], batch[:, 1:]))(params)
-        updates, state = tx.update(tree_pmean(grads, "data"), state, params)
+        # the global norm (clipping) over every rank's shards: else each model rank clips by its
+        # own shards' norm and the replicated leaves drift apart (shard_map's check_rep says so)
+        with cfx.optim.sharded(split, every=("data", "model"), psum=cfx.lax.psum):
+            updates, state = tx.update(tree_pmean(grads, "data"), state, params)
         return cfx.optim.apply_updates(params, updates), state, cfx.lax.pmean(loss, "data")
 
     return step
@@ -39,13 +43,13 @@ def _blocks(tree):
 def test_dp_tp_train_step_compiles_per_rank_and_equals_eager(order, shape):
     model = cfx.models.gpt2("tiny", vocab_size=64, n_layer=1, n_embd=32, n_head=4, n_positions=16)
     tx = cfx.optim.chain(cfx.optim.clip_by_global_norm(1.0), cfx.optim.adamw(1e-2, weight_decay=0.1))
-    step = _tp_step(model, tx)
     params = model.init(cfx.random.key(0))
     state = tx.init(params)
     data = cfx.random.randint(cfx.random.key(7), (3, 4, 17), 0, 64)
     with cfx.Mesh(shape) as mesh:
         rules = cfx.Rules({"batch": "data", **MEGATRON_RULES})
         pspecs = rules.specs(model.axes(), mesh=mesh)
+        step = _tp_step(model, tx, pspecs)
         specs = dict(mesh=mesh, in_specs=(pspecs, state_specs(state, params, pspecs), P("data")),
                      out_specs=(pspecs, state_specs(state, params, pspecs), P()))
         eager = cfx.shard_map(step, **specs)
@@ -92,7 +96,9 @@ def _collectives(x):
 
 def test_every_collective_compiles_with_its_transpose_and_is_counted():
     x = torch.randn(8, 8)
-    body = cfx.value_and_grad(_collectives)
+    def body(x):  # x is replicated over model: its gradient is the sum of the model ranks' parts
+        loss, g = cfx.value_and_grad(_collectives)(x)
+        return loss, cfx.lax.psum(g, "model")
     with cfx.Mesh({"data": 2, "model": 2}) as mesh:
         specs = dict(mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
         with cfx.comm_stats() as eager_stats:

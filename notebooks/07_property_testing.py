@@ -128,8 +128,10 @@ print("gradient property holds")
 # %% [markdown]
 # ## A bug the property catches
 # Forget the `psum` and each rank returns only its partial product. On any mesh where the
-# contraction axis has more than one rank, the check fails and hypothesis reports the smallest
-# failing mesh it found.
+# contraction axis has more than one rank that product varies over the axis, while the out_spec
+# `P(batch)` says it is the same on every rank there: `shard_map` refuses it (its replication
+# check, on by default) before the comparison even runs, and hypothesis reports the smallest
+# failing mesh it found. (With `check_rep=False` the comparison with the reference would catch it.)
 
 
 # %%
@@ -146,6 +148,6 @@ def test_forgot_psum(problem):
 try:
     test_forgot_psum()
     raise RuntimeError("the property should have failed")
-except AssertionError as e:
+except ValueError as e:
     print("caught:", str(e).splitlines()[0])
     print(*getattr(e, "__notes__", []), sep="\n")

@@ -84,36 +84,14 @@ def is_primary(spec: P, mesh, coords: dict) -> bool:
     return not any(coords[a] for a in mesh.axis_names if a not in used)
 
 
-def replicated_axes(spec: P, mesh) -> list[str]:
-    used = set(spec.all_axes())
-    return [a for a in mesh.axis_names if a not in used]
-
-
-def assemble(blocks: dict[int, Any], spec: P, mesh, path: str, *, check_rep: bool) -> torch.Tensor:
-    """The global tensor from every rank's block (``blocks[rank]``, all ranks present)."""
+def assemble(blocks: dict[int, Any], spec: P, mesh) -> torch.Tensor:
+    """The global tensor from every rank's block (``blocks[rank]``, all ranks present; of each
+    replica set, the primary's)."""
     first = blocks[0]
     out = torch.empty(global_shape(first.shape, spec, mesh), dtype=first.dtype, device=first.device)
     with torch.no_grad():
         for rank in range(mesh.size):
-            b = blocks[rank]
             coords = mesh.coords(rank)
-            if not is_primary(spec, mesh, coords):
-                if check_rep:
-                    check_replica(blocks, rank, spec, mesh, path)
-                continue
-            block_of(out, spec, mesh, coords).copy_(b)
+            if is_primary(spec, mesh, coords):
+                block_of(out, spec, mesh, coords).copy_(blocks[rank])
     return out
-
-
-def check_replica(blocks: dict[int, Any], rank: int, spec: P, mesh, path: str) -> None:
-    """ValueError unless ``blocks[rank]`` equals its primary replica's block."""
-    coords = mesh.coords(rank)
-    rep_axes = replicated_axes(spec, mesh)
-    primary = mesh.rank_of(dict(coords, **{a: 0 for a in rep_axes}))
-    b, ref = blocks[rank], blocks[primary]
-    same = torch.equal(b, ref) if isinstance(b, torch.Tensor) else b == ref
-    if not same:
-        raise ValueError(
-            f"shard_map: output {path or '<root>'!r} differs between rank {rank} {coords} and its "
-            f"replica rank {primary} on {mesh!r}, but out_spec {spec!r} leaves axes {rep_axes} out "
-            "(= replicated). Reduce it (psum/pmean) or name the axis in the spec.")

@@ -11,9 +11,11 @@
 
 Every tensor output comes back as a ``ShardedArray`` with its out_spec, each process keeping the
 blocks of its own ranks: nothing is gathered, pickled or assembled. A mesh axis absent from an
-out_spec asserts the output is replicated along it (``check_rep=True`` verifies it where this
-process holds the replicas). All validation happens before any rank starts, so a bad spec is a
-ValueError naming the leaf path, the mesh and the fix, never a hang.
+out_spec says the output is replicated along it, and that is checked by default (``check_rep``:
+from the varying-axes types where the body tracks them, and by comparing a sample of each
+replicated output's elements across its replicas; ``"full"`` compares every element, ``False``
+skips it; see ``replication``). All validation of the inputs happens before any rank starts, so a
+bad spec is a ValueError naming the leaf path, the mesh and the fix, never a hang.
 
 Differentiation. ``cfx.grad`` of a function that calls ``shard_map`` differentiates through it
 (JAX's ``check_vma=True`` semantics): the body runs with varying-axes tracking that implicitly
@@ -35,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cfx._src import donation, layout
+from cfx._src import donation, layout, replication
 from cfx._src import tree as tree_util
 from cfx._src.lax import vma
 from cfx._src.mesh import context as ctx_lib
@@ -104,7 +106,7 @@ class _Input:
 class _Call:
     """One call of a shard_mapped function: validated inputs, per-rank runs, outputs."""
 
-    def __init__(self, f, mesh, in_specs, out_specs, check_rep: bool, donate: Sequence[int], args: tuple,
+    def __init__(self, f, mesh, in_specs, out_specs, check_rep: bool | str, donate: Sequence[int], args: tuple,
                  check_vma: bool = False):
         self.f, self.mesh, self.out_specs, self.check_rep = f, mesh, out_specs, check_rep
         specs = in_specs if isinstance(in_specs, tuple) and not is_spec(in_specs) else (in_specs,)
@@ -151,6 +153,7 @@ class _Call:
                 stack.enter_context(donation.donated([a._blocks[rank] for a in self.donated]))
             out = self.f(*tree_util.unflatten(self.treedef, leaves))
         flat, treedef = tree_util.flatten(out)
+        self._check_rep_on_rank(flat, treedef)
         if self.differentiable:
             self.proxies[rank], self.outs[rank] = proxies, flat
             flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
@@ -159,6 +162,19 @@ class _Call:
         else:
             flat = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in flat]
         return treedef, flat
+
+    def _check_rep_on_rank(self, flat: list, treedef) -> None:
+        """What the replication check does inside a rank: the types' verdict (the same on every
+        rank), and under ``dist`` the exchange of samples (here, as it is a collective)."""
+        dist = len(self.mesh.local_ranks) < self.mesh.size
+        if not self.check_rep or not (self.track or dist):
+            return
+        items = replication.out_items(self.out_specs, flat, treedef, self.mesh)
+        if self.track:
+            replication.check_types(items, self.mesh, vma.varying_axes)
+        if dist:
+            from cfx._src.lax import collectives as lax
+            replication.check_values_dist(items, self.mesh, self.check_rep, lax.all_gather)
 
     def _write_into_donated(self, rank: int, flat: list, treedef) -> list:
         """Each output block in a donated block of its shape, dtype and spec: first the outputs
@@ -182,21 +198,19 @@ class _Call:
                                  f"{ranks[0]} on {self.mesh!r}; every rank must return the same structure.")
         first = tree_util.unflatten(treedef, results[ranks[0]][1])
         items = broadcast_specs(self.out_specs, first, "out_specs", self.mesh)
-        outs = []
-        for i, (path, leaf, spec) in enumerate(items):
-            blocks = {r: results[r][1][i] for r in ranks}
-            outs.append(self._output(path, leaf, spec, blocks))
+        outs, blocks = [], [{r: results[r][1][i] for r in ranks} for i in range(len(items))]
+        for (path, leaf, spec), per_rank in zip(items, blocks):
+            outs.append(self._output(path, leaf, spec, per_rank))
         for a in self.donated:
             a.delete(f"donated to {getattr(self.f, '__name__', 'a shard_map call')}")
+        if self.check_rep and len(ranks) == self.mesh.size:  # every replica is here: compare in place
+            replication.check_values(items, blocks, self.mesh, self.check_rep)
         self.results_treedef = treedef
         return outs
 
     def _output(self, path: str, leaf: Any, spec: P, blocks: dict[int, Any]) -> Any:
         mesh = self.mesh
         if not isinstance(leaf, torch.Tensor):
-            if self.check_rep and any(b != leaf for b in blocks.values()):
-                raise ValueError(f"shard_map: output {path or '<root>'!r} differs across ranks but its "
-                                 f"out_spec {spec!r} says it is replicated on {mesh!r}.")
             return leaf
         layout.check_spec(path, tuple(leaf.shape), spec, mesh, "shard_map out_specs", block=True)
         for r, b in blocks.items():
@@ -205,10 +219,6 @@ class _Call:
                 raise ValueError(f"shard_map: output {path or '<root>'!r} is {got} on rank {r} but shape "
                                  f"{tuple(leaf.shape)} {leaf.dtype} on another rank of {mesh!r}; every rank "
                                  "must return blocks of one shape and dtype.")
-        if self.check_rep and len(blocks) == mesh.size:
-            for r in blocks:
-                if not layout.is_primary(spec, mesh, mesh.coords(r)):
-                    layout.check_replica(blocks, r, spec, mesh, path)
         return ShardedArray(layout.global_shape(leaf.shape, spec, mesh), spec, mesh, blocks)
 
     # -- backward ------------------------------------------------------------------------------
@@ -304,15 +314,19 @@ def _run_differentiable(call: _Call) -> list:
     return out
 
 
-def shard_map(f: Callable[..., Any], *, mesh, in_specs: Any, out_specs: Any, check_rep: bool = False,
+def shard_map(f: Callable[..., Any], *, mesh, in_specs: Any, out_specs: Any, check_rep: bool | str = True,
               check_vma: bool = False, donate_argnums: int | Sequence[int] = ()) -> Callable[..., Any]:
     """``f`` run per rank of ``mesh`` on blocks of its arguments; see the module docstring.
+
+    ``check_rep``: ``True`` (default) refuses an output that differs along an axis its out_spec
+    leaves out, judged by its varying-axes type where tracked and by a sample of its elements;
+    ``"full"`` compares every element; ``False`` trusts the out_specs.
 
     ``check_vma``: track every value's varying axes (``cfx.lax.varying_axes``) even when the call
     is not differentiated from outside (where it always is); a Python hook per op.
     """
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    return _mapped(f, mesh, in_specs, out_specs, check_rep, check_vma, donate, ())
+    return _mapped(f, mesh, in_specs, out_specs, replication.check_mode(check_rep), check_vma, donate, ())
 
 
 def _check_not_nested(f, mesh) -> None:
@@ -327,7 +341,7 @@ def _check_not_nested(f, mesh) -> None:
                          f"call {name} directly there, or call the inner shard_map outside the outer body.")
 
 
-def _mapped(f, mesh, in_specs, out_specs, check_rep: bool, check_vma: bool, donate: tuple,
+def _mapped(f, mesh, in_specs, out_specs, check_rep: bool | str, check_vma: bool, donate: tuple,
             body_donates: tuple) -> Callable[..., Any]:
     @functools.wraps(f)
     def wrapped(*args):

@@ -154,7 +154,7 @@ class ShardedArray(ArrayShape):
         blocks = {r: b.detach() for r, b in self.blocks.items()}
         if self.partial:  # the global value is the sum of the partial blocks
             blocks = {r: sum(blocks[m] for m in self.mesh.group_members(self.partial, r)) for r in blocks}
-        return layout.assemble(blocks, self.spec, self.mesh, "<array>", check_rep=False)
+        return layout.assemble(blocks, self.spec, self.mesh)
 
     def item(self) -> Any:
         """The value of a replicated one-element array (no communication)."""
