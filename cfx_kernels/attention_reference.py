@@ -114,3 +114,64 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     if seen is not None:
         out = out.masked_fill(~seen[:, None], 0.0)
     return out.transpose(1, 2).to(q.dtype)  # (B, T, H, D)
+
+
+def _block_scores(q, k, mask, causal, scale):
+    """fp32 scaled scores (B, H, T, S) with disallowed keys at -inf, and the bool ``allowed``
+    (or None), for the block functions below (bool masks only)."""
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    ct = torch.promote_types(q.dtype, torch.float32)
+    q_ = q.to(ct).transpose(1, 2)                                                    # (B, H, T, D)
+    k_ = k.to(ct).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)                 # (B, H, S, D)
+    s = torch.matmul(q_, k_.transpose(-1, -2)).mul_(scale)                           # (B, H, T, S)
+    allowed = allowed_keys(mask, causal, T, S, q.device)                             # (B|1, 1|T, S)
+    if allowed is not None:
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+    return s
+
+
+def attention_block_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                              mask: torch.Tensor | None = None,
+                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``: the attention of ``q`` over this block of keys, and each query's
+    log-sum-exp of its scaled scores over the block, ``(B, H, T)`` fp32, natural log, ``-inf``
+    for a query that sees no key of the block (whose ``out`` is 0). Blocks combine by
+    ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``
+    (ring attention). Bool masks only."""
+    check_inputs(q, k, v, mask=mask, scale=scale)
+    D, H, Hkv = q.shape[3], q.shape[2], k.shape[2]
+    scale = D ** -0.5 if scale is None else float(scale)
+    s = _block_scores(q, k, mask, causal, scale)                                     # (B, H, T, S)
+    lse = torch.logsumexp(s, dim=-1)                                                 # (B, H, T)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])        # 0 where masked
+    v_ = v.to(s.dtype).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)            # (B, H, S, D)
+    out = torch.matmul(p, v_).transpose(1, 2).to(q.dtype)                            # (B, T, H, D)
+    return out, lse
+
+
+def attention_block_backward_reference(q, k, v, out, lse, dout, *, causal: bool,
+                                       mask: torch.Tensor | None = None, scale: float | None = None):
+    """``(dq, dk, dv)`` of this block's share of an attention whose *whole* output is ``out``
+    ``(B, T, H, D)`` with log-sum-exp ``lse`` ``(B, H, T)`` over every block (natural log):
+    ``p = exp(s - lse)`` is the block's slice of the full softmax, ``ds = p * (dp - rowsum(dout * out))``.
+    Summing over the blocks gives the full attention's gradients (ring attention's backward)."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    scale = D ** -0.5 if scale is None else float(scale)
+    s = _block_scores(q, k, mask, causal, scale)                                     # (B, H, T, S)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])        # (B, H, T, S)
+    ct = s.dtype
+    do_ = dout.to(ct).transpose(1, 2)                                                # (B, H, T, D)
+    v_ = v.to(ct).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)                 # (B, H, S, D)
+    k_ = k.to(ct).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    delta = (do_ * out.to(ct).transpose(1, 2)).sum(-1, keepdim=True)                 # (B, H, T, 1)
+    ds = p * (torch.matmul(do_, v_.transpose(-1, -2)) - delta) * scale              # (B, H, T, S)
+    dq = torch.matmul(ds, k_).transpose(1, 2)                                        # (B, T, H, D)
+    q_ = q.to(ct).transpose(1, 2)
+    dk = torch.matmul(ds.transpose(-1, -2), q_)                                      # (B, H, S, D)
+    dv = torch.matmul(p.transpose(-1, -2), do_)
+    G = H // Hkv  # grouped-query: the query heads of one kv head add up
+    dk = dk.view(B, Hkv, G, -1, D).sum(2).transpose(1, 2)                            # (B, S, Hkv, D)
+    dv = dv.view(B, Hkv, G, -1, D).sum(2).transpose(1, 2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

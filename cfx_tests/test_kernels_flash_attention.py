@@ -321,3 +321,29 @@ def test_gpu_cfx_nn_attention_auto_uses_the_kernel(native):
     q, k, v, _, _ = make_inputs(2, 300, 300, 4, 2, 64, dtype=torch.bfloat16, device="cuda")
     auto = cfx.nn.attention(q, k, v)
     assert torch.equal(auto, fa.flash_attention(q, k, v, impl="triton"))
+
+
+@pytest.mark.parametrize("causal,mask", [(False, "none"), (True, "none"), (False, "pad"), (True, "rows")])
+def test_blocks_combine_to_the_whole_and_their_backward_sums_to_its_gradient(interpret, causal, mask):
+    # split the keys in two blocks: (out, lse) of each combine by log-sum-exp into the whole
+    # attention, and each block's backward from the whole's out and lse sums to its gradients --
+    # the two facts ring attention rests on; for the Triton kernel and its reference alike
+    q, k, v, m, do = make_inputs(2, 16, 24, 4, 2, 16, mask=mask, seed=3)
+    want = out_and_grads(attention_reference, q, k, v, do, causal=causal, mask=m)
+    allowed = fa.allowed_keys(m, causal, 16, 24, q.device)  # (B|1, 1|T, S)
+    allowed = allowed.expand(2, 16, 24) if allowed is not None else None
+    cut = 10
+    for impl in ("reference", "triton"):
+        blocks = [(slice(0, cut)), slice(cut, 24)]
+        part = lambda t, b: t[:, b].detach()  # noqa: E731
+        outs = [fa.flash_attention_block(q.detach(), part(k, b), part(v, b), causal=False,
+                                         mask=None if allowed is None else allowed[:, :, b], impl=impl) for b in blocks]
+        lse = torch.logaddexp(outs[0][1], outs[1][1])
+        out = sum(o.float() * torch.exp(l - lse).nan_to_num(0.0).transpose(1, 2)[..., None] for o, l in outs)
+        torch.testing.assert_close(out, want[0].detach(), atol=1e-5, rtol=1e-5)
+        grads = [fa.flash_attention_block_backward(q.detach(), part(k, b), part(v, b), want[0].detach(), lse, do,
+                                                   causal=False, mask=None if allowed is None else allowed[:, :, b],
+                                                   impl=impl) for b in blocks]
+        torch.testing.assert_close(grads[0][0] + grads[1][0], want[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 1), want[2], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 1), want[3], atol=1e-5, rtol=1e-5)

@@ -9,7 +9,8 @@ from typing import Any, Mapping
 
 import torch
 
-from cfx._src.models import gpt2_hf, llama_hf
+from cfx._src.models import bert_hf, gpt2_hf, llama_hf
+from cfx._src.models.bert import Bert
 from cfx._src.models.gpt2 import GPT2
 from cfx._src.models.llama import Llama
 
@@ -19,27 +20,33 @@ def _converter(model: Any, where: str):
         return gpt2_hf
     if isinstance(model, Llama):
         return llama_hf
-    raise ValueError(f"{where}: expected a cfx.models.GPT2 or cfx.models.Llama, got {type(model).__name__}.")
+    if isinstance(model, Bert):
+        return bert_hf
+    raise ValueError(f"{where}: expected a cfx.models.GPT2, Llama or Bert, got {type(model).__name__}.")
 
 
 def hf_config(model: Any) -> Any:
-    """The ``transformers`` config (``GPT2Config`` / ``LlamaConfig``) matching ``model``."""
+    """The ``transformers`` config (``GPT2Config`` / ``LlamaConfig`` / ``BertConfig``) matching ``model``."""
     return _converter(model, "cfx.models.hf_config").hf_config(model.config)
 
 
-def model_from_hf_config(hf_config: Any) -> GPT2 | Llama:
-    """The cfx model for a ``transformers`` config (``model_type`` ``"gpt2"`` or ``"llama"``)."""
+def model_from_hf_config(hf_config: Any, *, head: str = "mlm") -> GPT2 | Llama | Bert:
+    """The cfx model for a ``transformers`` config (``model_type`` ``"gpt2"``, ``"llama"`` or
+    ``"bert"``; for BERT, ``head`` ``"mlm"`` or ``"classify"``)."""
     kind = getattr(hf_config, "model_type", None)
     if kind == "gpt2":
         return GPT2(gpt2_hf.config_from_hf(hf_config))
     if kind == "llama":
         return Llama(llama_hf.config_from_hf(hf_config))
-    raise ValueError(f"cfx.models.from_hf: model_type {kind!r} is not supported; cfx converts 'gpt2' "
-                     "and 'llama' checkpoints.")
+    if kind == "bert":
+        return Bert(bert_hf.config_from_hf(hf_config, head))
+    raise ValueError(f"cfx.models.from_hf: model_type {kind!r} is not supported; cfx converts 'gpt2', "
+                     "'llama' and 'bert' checkpoints.")
 
 
 def to_hf(model: GPT2 | Llama, params: Any) -> dict[str, torch.Tensor]:
-    """A state dict with exactly the keys HF's ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` expects.
+    """A state dict with exactly the keys HF's ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
+    ``BertForMaskedLM`` / ``BertForSequenceClassification`` expects.
 
     Load it with ``hf_model.load_state_dict(sd, strict=True)`` into a model built from
     ``model.hf_config()``. Tensors are copies in the params' dtype.
@@ -62,7 +69,8 @@ def from_hf(hf_model_or_state_dict: Any, model: GPT2 | Llama | None = None) -> t
         state_dict = src
     elif hasattr(src, "state_dict") and hasattr(src, "config"):
         if model is None:
-            model = model_from_hf_config(src.config)
+            head = bert_hf.head_of(src) if getattr(src.config, "model_type", None) == "bert" else "mlm"
+            model = model_from_hf_config(src.config, head=head)
         state_dict = src.state_dict()
     else:
         raise ValueError(f"cfx.models.from_hf: expected a Hugging Face model or a state dict, got "

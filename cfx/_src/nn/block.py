@@ -1,4 +1,5 @@
-"""``TransformerBlock``: pre-norm ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+"""``TransformerBlock``: pre-norm ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``, or post-norm
+(BERT) ``norm1(x + attn(x))`` then ``norm2(x + mlp(x))``."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,12 +18,14 @@ NORMS = ("layernorm", "rmsnorm")
 
 @dataclasses.dataclass(frozen=True)
 class TransformerBlock:
-    """A pre-norm decoder block. Params ``{"norm1", "attn", "norm2", "mlp"}``.
+    """A transformer block. Params ``{"norm1", "attn", "norm2", "mlp"}``.
 
     GPT-2: ``norm="layernorm"``, ``activation="gelu_tanh"``, biases. Llama: ``norm="rmsnorm"``,
     ``activation="swiglu"``, ``bias=False``, ``rope=True``, ``n_kv_heads`` for GQA.
     ``dropout`` applies to both residual branches when ``apply`` gets a ``key``.
     ``out_init_std`` is the init std of the two residual projections (``attn.o``, the MLP's last).
+    ``causal=False`` lets every token attend to every other (an encoder); ``post_norm=True`` puts
+    each norm after its residual sum (BERT) instead of before the sub-layer (GPT-2, Llama).
     """
 
     features: int
@@ -38,6 +41,8 @@ class TransformerBlock:
     dropout: float = 0.0
     init_std: float = 0.02
     out_init_std: float | None = None
+    causal: bool = True
+    post_norm: bool = False
 
     def __post_init__(self):
         if self.norm not in NORMS:
@@ -56,7 +61,7 @@ class TransformerBlock:
             norm = RMSNorm(self.features, eps=self.norm_eps)
         attn = Attention(self.features, self.n_heads, n_kv_heads=self.n_kv_heads, bias=self.bias,
                          rope=self.rope, rope_theta=self.rope_theta, init_std=self.init_std,
-                         out_init_std=self.out_init_std)
+                         out_init_std=self.out_init_std, causal=self.causal)
         mlp = MLP(self.features, self.mlp_hidden, activation=self.activation, bias=self.bias,
                   init_std=self.init_std, out_init_std=self.out_init_std)
         return {"norm1": norm, "attn": attn, "norm2": norm, "mlp": mlp}
@@ -72,6 +77,11 @@ class TransformerBlock:
         k_attn = k_mlp = None
         if key is not None and self.dropout > 0.0:
             k_attn, k_mlp = split_keys(key, 2)
+        if self.post_norm:
+            h = layers["attn"].apply(params["attn"], x, mask=mask, positions=positions)
+            x = layers["norm1"].apply(params["norm1"], x + dropout(h, self.dropout, k_attn))
+            h = layers["mlp"].apply(params["mlp"], x)
+            return layers["norm2"].apply(params["norm2"], x + dropout(h, self.dropout, k_mlp))
         h = layers["attn"].apply(params["attn"], layers["norm1"].apply(params["norm1"], x),
                                  mask=mask, positions=positions)
         x = x + dropout(h, self.dropout, k_attn)

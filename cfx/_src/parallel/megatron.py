@@ -82,12 +82,16 @@ class TensorParallelBlock:
         k_attn = k_mlp = None
         if key is not None and rate > 0.0:
             k_attn, k_mlp = split_keys(key, 2)  # the same keys on every rank of the axis
-        h = lax.pvary(layers["norm1"].apply(params["norm1"], x), self.axis)
+        post = self.block.post_norm  # BERT: each norm after its residual sum, not before the sub-layer
+        norm1, norm2 = (lambda x, n=n: layers[n].apply(params[n], x) for n in ("norm1", "norm2"))
+        h = lax.pvary(x if post else norm1(x), self.axis)
         h = attn.heads(params["attn"], h, mask=mask, positions=positions)  # (B, T, H/n * D)
         x = x + dropout(_row_parallel(h, params["attn"]["o"], self.axis), rate, k_attn)
-        h = lax.pvary(layers["norm2"].apply(params["norm2"], x), self.axis)
+        x = norm1(x) if post else x
+        h = lax.pvary(x if post else norm2(x), self.axis)
         h = mlp.hidden_out(params["mlp"], h)  # (B, T, hidden/n)
-        return x + dropout(_row_parallel(h, params["mlp"][mlp.out_name], self.axis), rate, k_mlp)
+        x = x + dropout(_row_parallel(h, params["mlp"][mlp.out_name], self.axis), rate, k_mlp)
+        return norm2(x) if post else x
 
 
 def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool = True) -> Any:
