@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from cfx._src import random
+from cfx._src.lax import collectives as lax
 from cfx._src.models.common import (DecoderLM, _check_int_2d, check_inputs, check_params, check_targets,
                                      config_from_preset, cross_entropy, dropout_keys)
 from cfx._src.models.parts import ModelParts
@@ -86,6 +87,7 @@ class Bert(DecoderLM):
     config: BertConfig
     blocks: tuple = None
     vocab_axis: str | None = None
+    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
     remat_plan: Any = None
     max_len_name = "max_position_embeddings"
 
@@ -163,7 +165,14 @@ class Bert(DecoderLM):
         ``key=None`` means no dropout."""
         x = self.encode(params, tokens, mask=mask, token_types=token_types, key=key)
         k_head = None if key is None or self.config.dropout == 0.0 else random.fold_in(key, 1 << 20)
-        return self._head(params, x, k_head)
+        logits = self._head(params, x, k_head)
+        if self.seq is not None and self.config.head == "classify":  # every rank: the [CLS] token's
+            logits = self._from_first(logits)
+        return logits
+
+    def _from_first(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the rank holding position 0 computed it (rank 0 of the sequence axis, in both layouts)."""
+        return lax.psum(t * (lax.axis_index(self.seq.axis) == 0), self.seq.axis)
 
     def loss(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
              mask: torch.Tensor | None = None, token_types: torch.Tensor | None = None,
@@ -173,12 +182,13 @@ class Bert(DecoderLM):
         where = f"{type(self).__name__}.loss"
         _check_int_2d(where, "tokens", tokens)
         self._check_targets(where, tokens, targets)
-        logits = self.apply(params, tokens, mask=mask, token_types=token_types, key=key)
-        return self._loss(logits, targets)
+        x = self.encode(params, tokens, mask=mask, token_types=token_types, key=key)
+        k_head = None if key is None or self.config.dropout == 0.0 else random.fold_in(key, 1 << 20)
+        return self._loss(self._head(params, x, k_head), targets)
 
     def _embed(self, params: dict, tokens: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
         layers, T = self._layers(), tokens.shape[1]
-        x = self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][:T]  # (B, T, C)
+        x = self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][self.positions(T, tokens.device)]
         x = x + (params["wtt"]["w"][0] if token_types is None else layers["wtt"].apply(params["wtt"], token_types))
         return layers["ln_e"].apply(params["ln_e"], x)
 
@@ -195,7 +205,10 @@ class Bert(DecoderLM):
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.config.head == "mlm":
             return self.logits_loss(logits, targets)
-        return cross_entropy(logits[:, None, :], targets[:, None])  # (B, 1, L) against (B, 1)
+        loss = cross_entropy(logits[:, None, :], targets[:, None])  # (B, 1, L) against (B, 1)
+        # sequence split: rank 0 holds the [CLS] token; its loss counts once (the others add 0),
+        # so each rank's gradient is its share, as for the MLM's tokens
+        return loss if self.seq is None else self._from_first(loss)
 
     # -- checks --------------------------------------------------------------------------------
     def _check_token_types(self, tokens: torch.Tensor, token_types: Any) -> None:

@@ -10,6 +10,7 @@ import torch
 from cfx._src import random
 from cfx._src import tree as tree_util
 from cfx._src.lax.collectives import pvary
+from cfx._src.parallel.sequence import mean_over_sequence
 from cfx._src.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_embed
 from cfx._src.quant import is_quantized, quantized_as_leaves
 from cfx._src.shapes import is_abstract
@@ -185,8 +186,19 @@ class DecoderLM:
     def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of logits (B, T, V) -- this rank's (B, T, V/n) under ``vocab_axis``."""
         if self.vocab_axis is not None:
-            return vocab_parallel_cross_entropy(logits, targets, self.vocab_axis)
-        return cross_entropy(logits, targets)
+            loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_axis)
+        else:
+            loss = cross_entropy(logits, targets)
+        if getattr(self, "seq", None) is not None:  # the sequence split over an axis: every rank's tokens
+            count = (targets != IGNORE_INDEX).sum()
+            loss = mean_over_sequence(torch.where(count > 0, loss, 0.0), count, self.seq.axis)
+        return loss
+
+    def positions(self, T: int, device) -> torch.Tensor:
+        """The positions ``(T,)`` of the ``T`` tokens a call sees: ``0..T-1``, or this rank's share
+        of the sequence when it is split over a mesh axis (``sequence_parallel``)."""
+        seq = getattr(self, "seq", None)
+        return torch.arange(T, device=device) if seq is None else seq.positions(T, device)
 
     def check_batch(self, where: str, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """``check_inputs`` and ``check_targets`` against this model's vocabulary and context."""

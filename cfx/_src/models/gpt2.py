@@ -67,6 +67,7 @@ class GPT2(DecoderLM):
     config: GPT2Config
     blocks: tuple = None
     vocab_axis: str | None = None
+    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
     remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
     max_len_name = "n_positions"
 
@@ -119,7 +120,7 @@ class GPT2(DecoderLM):
         layers = self._layers()
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
         T = tokens.shape[1]
-        x = self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][:T]  # (B, T, C)
+        x = self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][self.positions(T, tokens.device)]
         x = dropout(x, c.dropout, keys[0])
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:])  # (B, T, C)
         x = layers["ln_f"].apply(params["ln_f"], x)
@@ -131,7 +132,8 @@ class GPT2(DecoderLM):
 
         def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
             # tokens (B, T) -> (B, T, C)
-            return self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][:tokens.shape[1]]
+            return self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][
+                self.positions(tokens.shape[1], tokens.device)]
 
         def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             x = self.head_input(layers["ln_f"].apply(params["ln_f"], x))  # (B, T, C)

@@ -84,6 +84,7 @@ class Llama(DecoderLM):
     config: LlamaConfig
     blocks: tuple = None
     vocab_axis: str | None = None
+    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
     remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
     max_len_name = "max_position_embeddings"
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,7 @@ class Attention:
     init_std: float = 0.02
     out_init_std: float | None = None
     impl: str = "auto"
+    seq: Any = None  # a cfx.parallel SequenceSplit: the sequence is split over a mesh axis
 
     def __post_init__(self):
         if self.n_heads <= 0 or self.kv_heads <= 0:
@@ -196,10 +198,15 @@ class Attention:
         k = layers["k"].apply(params["k"], x).view(B, T, Hkv, D)  # (B, T, Hkv, D)
         v = layers["v"].apply(params["v"], x).view(B, T, Hkv, D)
         if self.rope:
-            pos = torch.arange(T, device=x.device) if positions is None else positions.to(x.device)
+            if positions is None:  # this rank's global positions when the sequence is split
+                positions = torch.arange(T) if self.seq is None else self.seq.positions(T, x.device)
+            pos = positions.to(x.device)
             cos, sin = rope_cos_sin(pos, D, theta=self.rope_theta, dtype=q.dtype)  # (..., T, D)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, causal=self.causal, mask=mask, impl=self.impl)  # (B, T, H, D)
+        if self.seq is not None:  # the other ranks' positions: ring / ulysses
+            out = self.seq.attend(q, k, v, causal=self.causal, mask=mask, impl=self.impl)  # (B, T, H, D)
+        else:
+            out = attention(q, k, v, causal=self.causal, mask=mask, impl=self.impl)  # (B, T, H, D)
         return out.reshape(B, T, H * D)
 
     def axes(self) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ class TransformerBlock:
     out_init_std: float | None = None
     causal: bool = True
     post_norm: bool = False
+    seq: Any = None  # a cfx.parallel SequenceSplit (``sequence_parallel`` sets it)
 
     def __post_init__(self):
         if self.norm not in NORMS:
@@ -61,7 +63,7 @@ class TransformerBlock:
             norm = RMSNorm(self.features, eps=self.norm_eps)
         attn = Attention(self.features, self.n_heads, n_kv_heads=self.n_kv_heads, bias=self.bias,
                          rope=self.rope, rope_theta=self.rope_theta, init_std=self.init_std,
-                         out_init_std=self.out_init_std, causal=self.causal)
+                         out_init_std=self.out_init_std, causal=self.causal, seq=self.seq)
         mlp = MLP(self.features, self.mlp_hidden, activation=self.activation, bias=self.bias,
                   init_std=self.init_std, out_init_std=self.out_init_std)
         return {"norm1": norm, "attn": attn, "norm2": norm, "mlp": mlp}

@@ -1,0 +1,109 @@
+"""Sequence parallelism as a model transform: ``sequence_parallel(model, axis="seq", method=...)``.
+
+Inside ``shard_map`` each rank of ``axis`` holds ``T/N`` positions of every sequence (tokens,
+targets and padding mask split along their sequence dim). Everything position-wise -- embeddings,
+norms, MLPs, the head -- runs on the local positions unchanged; only attention needs the other
+ranks' positions, and ``SequenceSplit.attend`` brings them:
+
+* ``"ring"`` (Li et al., 2021): keys and values circulate round the ring (``ring_attention``),
+  memory O(T/N) per rank, the positions in zigzag order so causal work is balanced;
+* ``"ulysses"`` (Jacobs et al., 2023): ``all_to_all``s turn the sequence split into a head
+  split and back, each rank attending the whole sequence for ``H/N`` heads (``H`` must divide
+  by N; kv heads that do not are repeated per query head first); positions contiguous.
+
+The model learns only where its positions are (``positions``: the global ids of the local
+tokens, for learned and rotary position embeddings) and that its loss is a mean over every
+rank's tokens (``mean_over_sequence``). Feed tokens, targets and masks in the layout's order:
+``x[:, split.order(T)]`` (the identity for ``"contiguous"``); a per-token mean loss does not
+depend on that order. Compose with tensor parallelism by applying this first:
+``tensor_parallel(sequence_parallel(model), "model")``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from cfx._src.lax import collectives as lax
+from cfx._src.nn.attention import attention
+from cfx._src.parallel.ring import ring_attention, zigzag_indices
+
+METHODS = ("ring", "ulysses")
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSplit:
+    """The sequence split over mesh ``axis``: how attention gathers it, and the positions' order."""
+
+    axis: str = "seq"
+    method: str = "ring"
+    layout: str = "zigzag"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"sequence_parallel: method must be one of {METHODS}, got {self.method!r}.")
+        if self.layout not in ("zigzag", "contiguous"):
+            raise ValueError(f"sequence_parallel: layout must be 'zigzag' or 'contiguous', got {self.layout!r}.")
+        if self.method == "ulysses" and self.layout != "contiguous":
+            raise ValueError("sequence_parallel: ulysses attends the whole sequence in its order; use "
+                             "layout='contiguous'.")
+
+    def order(self, length: int, n: int) -> torch.Tensor:
+        """The permutation to apply to a whole sequence of ``length`` before splitting it ``n`` ways."""
+        return zigzag_indices(length, n) if self.layout == "zigzag" else torch.arange(length)
+
+    def positions(self, local: int, device) -> torch.Tensor:
+        """The global positions ``(T/N,)`` of this rank's ``local`` tokens."""
+        n, r = lax.axis_size(self.axis), lax.axis_index(self.axis)
+        return self.order(local * n, n).view(n, local)[r].to(device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+               mask: torch.Tensor | None, impl: str) -> torch.Tensor:
+        """``cfx.nn.attention`` over the whole sequence, from this rank's ``(B, T/N, heads, D)``."""
+        if self.method == "ring":
+            if mask is not None and mask.dim() != 2:
+                raise ValueError("sequence_parallel(method='ring'): masks must be key-padding masks (B, T/N).")
+            return ring_attention(q, k, v, self.axis, causal=causal, mask=mask, layout=self.layout,
+                                  impl="reference" if impl == "sdpa" else impl)
+        return self._ulysses(q, k, v, causal=causal, mask=mask, impl=impl)
+
+    def _ulysses(self, q, k, v, *, causal, mask, impl):
+        n = lax.axis_size(self.axis)
+        H, Hkv = q.shape[2], k.shape[2]
+        if H % n:
+            raise ValueError(f"sequence_parallel(method='ulysses'): the {H} attention heads (per rank) must divide "
+                             f"by the {n} ranks of axis {self.axis!r}; use method='ring', or a mesh axis dividing them.")
+        if Hkv % n:  # grouped-query attention with fewer kv heads than ranks: each query head its own copy
+            k, v = (t.repeat_interleave(H // Hkv, dim=2) for t in (k, v))
+        if mask is not None and mask.dim() != 2:
+            raise ValueError("sequence_parallel(method='ulysses'): masks must be key-padding masks (B, T/N).")
+        # (B, T/N, H, D) -> (B, T, H/N, D): split the heads, gather the sequence
+        q, k, v = (lax.all_to_all(t, self.axis, split_dim=2, concat_dim=1) for t in (q, k, v))
+        if mask is not None:
+            mask = lax.all_gather(mask, self.axis, dim=1, tiled=True)  # (B, T)
+        out = attention(q, k, v, causal=causal, mask=mask, impl=impl)  # (B, T, H/N, D)
+        return lax.all_to_all(out, self.axis, split_dim=1, concat_dim=2)  # (B, T/N, H, D)
+
+
+def mean_over_sequence(local_mean: torch.Tensor, count: torch.Tensor, axis: str) -> torch.Tensor:
+    """The mean over every rank's tokens from this rank's mean over its ``count`` tokens."""
+    total = lax.psum(torch.stack([local_mean * count, count.to(local_mean.dtype)]), axis)
+    return total[0] / total[1]
+
+
+def sequence_parallel(model: Any, axis: str = "seq", *, method: str = "ring", layout: str | None = None) -> Any:
+    """``model`` with its sequence split over mesh ``axis`` (see the module doc). ``layout``:
+    ``"zigzag"`` (ring's default) or ``"contiguous"`` (ulysses')."""
+    split = SequenceSplit(axis, method, layout or ("zigzag" if method == "ring" else "contiguous"))
+    if not hasattr(model, "seq") or not isinstance(getattr(model, "blocks", None), tuple):
+        raise ValueError(f"sequence_parallel: {type(model).__name__} is not a cfx model with blocks and a `seq` "
+                         "field (GPT2, Llama, Bert).")
+
+    def split_block(block):
+        if not hasattr(block, "seq") or not dataclasses.is_dataclass(block):
+            raise ValueError(f"sequence_parallel: block {type(block).__name__} has no `seq` field; apply "
+                             "sequence_parallel to the model first, then tensor_parallel / cfx.zero.gathered / "
+                             "cfx.remat, which wrap its blocks.")
+        return dataclasses.replace(block, seq=split)
+    return dataclasses.replace(model.map_blocks(split_block), seq=split)

@@ -1,0 +1,56 @@
+"""Sequence parallelism: what each method sends per layer, against its formula.
+
+A GPT-2 (fp32) trains one forward + backward with its sequence split over a ``seq`` axis of N
+local ranks; ``cfx.comm_stats`` counts the payload rank 0 contributes on that axis, per layer,
+next to each method's textbook figure for one layer with local blocks of ``B x T/N`` positions,
+``H`` heads, ``Hkv`` kv heads of size ``D``:
+
+* ring: forward N-1 hops of the k/v block (``2 B T/N Hkv D``), backward N-1 hops of it and N of
+  its fp32 gradient accumulators (the last one home);
+* ulysses: 4 all-to-alls of ``B T/N H D`` each way (q, k, v in, the output back; the backward
+  runs their transposes).
+
+Rows ``<method>_bytes_vs_formula`` (target 1.00). Not measured yet: Megatron-SP and the hybrid,
+and the activation bytes per rank and the longest sequence under a budget (issue 16).
+"""
+from __future__ import annotations
+
+import torch
+
+import cfx
+from cfx import P
+from cfx.bench.common import Row, report
+
+
+def measured_and_formula(method: str, n: int, *, n_layer: int = 2, B: int = 2, T: int = 64) -> tuple[float, float]:
+    """Payload bytes per layer per rank on ``seq`` (fwd + bwd) and the method's formula."""
+    model = cfx.models.gpt2("tiny", n_layer=n_layer, vocab_size=256, n_positions=T, n_embd=64, n_head=4)
+    params = model.init(cfx.random.key(0))
+    tokens = cfx.random.randint(cfx.random.key(1), (B, T + 1), 0, 256)
+    sp = cfx.parallel.sequence_parallel(model, "seq", method=method)
+    order = sp.seq.order(T, n)
+    with cfx.Mesh({"seq": n}) as mesh, cfx.comm_stats() as stats:
+        cfx.shard_map(lambda p, x, y: cfx.value_and_grad(sp.loss)(p, x, y)[0], mesh=mesh,
+                      in_specs=(P(), P(None, "seq"), P(None, "seq")), out_specs=P())(
+            params, tokens[:, :-1][:, order], tokens[:, 1:][:, order])
+    op = "ppermute" if method == "ring" else "all_to_all"
+    measured = stats.bytes(op=op, axes="seq", rank=0) / n_layer
+    H, D, tl = 4, 64 // 4, T // n
+    block = 2 * B * tl * H * D  # k and v of this rank's positions (GPT-2: Hkv = H)
+    if method == "ring":
+        formula = (n - 1) * block * 4 + (n - 1) * block * 4 + n * block * 4  # fwd k/v, bwd k/v, bwd fp32 dk/dv
+    else:
+        formula = 2 * 4 * (B * tl * H * D) * 4  # 4 all-to-alls forward, 4 backward, fp32
+    return measured, formula
+
+
+def run(*, quick: bool = False, json_path: str | None = None) -> dict:
+    rows = []
+    for method in ("ring", "ulysses"):
+        for n in ((4,) if quick else (2, 4)):
+            measured, formula = measured_and_formula(method, n)
+            ratio = measured / formula
+            rows.append(Row(f"{method}_bytes_vs_formula, seq={n} (per layer, fwd+bwd, rank 0)", ratio, "x", "1.00",
+                            abs(ratio - 1.0) < 1e-9))
+            rows.append(Row(f"  {method} payload per layer, seq={n}", measured, "B"))
+    return report("sequence", rows, json_path)

@@ -1,0 +1,125 @@
+"""Sequence parallelism (ring, Ulysses) equals the single-device model: GPT-2, Llama and BERT with
+padding, loss and gradients, on {"seq": 4}, {"seq": 2, "model": 2} and {"data": 2, "seq": 2}."""
+import pytest
+import torch
+
+import cfx
+from cfx import P
+from cfx.parallel import MEGATRON_RULES, SequenceSplit, sequence_parallel, tensor_parallel, tree_psum
+
+V, T, B = 64, 16, 4
+MESHES = [{"seq": 4}, {"seq": 2, "model": 2}, {"data": 2, "seq": 2}]
+
+
+def family(name):
+    if name == "gpt2":
+        return cfx.models.gpt2("tiny", n_layer=2, vocab_size=V, n_positions=T)
+    if name == "llama":
+        return cfx.models.llama("tiny", n_layer=2, vocab_size=V, max_position_embeddings=T)
+    return cfx.models.bert("tiny", vocab_size=V, max_position_embeddings=T)
+
+
+def inputs(name):
+    tokens = cfx.random.randint(cfx.random.key(1), (B, T), 1, V)
+    if name != "bert":  # every position a target: equal counts per data shard
+        return tokens, tokens.roll(-1, dims=1), None
+    mask = torch.arange(T)[None, :] < torch.tensor([T, T - 5, 9, T])[:, None]  # padded rows
+    targets = torch.where((torch.arange(T)[None, :] % 3 == 1) & mask, tokens, -100)  # 5 / 4 / 3 / 5 per row
+    return tokens.masked_fill(~mask, 0), targets, mask
+
+
+def reference(model, params, tokens, targets, mask, rows):
+    """Loss and grads of the mean over data shards of each shard's loss (what data parallelism gives)."""
+    parts = [cfx.value_and_grad(lambda p: model.loss(p, tokens[r], targets[r], mask=None if mask is None else mask[r]))(params)
+             for r in rows]
+    n = len(parts)
+    return sum(l for l, _ in parts) / n, cfx.tree.map(lambda *g: sum(g) / n, *[g for _, g in parts])
+
+
+def sharded(model, params, tokens, targets, mask, shape, method):
+    n = shape["seq"]
+    sp = sequence_parallel(model, "seq", method=method)
+    sp = tensor_parallel(sp, "model") if "model" in shape else sp
+    order = SequenceSplit("seq", method, "zigzag" if method == "ring" else "contiguous").order(T, n)
+    mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
+    has_mask = not bool(mask.all())
+
+    def body(p, t, y, m):
+        loss, g = cfx.value_and_grad(lambda p: sp.loss(p, t, y, mask=m if has_mask else None))(p)
+        g = tree_psum(g, "seq")  # each rank's gradient is its tokens' share
+        if "data" in shape:
+            loss, g = cfx.lax.pmean(loss, "data"), cfx.parallel.tree_pmean(g, "data")
+        return loss, g
+    with cfx.Mesh(shape) as mesh:
+        specs = cfx.Rules(MEGATRON_RULES).specs(model.axes(), mesh=mesh) if "model" in shape else P()
+        b = P("data" if "data" in shape else None, "seq")
+        return cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(specs, b, b, b), out_specs=(P(), specs))(
+            params, tokens[:, order], targets[:, order], mask[:, order]))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape", MESHES, ids=["seq4", "seq2xtp2", "dp2xseq2"])
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_loss_and_grads_equal_single_device(name, method, shape):
+    model = family(name)
+    params = model.init(cfx.random.key(0))
+    tokens, targets, mask = inputs(name)
+    rows = [slice(0, B // 2), slice(B // 2, B)] if "data" in shape else [slice(0, B)]
+    ref_loss, ref = reference(model, params, tokens, targets, mask, rows)
+    loss, grads = sharded(model, params, tokens, targets, mask, shape, method)
+    torch.testing.assert_close(loss, ref_loss)
+    cfx.tree.assert_tree_close(grads, ref)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_five_training_steps_follow_the_single_device_trajectory(method):
+    model, tx = family("llama"), cfx.optim.sgd(0.5, momentum=0.9)
+    batches = cfx.random.randint(cfx.random.key(3), (5, B, T + 1), 0, V)
+    params, state, ref = model.init(cfx.random.key(0)), None, []
+    state = tx.init(params)
+    for t in batches:
+        loss, g = cfx.value_and_grad(model.loss)(params, t[:, :-1], t[:, 1:])
+        u, state = tx.update(g, state, params)
+        params = cfx.optim.apply_updates(params, u)
+        ref.append(loss)
+    sp = tensor_parallel(sequence_parallel(model, "seq", method=method), "model")
+    order = SequenceSplit("seq", method, "zigzag" if method == "ring" else "contiguous").order(T, 2)
+
+    def train(p, xs, ys):  # this rank's (steps, B, T/2) inputs and targets
+        s, losses = tx.init(p), []
+        for x, y in zip(xs, ys):
+            loss, g = cfx.value_and_grad(lambda p: sp.loss(p, x, y))(p)
+            u, s = tx.update(tree_psum(g, "seq"), s, p)
+            p = cfx.optim.apply_updates(p, u)
+            losses.append(loss)
+        return p, torch.stack(losses)
+    with cfx.Mesh({"seq": 2, "model": 2}) as mesh:
+        specs = cfx.Rules(MEGATRON_RULES).specs(model.axes(), mesh=mesh)
+        seq = P(None, None, "seq")
+        got, losses = cfx.device_get(cfx.shard_map(train, mesh=mesh, in_specs=(specs, seq, seq), out_specs=(specs, P()))(
+            model.init(cfx.random.key(0)), batches[:, :, :-1][:, :, order], batches[:, :, 1:][:, :, order]))
+    torch.testing.assert_close(losses, torch.stack(ref))
+    cfx.tree.assert_tree_close(got, params)
+
+
+def test_bad_inputs_are_refused_on_every_rank_before_any_collective():
+    model = cfx.models.gpt2("tiny", n_layer=1, n_head=2, n_embd=32, vocab_size=V, n_positions=T)
+    tokens = cfx.random.randint(cfx.random.key(1), (2, 12), 0, V)
+    with cfx.Mesh({"seq": 4}) as mesh:
+        def loss(sp, t):
+            return cfx.shard_map(lambda p, t: sp.loss(p, t, t), mesh=mesh, in_specs=(P(), P(None, "seq")),
+                                 out_specs=P())(model.init(cfx.random.key(0)), t)
+        with pytest.raises(ValueError, match="the 2 attention heads \\(per rank\\) must divide by the 4 ranks"):
+            loss(sequence_parallel(model, method="ulysses"), tokens)
+        with pytest.raises(ValueError, match="does not split into 2 x 4 equal chunks"):
+            loss(sequence_parallel(model, method="ring"), tokens)  # 12 positions: 4 ranks of 3, no zigzag halves
+        with pytest.raises(ValueError, match="dimension 1 has size 10, not divisible by 4"):
+            loss(sequence_parallel(model), tokens[:, :10])
+    with pytest.raises(ValueError, match="apply sequence_parallel to the model first"):
+        sequence_parallel(tensor_parallel(model, "model"))
+    with pytest.raises(ValueError, match="method must be one of"):
+        sequence_parallel(model, method="striped")
+    with pytest.raises(ValueError, match="ulysses attends the whole sequence"):
+        sequence_parallel(model, method="ulysses", layout="zigzag")
