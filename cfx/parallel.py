@@ -3,11 +3,11 @@
 (pipe x data x model, ZeRO, remat, schedule) as one object."""
 from cfx._src.parallel.megatron import MEGATRON_RULES, TensorParallelBlock, tensor_parallel
 from cfx._src.parallel.ring import ring_attention, zigzag_indices
-from cfx._src.parallel.sequence import SequenceSplit, sequence_parallel
+from cfx._src.parallel.sequence import SequenceSplit, sequence_grads, sequence_parallel
 from cfx._src.parallel.rules import Rules
 from cfx._src.plan.plan import Plan
 from cfx._src.plan.program import Program, TrainState
 from cfx._src.parallel.state import state_specs, tree_pmean, tree_psum
 
-__all__ = ["MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "SequenceSplit", "TensorParallelBlock", "ring_attention", "sequence_parallel",
+__all__ = ["MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "SequenceSplit", "TensorParallelBlock", "ring_attention", "sequence_grads", "sequence_parallel",
            "state_specs", "tensor_parallel", "tree_pmean", "tree_psum", "zigzag_indices"]

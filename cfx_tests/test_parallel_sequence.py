@@ -2,21 +2,23 @@
 padding, loss and gradients, on {"seq": 4}, {"seq": 2, "model": 2} and {"data": 2, "seq": 2}."""
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import cfx
 from cfx import P
 from cfx.parallel import MEGATRON_RULES, SequenceSplit, sequence_parallel, tensor_parallel, tree_psum
+from cfx_tests.budget import examples
 
 V, T, B = 64, 16, 4
 MESHES = [{"seq": 4}, {"seq": 2, "model": 2}, {"data": 2, "seq": 2}]
 
 
-def family(name):
+def family(name, max_len=32):
     if name == "gpt2":
-        return cfx.models.gpt2("tiny", n_layer=2, vocab_size=V, n_positions=T)
+        return cfx.models.gpt2("tiny", n_layer=2, vocab_size=V, n_positions=max_len)
     if name == "llama":
-        return cfx.models.llama("tiny", n_layer=2, vocab_size=V, max_position_embeddings=T)
-    return cfx.models.bert("tiny", vocab_size=V, max_position_embeddings=T)
+        return cfx.models.llama("tiny", n_layer=2, vocab_size=V, max_position_embeddings=max_len)
+    return cfx.models.bert("tiny", vocab_size=V, max_position_embeddings=max_len)
 
 
 def inputs(name):
@@ -123,3 +125,82 @@ def test_bad_inputs_are_refused_on_every_rank_before_any_collective():
         sequence_parallel(model, method="striped")
     with pytest.raises(ValueError, match="ulysses attends the whole sequence"):
         sequence_parallel(model, method="ulysses", layout="zigzag")
+
+
+NO_VOCAB = {k: v for k, v in MEGATRON_RULES.items() if k != "vocab"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,shape", [(n, s) for n in ("gpt2", "llama", "bert")
+                                        for s in ({"model": 2}, {"model": 4}, {"data": 2, "model": 2})
+                                        if not (n == "llama" and s.get("model") == 4)])  # its 2 kv heads
+def test_megatron_sp_equals_single_device(name, shape):
+    # norms, dropouts and residuals on T/n positions; all-gather in, reduce-scatter out
+    model = family(name)
+    params = model.init(cfx.random.key(0))
+    tokens, targets, mask = inputs(name)
+    rows = [slice(0, B // 2), slice(B // 2, B)] if "data" in shape else [slice(0, B)]
+    ref_loss, ref = reference(model, params, tokens, targets, mask, rows)
+    sp = tensor_parallel(model, "model", sequence=True)
+    m = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
+
+    def body(p, t, y, m):
+        loss, g = cfx.value_and_grad(lambda p: sp.loss(p, t, y, mask=None if mask is None else m))(p)
+        g = cfx.parallel.sequence_grads(g, specs, "model")
+        if "data" in shape:
+            loss, g = cfx.lax.pmean(loss, "data"), cfx.parallel.tree_pmean(g, "data")
+        return loss, g
+    with cfx.Mesh(shape) as mesh:
+        specs = cfx.Rules(NO_VOCAB).specs(model.axes(), mesh=mesh)
+        b = P("data" if "data" in shape else None, "model")
+        loss, grads = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(specs, b, b, b), out_specs=(P(), specs))(
+            params, tokens, targets, m))
+    torch.testing.assert_close(loss, ref_loss)
+    cfx.tree.assert_tree_close(grads, ref)
+
+
+def test_megatron_sp_refuses_a_vocab_parallel_head():
+    with pytest.raises(ValueError, match="pass vocab=False"):
+        tensor_parallel(family("gpt2"), "model", sequence=True, vocab=True)
+    with pytest.raises(ValueError, match="tensor_parallel\\(model, axis, sequence=True\\)"):
+        sequence_parallel(family("gpt2"), method="megatron")
+
+
+@pytest.mark.timeout(300)
+@examples(ci=4)
+@given(name=st.sampled_from(["gpt2", "llama", "bert"]), method=st.sampled_from(["ring", "ulysses"]),
+       shape=st.sampled_from(MESHES), length=st.sampled_from([8, 16, 24]), rows=st.sampled_from([2, 4]),
+       seed=st.integers(0, 2**16))
+def test_drawn_sizes_equal_single_device(name, method, shape, length, rows, seed):
+    model = family(name)
+    params = model.init(cfx.random.key(seed))
+    n = shape["seq"]
+    tokens = cfx.random.randint(cfx.random.key(seed + 1), (rows, length), 1, V)
+    targets, mask = tokens.roll(-1, dims=1), None
+    if name == "bert":  # the last row padded after its first half; some positions are targets
+        mask = torch.ones(rows, length, dtype=torch.bool)
+        mask[-1, length // 2:] = False
+        targets = torch.where((torch.arange(length) % 2 == 0) & mask, tokens, -100)
+    data_rows = [slice(0, rows // 2), slice(rows // 2, rows)] if "data" in shape else [slice(0, rows)]
+    if "data" in shape and name == "bert":  # a mean of shard means: each shard's count must be equal
+        targets = torch.where(mask, tokens, -100)
+        targets[:, length // 2:] = -100
+    ref_loss, ref = reference(model, params, tokens, targets, mask, data_rows)
+    order = SequenceSplit("seq", method, "zigzag" if method == "ring" else "contiguous").order(length, n)
+    sp = sequence_parallel(model, "seq", method=method)
+    sp = tensor_parallel(sp, "model") if "model" in shape else sp
+    m = torch.ones(rows, length, dtype=torch.bool) if mask is None else mask
+
+    def body(p, t, y, mm):
+        loss, g = cfx.value_and_grad(lambda p: sp.loss(p, t, y, mask=None if mask is None else mm))(p)
+        g = tree_psum(g, "seq")
+        if "data" in shape:
+            loss, g = cfx.lax.pmean(loss, "data"), cfx.parallel.tree_pmean(g, "data")
+        return loss, g
+    with cfx.Mesh(shape) as mesh:
+        specs = cfx.Rules(MEGATRON_RULES).specs(model.axes(), mesh=mesh) if "model" in shape else P()
+        b = P("data" if "data" in shape else None, "seq")
+        loss, grads = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(specs, b, b, b), out_specs=(P(), specs))(
+            params, tokens[:, order], targets[:, order], m[:, order]))
+    torch.testing.assert_close(loss, ref_loss)
+    cfx.tree.assert_tree_close(grads, ref)

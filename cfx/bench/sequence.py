@@ -8,10 +8,13 @@ next to each method's textbook figure for one layer with local blocks of ``B x T
 * ring: forward N-1 hops of the k/v block (``2 B T/N Hkv D``), backward N-1 hops of it and N of
   its fp32 gradient accumulators (the last one home);
 * ulysses: 4 all-to-alls of ``B T/N H D`` each way (q, k, v in, the output back; the backward
-  runs their transposes).
+  runs their transposes);
+* Megatron-SP (``tensor_parallel(sequence=True)`` over ``model``): the bytes on the wire of plain
+  tensor parallelism's all-reduces (an all-gather plus a reduce-scatter each), measured side by
+  side as the difference between a 2- and a 1-block model (so only a block's collectives count).
 
-Rows ``<method>_bytes_vs_formula`` (target 1.00). Not measured yet: Megatron-SP and the hybrid,
-and the activation bytes per rank and the longest sequence under a budget (issue 16).
+Rows ``<method>_bytes_vs_formula`` (target 1.00). Not measured yet: the hybrid, and the
+activation bytes per rank and the longest sequence under a budget (issue 16).
 """
 from __future__ import annotations
 
@@ -44,6 +47,27 @@ def measured_and_formula(method: str, n: int, *, n_layer: int = 2, B: int = 2, T
     return measured, formula
 
 
+WIRE = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_reduce": lambda n: 2 * (n - 1) / n}  # bytes a rank sends per payload byte (ring algorithms)
+
+
+def megatron_and_tp_wire(n: int, *, B: int = 2, T: int = 64) -> tuple[float, float]:
+    """Bytes on the wire per rank for one block, Megatron-SP and plain TP, over ``{"model": n}``."""
+    def wire(sequence: bool, n_layer: int) -> float:
+        model = cfx.models.gpt2("tiny", n_layer=n_layer, vocab_size=256, n_positions=T, n_embd=64, n_head=4)
+        net = cfx.parallel.tensor_parallel(model, "model", vocab=False, sequence=sequence)
+        tokens = cfx.random.randint(cfx.random.key(1), (B, T + 1), 0, 256)
+        rules = {k: v for k, v in cfx.parallel.MEGATRON_RULES.items() if k != "vocab"}
+        b = P(None, "model") if sequence else P()
+        with cfx.Mesh({"model": n}) as mesh, cfx.comm_stats() as stats:
+            specs = cfx.Rules(rules).specs(model.axes(), mesh=mesh)
+            cfx.shard_map(lambda p, x, y: cfx.value_and_grad(net.loss)(p, x, y)[0], mesh=mesh,
+                          in_specs=(specs, b, b), out_specs=P())(model.init(cfx.random.key(0)), tokens[:, :-1],
+                                                                 tokens[:, 1:])
+        return sum(r.nbytes * WIRE[r.op](n) for r in stats.select(axes="model", rank=0) if r.op in WIRE)
+    return wire(True, 2) - wire(True, 1), wire(False, 2) - wire(False, 1)
+
+
 def run(*, quick: bool = False, json_path: str | None = None) -> dict:
     rows = []
     for method in ("ring", "ulysses"):
@@ -53,4 +77,9 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
             rows.append(Row(f"{method}_bytes_vs_formula, seq={n} (per layer, fwd+bwd, rank 0)", ratio, "x", "1.00",
                             abs(ratio - 1.0) < 1e-9))
             rows.append(Row(f"  {method} payload per layer, seq={n}", measured, "B"))
+    for n in ((4,) if quick else (2, 4)):
+        sp, tp = megatron_and_tp_wire(n)
+        rows.append(Row(f"megatron_bytes_vs_formula, model={n} (wire bytes per block vs TP's all-reduces)", sp / tp,
+                        "x", "1.00", abs(sp / tp - 1.0) < 1e-9))
+        rows.append(Row(f"  megatron-SP wire bytes per block, model={n}", sp, "B"))
     return report("sequence", rows, json_path)

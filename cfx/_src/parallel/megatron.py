@@ -10,6 +10,12 @@ exactly two collective points per sub-layer, Megatron's ``f`` and ``g``:
 
 so a block issues 2 all-reduces of ``B*T*C`` elements in forward and 2 in backward. The model
 itself is unchanged: ``tensor_parallel(model, axis)`` wraps each block.
+
+Megatron sequence parallelism (Korthikanti et al., 2022; ``sequence=True``): between the points
+the activations are split along the sequence over the same axis, so the norms, dropouts and
+residual sums (and the embeddings and head) hold ``T/n`` positions per rank. ``f`` becomes an
+all-gather along the sequence and ``g`` a reduce-scatter along it: the same bytes on the wire as
+the all-reduce they replace (an all-reduce is a reduce-scatter then an all-gather).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from typing import Any
 
 import torch
 
+from cfx._src import random
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
@@ -25,10 +32,6 @@ from cfx._src.nn.linear import split_keys
 MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 
 
-def _row_parallel(h: torch.Tensor, p: dict, axis: str) -> torch.Tensor:
-    # (..., in/n) @ (in/n, out) summed over the axis, then the replicated bias once
-    y = lax.psum(h @ p["w"], axis)
-    return y + p["b"] if "b" in p else y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,7 @@ class TensorParallelBlock:
 
     block: Any
     axis: str = "model"
+    sequence: bool = False  # Megatron-SP: activations split along the sequence between the points
 
     def __post_init__(self):
         object.__setattr__(self, "_local_by_n", {})  # axis size -> the local sublayers
@@ -81,22 +85,54 @@ class TensorParallelBlock:
         attn, mlp, rate = layers["attn"], layers["mlp"], self.block.dropout
         k_attn = k_mlp = None
         if key is not None and rate > 0.0:
-            k_attn, k_mlp = split_keys(key, 2)  # the same keys on every rank of the axis
+            if self.sequence:  # each rank's own positions: its own dropout masks
+                key = random.fold_in(key, lax.axis_index(self.axis))
+            k_attn, k_mlp = split_keys(key, 2)  # else the same keys on every rank of the axis
+        if self.sequence and mask is not None:
+            mask = lax.all_gather(mask, self.axis, dim=1, tiled=True)  # (B, T): attention sees every key
         post = self.block.post_norm  # BERT: each norm after its residual sum, not before the sub-layer
         norm1, norm2 = (lambda x, n=n: layers[n].apply(params[n], x) for n in ("norm1", "norm2"))
-        h = lax.pvary(x if post else norm1(x), self.axis)
+        h = self._f(x if post else norm1(x))
         h = attn.heads(params["attn"], h, mask=mask, positions=positions)  # (B, T, H/n * D)
-        x = x + dropout(_row_parallel(h, params["attn"]["o"], self.axis), rate, k_attn)
+        x = x + dropout(self._g(h, params["attn"]["o"]), rate, k_attn)
         x = norm1(x) if post else x
-        h = lax.pvary(x if post else norm2(x), self.axis)
+        h = self._f(x if post else norm2(x))
         h = mlp.hidden_out(params["mlp"], h)  # (B, T, hidden/n)
-        x = x + dropout(_row_parallel(h, params["mlp"][mlp.out_name], self.axis), rate, k_mlp)
+        x = x + dropout(self._g(h, params["mlp"][mlp.out_name]), rate, k_mlp)
         return norm2(x) if post else x
 
+    def _f(self, h: torch.Tensor) -> torch.Tensor:
+        """Into the split region: identity (its transpose all-reduces), or under Megatron-SP the
+        all-gather of the sequence, (B, T/n, C) -> (B, T, C)."""
+        if self.sequence:
+            return lax.all_gather(h, self.axis, dim=1, tiled=True)
+        return lax.pvary(h, self.axis)
 
-def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool = True) -> Any:
-    """``model`` with every block made Megatron tensor-parallel over ``axis`` and, with ``vocab``,
-    the embedding, LM head and loss vocab-parallel (rules must then map ``"vocab"`` to ``axis``;
-    ``apply`` returns this rank's logits shard and ``loss`` combines the shards)."""
-    tp = model.map_blocks(lambda b: TensorParallelBlock(b, axis))
+    def _g(self, h: torch.Tensor, p: dict) -> torch.Tensor:
+        """Out of it: (..., in/n) @ (in/n, out) summed over the axis (under Megatron-SP summed and
+        split along the sequence, (B, T, C) -> (B, T/n, C)), then the replicated bias once."""
+        y = h @ p["w"]
+        y = lax.psum_scatter(y, self.axis, dim=1, tiled=True) if self.sequence else lax.psum(y, self.axis)
+        return y + p["b"] if "b" in p else y
+
+
+def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = None, sequence: bool = False) -> Any:
+    """``model`` with every block made Megatron tensor-parallel over ``axis`` and, with ``vocab``
+    (the default without ``sequence``), the embedding, LM head and loss vocab-parallel (rules
+    must then map ``"vocab"`` to ``axis``; ``apply`` returns this rank's logits shard and ``loss``
+    combines the shards).
+
+    ``sequence=True``: Megatron sequence parallelism (module doc). Tokens, targets and masks are
+    split along the sequence over ``axis`` (contiguously, ``P(None, axis)``); the embeddings and
+    head are replicated (``vocab`` must stay off) and run on each rank's positions; the loss is
+    the mean over every rank's tokens. Gradients of the leaves replicated over ``axis`` are each
+    rank's positions' share: sum them with ``cfx.parallel.sequence_grads``."""
+    vocab = not sequence if vocab is None else vocab
+    if sequence and vocab:
+        raise ValueError("tensor_parallel(sequence=True): the head runs on each rank's share of the positions with "
+                         "the whole vocabulary; pass vocab=False (and no 'vocab' rule).")
+    tp = model.map_blocks(lambda b: TensorParallelBlock(b, axis, sequence))
+    if sequence:
+        from cfx._src.parallel.sequence import SequenceSplit
+        return dataclasses.replace(tp, seq=SequenceSplit(axis, "megatron", "contiguous"))
     return dataclasses.replace(tp, vocab_axis=axis) if vocab else tp

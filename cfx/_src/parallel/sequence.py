@@ -29,7 +29,7 @@ from cfx._src.lax import collectives as lax
 from cfx._src.nn.attention import attention
 from cfx._src.parallel.ring import ring_attention, zigzag_indices
 
-METHODS = ("ring", "ulysses")
+METHODS = ("ring", "ulysses")  # sequence_parallel's; "megatron" comes from tensor_parallel(sequence=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +41,11 @@ class SequenceSplit:
     layout: str = "zigzag"
 
     def __post_init__(self):
-        if self.method not in METHODS:
+        if self.method not in METHODS + ("megatron",):
             raise ValueError(f"sequence_parallel: method must be one of {METHODS}, got {self.method!r}.")
         if self.layout not in ("zigzag", "contiguous"):
             raise ValueError(f"sequence_parallel: layout must be 'zigzag' or 'contiguous', got {self.layout!r}.")
-        if self.method == "ulysses" and self.layout != "contiguous":
+        if self.method in ("ulysses", "megatron") and self.layout != "contiguous":
             raise ValueError("sequence_parallel: ulysses attends the whole sequence in its order; use "
                              "layout='contiguous'.")
 
@@ -61,6 +61,9 @@ class SequenceSplit:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                mask: torch.Tensor | None, impl: str) -> torch.Tensor:
         """``cfx.nn.attention`` over the whole sequence, from this rank's ``(B, T/N, heads, D)``."""
+        if self.method == "megatron":  # tensor_parallel's blocks gather the sequence themselves
+            raise ValueError("Megatron-SP attends inside tensor_parallel(sequence=True)'s blocks; its attention "
+                             "layers take the whole sequence, not a SequenceSplit.")
         if self.method == "ring":
             if mask is not None and mask.dim() != 2:
                 raise ValueError("sequence_parallel(method='ring'): masks must be key-padding masks (B, T/N).")
@@ -92,9 +95,35 @@ def mean_over_sequence(local_mean: torch.Tensor, count: torch.Tensor, axis: str)
     return total[0] / total[1]
 
 
+def sequence_grads(grads: Any, specs: Any, axis: str) -> Any:
+    """Each rank's gradient of a loss over its share of the positions, summed over ``axis`` where
+    it is a share: the leaves ``specs`` (a ``P`` or a pytree prefix of them) replicate over
+    ``axis`` (all of them under ``sequence_parallel``; the norms, biases of row-parallel layers
+    and embeddings under ``tensor_parallel(sequence=True)``). One flat all-reduce."""
+    from cfx._src import tree as tree_util
+    from cfx._src.mesh.spec import P, is_spec
+    from cfx._src.parallel.state import tree_psum
+    items, treedef = tree_util.flatten(grads)
+    if is_spec(specs):
+        spec_items = [specs] * len(items)
+    else:
+        spec_items = tree_util.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+        if len(spec_items) != len(items):
+            raise ValueError(f"sequence_grads: {len(spec_items)} specs for {len(items)} gradient leaves; pass the "
+                             "params' specs (or one P for all).")
+    shared = [i for i, s in enumerate(spec_items) if axis not in set(s.all_axes())]
+    summed = tree_psum([items[i] for i in shared], axis)
+    for i, g in zip(shared, summed):
+        items[i] = g
+    return tree_util.unflatten(treedef, items)
+
+
 def sequence_parallel(model: Any, axis: str = "seq", *, method: str = "ring", layout: str | None = None) -> Any:
     """``model`` with its sequence split over mesh ``axis`` (see the module doc). ``layout``:
     ``"zigzag"`` (ring's default) or ``"contiguous"`` (ulysses')."""
+    if method not in METHODS:
+        raise ValueError(f"sequence_parallel: method must be one of {METHODS}, got {method!r} (Megatron-SP: "
+                         "cfx.parallel.tensor_parallel(model, axis, sequence=True)).")
     split = SequenceSplit(axis, method, layout or ("zigzag" if method == "ring" else "contiguous"))
     if not hasattr(model, "seq") or not isinstance(getattr(model, "blocks", None), tuple):
         raise ValueError(f"sequence_parallel: {type(model).__name__} is not a cfx model with blocks and a `seq` "
