@@ -5,8 +5,7 @@ from cfx.bench.sequence import measured_and_formula
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("method,n", [("ring", 2), ("ring", 4), ("ulysses", 2), ("ulysses", 4), ("hybrid", 2)])
 def test_payload_per_layer_is_the_formula(method, n):
     measured, formula = measured_and_formula(method, n, T=32)
     assert measured == formula

@@ -42,9 +42,10 @@ def sharded(model, params, tokens, targets, mask, shape, method):
     n = shape["seq"]
     sp = sequence_parallel(model, "seq", method=method)
     sp = tensor_parallel(sp, "model") if "model" in shape else sp
-    order = SequenceSplit("seq", method, "zigzag" if method == "ring" else "contiguous").order(T, n)
-    mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
-    has_mask = not bool(mask.all())
+    rows, length = tokens.shape
+    order = SequenceSplit("seq", method, "zigzag" if method == "ring" else "contiguous").order(length, n)
+    has_mask = mask is not None
+    mask = torch.ones(rows, length, dtype=torch.bool) if mask is None else mask
 
     def body(p, t, y, m):
         loss, g = cfx.value_and_grad(lambda p: sp.loss(p, t, y, mask=m if has_mask else None))(p)
@@ -186,21 +187,39 @@ def test_drawn_sizes_equal_single_device(name, method, shape, length, rows, seed
         targets = torch.where(mask, tokens, -100)
         targets[:, length // 2:] = -100
     ref_loss, ref = reference(model, params, tokens, targets, mask, data_rows)
-    order = SequenceSplit("seq", method, "zigzag" if method == "ring" else "contiguous").order(length, n)
-    sp = sequence_parallel(model, "seq", method=method)
+    loss, grads = sharded(model, params, tokens, targets, mask, shape, method)
+    torch.testing.assert_close(loss, ref_loss)
+    cfx.tree.assert_tree_close(grads, ref)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape", [{"ring": 2, "seq": 2}, {"ring": 2, "seq": 2, "model": 2}], ids=["2x2", "2x2xtp2"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_hybrid_ulysses_by_ring_equals_single_device(name, shape):
+    # Ulysses over "seq" turns each ring rank's positions into a head split; the ring runs over "ring"
+    model = family(name)
+    params = model.init(cfx.random.key(0))
+    tokens, targets, mask = inputs(name)
+    ref_loss, ref = reference(model, params, tokens, targets, mask, [slice(0, B)])
+    sp = sequence_parallel(model, ("ring", "seq"), method="hybrid")
     sp = tensor_parallel(sp, "model") if "model" in shape else sp
-    m = torch.ones(rows, length, dtype=torch.bool) if mask is None else mask
+    order = sp.seq.order(T, shape["ring"])
+    m = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
 
     def body(p, t, y, mm):
         loss, g = cfx.value_and_grad(lambda p: sp.loss(p, t, y, mask=None if mask is None else mm))(p)
-        g = tree_psum(g, "seq")
-        if "data" in shape:
-            loss, g = cfx.lax.pmean(loss, "data"), cfx.parallel.tree_pmean(g, "data")
-        return loss, g
+        return loss, cfx.parallel.sequence_grads(g, specs, ("ring", "seq"))
     with cfx.Mesh(shape) as mesh:
         specs = cfx.Rules(MEGATRON_RULES).specs(model.axes(), mesh=mesh) if "model" in shape else P()
-        b = P("data" if "data" in shape else None, "seq")
+        b = P(None, ("ring", "seq"))
         loss, grads = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(specs, b, b, b), out_specs=(P(), specs))(
             params, tokens[:, order], targets[:, order], m[:, order]))
     torch.testing.assert_close(loss, ref_loss)
     cfx.tree.assert_tree_close(grads, ref)
+
+
+def test_hybrid_takes_two_axes():
+    with pytest.raises(ValueError, match="takes a pair of mesh axes"):
+        sequence_parallel(family("gpt2"), "seq", method="hybrid")
+    with pytest.raises(ValueError, match="takes one mesh axis name"):
+        sequence_parallel(family("gpt2"), ("ring", "seq"), method="ring")

@@ -9,12 +9,14 @@ next to each method's textbook figure for one layer with local blocks of ``B x T
   its fp32 gradient accumulators (the last one home);
 * ulysses: 4 all-to-alls of ``B T/N H D`` each way (q, k, v in, the output back; the backward
   runs their transposes);
+* hybrid: the two above, Ulysses over ``seq`` (2 ranks) and the ring over ``ring`` on blocks of
+  twice the positions with half the heads (the same bytes as a block of its own positions);
 * Megatron-SP (``tensor_parallel(sequence=True)`` over ``model``): the bytes on the wire of plain
   tensor parallelism's all-reduces (an all-gather plus a reduce-scatter each), measured side by
   side as the difference between a 2- and a 1-block model (so only a block's collectives count).
 
-Rows ``<method>_bytes_vs_formula`` (target 1.00). Not measured yet: the hybrid, and the
-activation bytes per rank and the longest sequence under a budget (issue 16).
+Rows ``<method>_bytes_vs_formula`` (target 1.00). Not measured yet: the activation bytes per
+rank and the longest sequence under a budget (issue 16).
 """
 from __future__ import annotations
 
@@ -26,25 +28,28 @@ from cfx.bench.common import Row, report
 
 
 def measured_and_formula(method: str, n: int, *, n_layer: int = 2, B: int = 2, T: int = 64) -> tuple[float, float]:
-    """Payload bytes per layer per rank on ``seq`` (fwd + bwd) and the method's formula."""
+    """Payload bytes per layer per rank on the sequence axes (fwd + bwd) and the method's formula
+    (``"hybrid"``: a ring of ``n`` over ``ring`` by Ulysses over 2 ranks of ``seq``)."""
     model = cfx.models.gpt2("tiny", n_layer=n_layer, vocab_size=256, n_positions=T, n_embd=64, n_head=4)
     params = model.init(cfx.random.key(0))
     tokens = cfx.random.randint(cfx.random.key(1), (B, T + 1), 0, 256)
-    sp = cfx.parallel.sequence_parallel(model, "seq", method=method)
+    hybrid = method == "hybrid"
+    sp = cfx.parallel.sequence_parallel(model, ("ring", "seq") if hybrid else "seq", method=method)
     order = sp.seq.order(T, n)
-    with cfx.Mesh({"seq": n}) as mesh, cfx.comm_stats() as stats:
+    shape, spec = ({"ring": n, "seq": 2}, P(None, ("ring", "seq"))) if hybrid else ({"seq": n}, P(None, "seq"))
+    with cfx.Mesh(shape) as mesh, cfx.comm_stats() as stats:
         cfx.shard_map(lambda p, x, y: cfx.value_and_grad(sp.loss)(p, x, y)[0], mesh=mesh,
-                      in_specs=(P(), P(None, "seq"), P(None, "seq")), out_specs=P())(
+                      in_specs=(P(), spec, spec), out_specs=P())(
             params, tokens[:, :-1][:, order], tokens[:, 1:][:, order])
-    op = "ppermute" if method == "ring" else "all_to_all"
-    measured = stats.bytes(op=op, axes="seq", rank=0) / n_layer
-    H, D, tl = 4, 64 // 4, T // n
-    block = 2 * B * tl * H * D  # k and v of this rank's positions (GPT-2: Hkv = H)
-    if method == "ring":
-        formula = (n - 1) * block * 4 + (n - 1) * block * 4 + n * block * 4  # fwd k/v, bwd k/v, bwd fp32 dk/dv
-    else:
-        formula = 2 * 4 * (B * tl * H * D) * 4  # 4 all-to-alls forward, 4 backward, fp32
-    return measured, formula
+    H, D, tl = 4, 64 // 4, T // (n * (2 if hybrid else 1))
+    block = 2 * B * tl * H * D  # k and v of this rank's positions (GPT-2: Hkv = H); under hybrid also
+    # the ring's block: U times the positions with 1/U of the heads
+    ring = ((n - 1) * block * 4 + (n - 1) * block * 4 + n * block * 4)  # fwd k/v, bwd k/v, bwd fp32 dk/dv
+    a2a = 2 * 4 * (B * tl * H * D) * 4  # 4 all-to-alls forward, 4 backward, fp32
+    ops = {"ring": [("ppermute", "seq")], "ulysses": [("all_to_all", "seq")],
+           "hybrid": [("ppermute", "ring"), ("all_to_all", "seq")]}[method]
+    measured = sum(stats.bytes(op=op, axes=axis, rank=0) for op, axis in ops) / n_layer
+    return measured, {"ring": ring, "ulysses": a2a, "hybrid": ring + a2a}[method]
 
 
 WIRE = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
@@ -70,13 +75,14 @@ def megatron_and_tp_wire(n: int, *, B: int = 2, T: int = 64) -> tuple[float, flo
 
 def run(*, quick: bool = False, json_path: str | None = None) -> dict:
     rows = []
-    for method in ("ring", "ulysses"):
-        for n in ((4,) if quick else (2, 4)):
+    for method in ("ring", "ulysses", "hybrid"):
+        for n in ((2,) if quick or method == "hybrid" else (2, 4)):
             measured, formula = measured_and_formula(method, n)
             ratio = measured / formula
-            rows.append(Row(f"{method}_bytes_vs_formula, seq={n} (per layer, fwd+bwd, rank 0)", ratio, "x", "1.00",
+            where = f"ring={n} x seq=2" if method == "hybrid" else f"seq={n}"
+            rows.append(Row(f"{method}_bytes_vs_formula, {where} (per layer, fwd+bwd, rank 0)", ratio, "x", "1.00",
                             abs(ratio - 1.0) < 1e-9))
-            rows.append(Row(f"  {method} payload per layer, seq={n}", measured, "B"))
+            rows.append(Row(f"  {method} payload per layer, {where}", measured, "B"))
     for n in ((4,) if quick else (2, 4)):
         sp, tp = megatron_and_tp_wire(n)
         rows.append(Row(f"megatron_bytes_vs_formula, model={n} (wire bytes per block vs TP's all-reduces)", sp / tp,

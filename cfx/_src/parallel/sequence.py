@@ -9,7 +9,11 @@ ranks' positions, and ``SequenceSplit.attend`` brings them:
   memory O(T/N) per rank, the positions in zigzag order so causal work is balanced;
 * ``"ulysses"`` (Jacobs et al., 2023): ``all_to_all``s turn the sequence split into a head
   split and back, each rank attending the whole sequence for ``H/N`` heads (``H`` must divide
-  by N; kv heads that do not are repeated per query head first); positions contiguous.
+  by N; kv heads that do not are repeated per query head first); positions contiguous;
+* ``"hybrid"`` (USP, Fang & Zhao, 2024) over two axes ``(ring_axis, ulysses_axis)``: Ulysses'
+  all-to-alls over the second turn each ring rank's positions into a head split, and the ring
+  runs over the first on those; the sequence is split over both (``P(None, (ring_axis,
+  ulysses_axis))``), zigzag over the ring axis, contiguous within it.
 
 The model learns only where its positions are (``positions``: the global ids of the local
 tokens, for learned and rotary position embeddings) and that its loss is a mean over every
@@ -29,14 +33,14 @@ from cfx._src.lax import collectives as lax
 from cfx._src.nn.attention import attention
 from cfx._src.parallel.ring import ring_attention, zigzag_indices
 
-METHODS = ("ring", "ulysses")  # sequence_parallel's; "megatron" comes from tensor_parallel(sequence=True)
+METHODS = ("ring", "ulysses", "hybrid")  # sequence_parallel's; "megatron" comes from tensor_parallel(sequence=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class SequenceSplit:
     """The sequence split over mesh ``axis``: how attention gathers it, and the positions' order."""
 
-    axis: str = "seq"
+    axis: Any = "seq"      # a mesh axis, or for "hybrid" the pair (ring_axis, ulysses_axis)
     method: str = "ring"
     layout: str = "zigzag"
 
@@ -48,13 +52,24 @@ class SequenceSplit:
         if self.method in ("ulysses", "megatron") and self.layout != "contiguous":
             raise ValueError("sequence_parallel: ulysses attends the whole sequence in its order; use "
                              "layout='contiguous'.")
+        pair = isinstance(self.axis, tuple) and len(self.axis) == 2 and all(isinstance(a, str) for a in self.axis)
+        if (self.method == "hybrid") != pair or not (pair or isinstance(self.axis, str)):
+            raise ValueError(f"sequence_parallel: method={self.method!r} takes "
+                             f"{'a pair of mesh axes (ring_axis, ulysses_axis)' if self.method == 'hybrid' else 'one mesh axis name'}, "
+                             f"got axis={self.axis!r}.")
 
     def order(self, length: int, n: int) -> torch.Tensor:
-        """The permutation to apply to a whole sequence of ``length`` before splitting it ``n`` ways."""
+        """The permutation to apply to a whole sequence of ``length`` before splitting it over the
+        axis of ``n`` ranks (for ``"hybrid"``: ``n`` is the ring axis's size)."""
         return zigzag_indices(length, n) if self.layout == "zigzag" else torch.arange(length)
 
     def positions(self, local: int, device) -> torch.Tensor:
         """The global positions ``(T/N,)`` of this rank's ``local`` tokens."""
+        if self.method == "hybrid":
+            ring, uly = self.axis
+            n, u = lax.axis_size(ring), lax.axis_size(uly)
+            mine = self.order(local * n * u, n).view(n, -1)[lax.axis_index(ring)]  # the ring rank's share
+            return mine.view(u, local)[lax.axis_index(uly)].to(device)
         n, r = lax.axis_size(self.axis), lax.axis_index(self.axis)
         return self.order(local * n, n).view(n, local)[r].to(device)
 
@@ -64,29 +79,33 @@ class SequenceSplit:
         if self.method == "megatron":  # tensor_parallel's blocks gather the sequence themselves
             raise ValueError("Megatron-SP attends inside tensor_parallel(sequence=True)'s blocks; its attention "
                              "layers take the whole sequence, not a SequenceSplit.")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(f"sequence_parallel(method={self.method!r}): masks must be key-padding masks (B, T/N).")
+        ring_impl = "reference" if impl == "sdpa" else impl
         if self.method == "ring":
-            if mask is not None and mask.dim() != 2:
-                raise ValueError("sequence_parallel(method='ring'): masks must be key-padding masks (B, T/N).")
-            return ring_attention(q, k, v, self.axis, causal=causal, mask=mask, layout=self.layout,
-                                  impl="reference" if impl == "sdpa" else impl)
-        return self._ulysses(q, k, v, causal=causal, mask=mask, impl=impl)
+            return ring_attention(q, k, v, self.axis, causal=causal, mask=mask, layout=self.layout, impl=ring_impl)
+        if self.method == "ulysses":
+            return self._ulysses(q, k, v, mask, self.axis,
+                                 lambda q, k, v, m: attention(q, k, v, causal=causal, mask=m, impl=impl))
+        ring, uly = self.axis  # hybrid: the ring runs over the ulysses axis's gathered positions
+        return self._ulysses(q, k, v, mask, uly, lambda q, k, v, m: ring_attention(
+            q, k, v, ring, causal=causal, mask=m, layout=self.layout, impl=ring_impl))
 
-    def _ulysses(self, q, k, v, *, causal, mask, impl):
-        n = lax.axis_size(self.axis)
+    def _ulysses(self, q, k, v, mask, axis: str, attend):
+        """``attend`` on the head split of the sequence gathered over ``axis`` (Ulysses)."""
+        n = lax.axis_size(axis)
         H, Hkv = q.shape[2], k.shape[2]
         if H % n:
-            raise ValueError(f"sequence_parallel(method='ulysses'): the {H} attention heads (per rank) must divide "
-                             f"by the {n} ranks of axis {self.axis!r}; use method='ring', or a mesh axis dividing them.")
+            raise ValueError(f"sequence_parallel(method={self.method!r}): the {H} attention heads (per rank) must "
+                             f"divide by the {n} ranks of axis {axis!r}; use method='ring', or a mesh axis dividing them.")
         if Hkv % n:  # grouped-query attention with fewer kv heads than ranks: each query head its own copy
             k, v = (t.repeat_interleave(H // Hkv, dim=2) for t in (k, v))
-        if mask is not None and mask.dim() != 2:
-            raise ValueError("sequence_parallel(method='ulysses'): masks must be key-padding masks (B, T/N).")
         # (B, T/N, H, D) -> (B, T, H/N, D): split the heads, gather the sequence
-        q, k, v = (lax.all_to_all(t, self.axis, split_dim=2, concat_dim=1) for t in (q, k, v))
+        q, k, v = (lax.all_to_all(t, axis, split_dim=2, concat_dim=1) for t in (q, k, v))
         if mask is not None:
-            mask = lax.all_gather(mask, self.axis, dim=1, tiled=True)  # (B, T)
-        out = attention(q, k, v, causal=causal, mask=mask, impl=impl)  # (B, T, H/N, D)
-        return lax.all_to_all(out, self.axis, split_dim=1, concat_dim=2)  # (B, T/N, H, D)
+            mask = lax.all_gather(mask, axis, dim=1, tiled=True)  # (B, T)
+        out = attend(q, k, v, mask)  # (B, T, H/N, D)
+        return lax.all_to_all(out, axis, split_dim=1, concat_dim=2)  # (B, T/N, H, D)
 
 
 def mean_over_sequence(local_mean: torch.Tensor, count: torch.Tensor, axis: str) -> torch.Tensor:
@@ -111,7 +130,8 @@ def sequence_grads(grads: Any, specs: Any, axis: str) -> Any:
         if len(spec_items) != len(items):
             raise ValueError(f"sequence_grads: {len(spec_items)} specs for {len(items)} gradient leaves; pass the "
                              "params' specs (or one P for all).")
-    shared = [i for i, s in enumerate(spec_items) if axis not in set(s.all_axes())]
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    shared = [i for i, s in enumerate(spec_items) if not set(axes) & set(s.all_axes())]
     summed = tree_psum([items[i] for i in shared], axis)
     for i, g in zip(shared, summed):
         items[i] = g
@@ -119,12 +139,14 @@ def sequence_grads(grads: Any, specs: Any, axis: str) -> Any:
 
 
 def sequence_parallel(model: Any, axis: str = "seq", *, method: str = "ring", layout: str | None = None) -> Any:
-    """``model`` with its sequence split over mesh ``axis`` (see the module doc). ``layout``:
-    ``"zigzag"`` (ring's default) or ``"contiguous"`` (ulysses')."""
+    """``model`` with its sequence split over mesh ``axis`` (see the module doc; for
+    ``method="hybrid"`` the pair ``(ring_axis, ulysses_axis)``). ``layout``: ``"zigzag"`` (the
+    ring's and the hybrid's default) or ``"contiguous"`` (Ulysses')."""
     if method not in METHODS:
         raise ValueError(f"sequence_parallel: method must be one of {METHODS}, got {method!r} (Megatron-SP: "
                          "cfx.parallel.tensor_parallel(model, axis, sequence=True)).")
-    split = SequenceSplit(axis, method, layout or ("zigzag" if method == "ring" else "contiguous"))
+    split = SequenceSplit(tuple(axis) if isinstance(axis, list) else axis, method,
+                          layout or ("contiguous" if method == "ulysses" else "zigzag"))
     if not hasattr(model, "seq") or not isinstance(getattr(model, "blocks", None), tuple):
         raise ValueError(f"sequence_parallel: {type(model).__name__} is not a cfx model with blocks and a `seq` "
                          "field (GPT2, Llama, Bert).")
