@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import cfx
+import cfx_kernels.attention_blocks as blocks_lib
 import cfx_kernels.flash_attention as fa
 from cfx_kernels.attention_reference import attention_reference
 from cfx_tests.budget import examples
@@ -330,18 +331,18 @@ def test_blocks_combine_to_the_whole_and_their_backward_sums_to_its_gradient(int
     # the two facts ring attention rests on; for the Triton kernel and its reference alike
     q, k, v, m, do = make_inputs(2, 16, 24, 4, 2, 16, mask=mask, seed=3)
     want = out_and_grads(attention_reference, q, k, v, do, causal=causal, mask=m)
-    allowed = fa.allowed_keys(m, causal, 16, 24, q.device)  # (B|1, 1|T, S)
+    allowed = blocks_lib.allowed_keys(m, causal, 16, 24, q.device)  # (B|1, 1|T, S)
     allowed = allowed.expand(2, 16, 24) if allowed is not None else None
     cut = 10
     for impl in ("reference", "triton"):
         blocks = [(slice(0, cut)), slice(cut, 24)]
         part = lambda t, b: t[:, b].detach()  # noqa: E731
-        outs = [fa.flash_attention_block(q.detach(), part(k, b), part(v, b), causal=False,
+        outs = [blocks_lib.flash_attention_block(q.detach(), part(k, b), part(v, b), causal=False,
                                          mask=None if allowed is None else allowed[:, :, b], impl=impl) for b in blocks]
         lse = torch.logaddexp(outs[0][1], outs[1][1])
         out = sum(o.float() * torch.exp(l - lse).nan_to_num(0.0).transpose(1, 2)[..., None] for o, l in outs)
         torch.testing.assert_close(out, want[0].detach(), atol=1e-5, rtol=1e-5)
-        grads = [fa.flash_attention_block_backward(q.detach(), part(k, b), part(v, b), want[0].detach(), lse, do,
+        grads = [blocks_lib.flash_attention_block_backward(q.detach(), part(k, b), part(v, b), want[0].detach(), lse, do,
                                                    causal=False, mask=None if allowed is None else allowed[:, :, b],
                                                    impl=impl) for b in blocks]
         torch.testing.assert_close(grads[0][0] + grads[1][0], want[1], atol=1e-5, rtol=1e-5)

@@ -14,7 +14,7 @@ for all N, so the default ``layout="zigzag"`` cuts the sequence into 2N chunks a
 each rank computes exactly half a block pair (Brandon et al., 2023, "striped"/zigzag balancing).
 A key-padding mask travels with its keys (BERT).
 
-The block compute is ``cfx_kernels.flash_attention_block`` (Triton on CUDA, the plain-PyTorch
+The block compute is ``cfx_kernels.attention_blocks.flash_attention_block`` (Triton on CUDA, the plain-PyTorch
 reference elsewhere) and its backward ``flash_attention_block_backward``.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from cfx._src.lax import collectives as lax
 from cfx._src.lax import comm
-from cfx_kernels.flash_attention import flash_attention_block, flash_attention_block_backward
+from cfx_kernels.attention_blocks import flash_attention_block, flash_attention_block_backward
 
 LAYOUTS = ("zigzag", "contiguous")
 
