@@ -188,7 +188,7 @@ class Bert(DecoderLM):
 
     def _embed(self, params: dict, tokens: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
         layers, T = self._layers(), tokens.shape[1]
-        x = self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][self.positions(T, tokens.device)]
+        x = self.embed(layers["wte"], params["wte"], tokens) + self.position_rows(params["wpe"]["w"], T)  # (B, T, C)
         x = x + (params["wtt"]["w"][0] if token_types is None else layers["wtt"].apply(params["wtt"], token_types))
         return layers["ln_e"].apply(params["ln_e"], x)
 

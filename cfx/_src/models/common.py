@@ -155,6 +155,7 @@ class DecoderLM:
 
     blocks: tuple
     vocab_axis: str | None
+    seq: Any        # a cfx.parallel SequenceSplit when the sequence is split over a mesh axis, else None
     remat_plan: Any
     max_len_name: str  # the config field bounding the sequence length
 
@@ -189,16 +190,16 @@ class DecoderLM:
             loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_axis)
         else:
             loss = cross_entropy(logits, targets)
-        if getattr(self, "seq", None) is not None:  # the sequence split over an axis: every rank's tokens
+        if self.seq is not None:  # the sequence split over an axis: every rank's tokens
             count = (targets != IGNORE_INDEX).sum()
             loss = mean_over_sequence(torch.where(count > 0, loss, 0.0), count, self.seq.axis)
         return loss
 
-    def positions(self, T: int, device) -> torch.Tensor:
-        """The positions ``(T,)`` of the ``T`` tokens a call sees: ``0..T-1``, or this rank's share
-        of the sequence when it is split over a mesh axis (``sequence_parallel``)."""
-        seq = getattr(self, "seq", None)
-        return torch.arange(T, device=device) if seq is None else seq.positions(T, device)
+    def position_rows(self, table: torch.Tensor, T: int) -> torch.Tensor:
+        """The rows of a learned position table (P, C) for the ``T`` tokens a call sees: the first
+        ``T``, or those of this rank's share of the sequence when it is split over a mesh axis
+        (``sequence_parallel``)."""
+        return table[:T] if self.seq is None else table[self.seq.positions(T, table.device)]
 
     def check_batch(self, where: str, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """``check_inputs`` and ``check_targets`` against this model's vocabulary and context."""

@@ -120,7 +120,7 @@ class GPT2(DecoderLM):
         layers = self._layers()
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
         T = tokens.shape[1]
-        x = self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][self.positions(T, tokens.device)]
+        x = self.embed(layers["wte"], params["wte"], tokens) + self.position_rows(params["wpe"]["w"], T)  # (B, T, C)
         x = dropout(x, c.dropout, keys[0])
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:])  # (B, T, C)
         x = layers["ln_f"].apply(params["ln_f"], x)
@@ -132,8 +132,8 @@ class GPT2(DecoderLM):
 
         def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
             # tokens (B, T) -> (B, T, C)
-            return self.embed(layers["wte"], params["wte"], tokens) + params["wpe"]["w"][
-                self.positions(tokens.shape[1], tokens.device)]
+            return self.embed(layers["wte"], params["wte"], tokens) + self.position_rows(params["wpe"]["w"],
+                                                                                         tokens.shape[1])
 
         def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             x = self.head_input(layers["ln_f"].apply(params["ln_f"], x))  # (B, T, C)
