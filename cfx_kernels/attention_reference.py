@@ -62,19 +62,21 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def allowed_keys(mask: torch.Tensor | None, causal: bool, T: int, S: int,
-                 device: torch.device) -> torch.Tensor | None:
-    """Which keys each query may see, bool ``(B|1, 1|T, S)``; None for all of them.
+                 device: torch.device, rows: range | None = None) -> torch.Tensor | None:
+    """Which keys each query may see, bool ``(B|1, 1|T, S)``; None for all of them. ``rows``:
+    only those queries of the ``T`` (a tile), ``(B|1, 1|len(rows), S)``.
 
     A float mask's ``-inf`` entries count as not allowed.
     """
+    rows = range(T) if rows is None else rows
     allowed = None
     if mask is not None:
         mask = mask.to(device)
         allowed = mask if mask.dtype == torch.bool else torch.isfinite(mask)
-        allowed = allowed[:, None, :] if allowed.dim() == 2 else allowed  # (B, 1|T, S)
+        allowed = allowed[:, None, :] if allowed.dim() == 2 else allowed[:, rows.start:rows.stop]  # (B, 1|T, S)
     if causal:
         # Bottom-right aligned: query i sits at key position i + (S - T) (as in a kv-cache).
-        i = torch.arange(T, device=device)[:, None]
+        i = torch.arange(rows.start, rows.stop, device=device)[:, None]
         j = torch.arange(S, device=device)[None, :]
         tri = (j <= i + (S - T))[None]  # (1, T, S)
         allowed = tri if allowed is None else allowed & tri
@@ -116,16 +118,23 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     return out.transpose(1, 2).to(q.dtype)  # (B, T, H, D)
 
 
-def _block_scores(q, k, mask, causal, scale):
-    """fp32 scaled scores (B, H, T, S) with disallowed keys at -inf, and the bool ``allowed``
-    (or None), for the block functions below (bool masks only)."""
+QUERY_TILE = 32  # queries per step of the block functions below: their scores take O(tile x S), not O(T x S)
+
+
+def _query_tiles(T: int) -> list[range]:
+    return [range(t, min(t + QUERY_TILE, T)) for t in range(0, T, QUERY_TILE)]
+
+
+def _block_scores(q, k, mask, causal, scale, rows: range):
+    """fp32 scaled scores (B, H, t, S) of the queries ``rows`` of ``q`` (B, T, H, D), with
+    disallowed keys at -inf, for the block functions below (bool masks only)."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     ct = torch.promote_types(q.dtype, torch.float32)
-    q_ = q.to(ct).transpose(1, 2)                                                    # (B, H, T, D)
+    q_ = q[:, rows.start:rows.stop].to(ct).transpose(1, 2)                           # (B, H, t, D)
     k_ = k.to(ct).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)                 # (B, H, S, D)
-    s = torch.matmul(q_, k_.transpose(-1, -2)).mul_(scale)                           # (B, H, T, S)
-    allowed = allowed_keys(mask, causal, T, S, q.device)                             # (B|1, 1|T, S)
+    s = torch.matmul(q_, k_.transpose(-1, -2)).mul_(scale)                           # (B, H, t, S)
+    allowed = allowed_keys(mask, causal, T, S, q.device, rows)                       # (B|1, 1|t, S)
     if allowed is not None:
         s = s.masked_fill(~allowed[:, None], float("-inf"))
     return s
@@ -138,16 +147,20 @@ def attention_block_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     log-sum-exp of its scaled scores over the block, ``(B, H, T)`` fp32, natural log, ``-inf``
     for a query that sees no key of the block (whose ``out`` is 0). Blocks combine by
     ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``
-    (ring attention). Bool masks only."""
+    (ring attention). Bool masks only. Queries go ``QUERY_TILE`` at a time, so the scores never
+    take more than a tile's rows (memory O(T + tile x S), as a flash kernel's)."""
     check_inputs(q, k, v, mask=mask, scale=scale)
     D, H, Hkv = q.shape[3], q.shape[2], k.shape[2]
     scale = D ** -0.5 if scale is None else float(scale)
-    s = _block_scores(q, k, mask, causal, scale)                                     # (B, H, T, S)
-    lse = torch.logsumexp(s, dim=-1)                                                 # (B, H, T)
-    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])        # 0 where masked
-    v_ = v.to(s.dtype).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)            # (B, H, S, D)
-    out = torch.matmul(p, v_).transpose(1, 2).to(q.dtype)                            # (B, T, H, D)
-    return out, lse
+    v_ = v.to(torch.promote_types(q.dtype, torch.float32)).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    outs, lses = [], []                                                              # v_: (B, H, S, D)
+    for rows in _query_tiles(q.shape[1]):
+        s = _block_scores(q, k, mask, causal, scale, rows)                           # (B, H, t, S)
+        lse = torch.logsumexp(s, dim=-1)                                             # (B, H, t)
+        p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])    # 0 where masked
+        outs.append(torch.matmul(p, v_).transpose(1, 2).to(q.dtype))                 # (B, t, H, D)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
 
 
 def attention_block_backward_reference(q, k, v, out, lse, dout, *, causal: bool,
@@ -155,22 +168,27 @@ def attention_block_backward_reference(q, k, v, out, lse, dout, *, causal: bool,
     """``(dq, dk, dv)`` of this block's share of an attention whose *whole* output is ``out``
     ``(B, T, H, D)`` with log-sum-exp ``lse`` ``(B, H, T)`` over every block (natural log):
     ``p = exp(s - lse)`` is the block's slice of the full softmax, ``ds = p * (dp - rowsum(dout * out))``.
-    Summing over the blocks gives the full attention's gradients (ring attention's backward)."""
+    Summing over the blocks gives the full attention's gradients (ring attention's backward).
+    Queries go ``QUERY_TILE`` at a time, as in the forward."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     scale = D ** -0.5 if scale is None else float(scale)
-    s = _block_scores(q, k, mask, causal, scale)                                     # (B, H, T, S)
-    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])        # (B, H, T, S)
-    ct = s.dtype
-    do_ = dout.to(ct).transpose(1, 2)                                                # (B, H, T, D)
+    ct = torch.promote_types(q.dtype, torch.float32)
     v_ = v.to(ct).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)                 # (B, H, S, D)
     k_ = k.to(ct).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
-    delta = (do_ * out.to(ct).transpose(1, 2)).sum(-1, keepdim=True)                 # (B, H, T, 1)
-    ds = p * (torch.matmul(do_, v_.transpose(-1, -2)) - delta) * scale              # (B, H, T, S)
-    dq = torch.matmul(ds, k_).transpose(1, 2)                                        # (B, T, H, D)
-    q_ = q.to(ct).transpose(1, 2)
-    dk = torch.matmul(ds.transpose(-1, -2), q_)                                      # (B, H, S, D)
-    dv = torch.matmul(p.transpose(-1, -2), do_)
+    dqs, dk, dv = [], 0, 0
+    for rows in _query_tiles(T):
+        tile = slice(rows.start, rows.stop)
+        s = _block_scores(q, k, mask, causal, scale, rows)                           # (B, H, t, S)
+        p = torch.exp(s - lse[..., tile].masked_fill(lse[..., tile] == float("-inf"), 0.0)[..., None])
+        do_ = dout[:, tile].to(ct).transpose(1, 2)                                   # (B, H, t, D)
+        delta = (do_ * out[:, tile].to(ct).transpose(1, 2)).sum(-1, keepdim=True)    # (B, H, t, 1)
+        ds = p * (torch.matmul(do_, v_.transpose(-1, -2)) - delta) * scale          # (B, H, t, S)
+        dqs.append(torch.matmul(ds, k_).transpose(1, 2))                             # (B, t, H, D)
+        q_ = q[:, tile].to(ct).transpose(1, 2)
+        dk = dk + torch.matmul(ds.transpose(-1, -2), q_)                             # (B, H, S, D)
+        dv = dv + torch.matmul(p.transpose(-1, -2), do_)
+    dq = torch.cat(dqs, dim=1)
     G = H // Hkv  # grouped-query: the query heads of one kv head add up
     dk = dk.view(B, Hkv, G, -1, D).sum(2).transpose(1, 2)                            # (B, S, Hkv, D)
     dv = dv.view(B, Hkv, G, -1, D).sum(2).transpose(1, 2)

@@ -348,3 +348,32 @@ def test_blocks_combine_to_the_whole_and_their_backward_sums_to_its_gradient(int
         torch.testing.assert_close(grads[0][0] + grads[1][0], want[1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 1), want[2], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 1), want[3], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal,mask", [(True, "none"), (False, "rows"), (True, "pad")])
+def test_reference_blocks_take_a_tile_of_queries_at_a_time(monkeypatch, causal, mask):
+    # scores for QUERY_TILE queries at a time (memory O(tile x S), as a flash kernel's): the same
+    # (out, lse) and gradients as the whole block at once, causal offsets and per-query masks included
+    import cfx_kernels.attention_reference as ref
+    q, k, v, m, do = make_inputs(2, 16, 24, 4, 2, 16, mask=mask, seed=5)
+    m = m if m is None or m.dtype == torch.bool else torch.isfinite(m)
+
+    def both():
+        out, lse = ref.attention_block_reference(q, k, v, causal=causal, mask=m)
+        return (out, lse, *ref.attention_block_backward_reference(q, k, v, out, lse, do, causal=causal, mask=m))
+    whole = both()
+    monkeypatch.setattr(ref, "QUERY_TILE", 5)  # tiles of 5, 5, 5 and 1 queries
+    for got, want in zip(both(), whole):
+        torch.testing.assert_close(got, want)
+
+
+def test_reference_block_scores_never_take_more_than_a_tile():
+    # what makes ring attention's memory O(T/N) per rank on CPU: no (T, S) score matrix is held
+    import cfx_kernels.attention_reference as ref
+    q, k, v, _, do = make_inputs(1, 1024, 1024, 4, 4, 16, seed=1)
+    q, k, v = q.detach(), k.detach(), v.detach()  # as ring attention's autograd.Function calls them
+    with cfx.memory.track() as mem, mem.track_ops("device"):
+        out, lse = ref.attention_block_reference(q, k, v, causal=True)
+        ref.attention_block_backward_reference(q, k, v, out, lse, do, causal=True)
+    scores = 4 * 1024 * 1024 * 4  # one (H, T, S) fp32 score matrix; whole, the backward holds 4 of them
+    assert mem.peak("device") < scores / 2, (mem.peak("device"), scores)

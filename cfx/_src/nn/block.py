@@ -45,6 +45,7 @@ class TransformerBlock:
     causal: bool = True
     post_norm: bool = False
     seq: Any = None  # a cfx.parallel SequenceSplit (``sequence_parallel`` sets it)
+    attn_impl: str = "auto"  # cfx.nn.attention's impl: auto | sdpa | triton | reference
 
     def __post_init__(self):
         if self.norm not in NORMS:
@@ -63,7 +64,8 @@ class TransformerBlock:
             norm = RMSNorm(self.features, eps=self.norm_eps)
         attn = Attention(self.features, self.n_heads, n_kv_heads=self.n_kv_heads, bias=self.bias,
                          rope=self.rope, rope_theta=self.rope_theta, init_std=self.init_std,
-                         out_init_std=self.out_init_std, causal=self.causal, seq=self.seq)
+                         out_init_std=self.out_init_std, causal=self.causal, seq=self.seq,
+                         impl=self.attn_impl)
         mlp = MLP(self.features, self.mlp_hidden, activation=self.activation, bias=self.bias,
                   init_std=self.init_std, out_init_std=self.out_init_std)
         return {"norm1": norm, "attn": attn, "norm2": norm, "mlp": mlp}
