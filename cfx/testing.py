@@ -23,7 +23,7 @@ from cfx._src.shard_map import shard_map
 from cfx._src.arrays import device_get
 
 AXIS_NAMES = ("data", "model", "pipe")
-PLAN_AXES = ("pipe", "data", "model")  # a Plan's axes that train today (seq: sequence parallelism)
+PLAN_AXES = ("pipe", "data", "seq", "model")
 
 
 @st.composite
@@ -77,15 +77,18 @@ def pytrees(draw, leaf_shapes: Sequence[tuple[int, ...]], *, dtype=torch.float32
 
 
 @st.composite
-def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, zero: Sequence[int] = (0, 1, 2, 3),
+def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, length: int | None = None,
+          zero: Sequence[int] = (0, 1, 2, 3),
           remat: Sequence[str] = ("none", "blocks", "dots", "auto"), remat_budget: str = "64MiB",
           offload: Sequence[str] = ("none", "host", "auto"), offload_budget: str = "64MiB"):
     """A ``cfx.parallel.Plan`` that can train ``model`` on a batch of ``batch`` rows: a mesh over
-    ``pipe`` / ``data`` / ``model`` (a random subset, in a random order) of at most ``max_ranks``
-    ranks, a ZeRO stage (only with a data axis), with ZeRO-3 an offload (``auto`` places chunks
-    within ``offload_budget`` device bytes), a remat mode (``auto`` solves for ``remat_budget``)
-    and, with a pipe axis, a schedule and microbatches. Draws that the model rules out (heads not
-    divisible, ...) are rejected.
+    ``pipe`` / ``data`` / ``seq`` / ``model`` (a random subset, in a random order) of at most
+    ``max_ranks`` ranks, the sequence parallelism (``ring`` or ``ulysses`` with a seq axis; with
+    a model axis alone, Megatron-SP or none), a ZeRO stage (only with a data axis), with ZeRO-3
+    an offload (``auto`` places chunks within ``offload_budget`` device bytes), a remat mode
+    (``auto`` solves for ``remat_budget``) and, with a pipe axis, a schedule and microbatches.
+    Draws that the model or sequences of ``length`` rule out (heads not divisible, ...) are
+    rejected.
 
         @given(cfx.testing.plans(my_model))
         def test_my_model_trains_the_same_sharded(plan): ...
@@ -104,6 +107,10 @@ def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, zero: Sequenc
     fields: dict[str, Any] = dict(mesh=tuple(mesh), remat=draw(st.sampled_from(list(remat))))
     if fields["remat"] == "auto":
         fields["remat_budget"] = remat_budget
+    if "seq" in shape:
+        fields["sp"] = draw(st.sampled_from(["ring", "ulysses"]))
+    elif "model" in shape:
+        fields["sp"] = draw(st.sampled_from(["none", "megatron"]))
     if "data" in shape:
         fields["zero"] = draw(st.sampled_from(list(zero)))
         if fields["zero"] == 3:
@@ -118,6 +125,7 @@ def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, zero: Sequenc
     plan = Plan(**fields)
     try:
         plan.check(model)
+        plan.check_batch(batch, length)
     except ValueError:
         assume(False)
     return plan

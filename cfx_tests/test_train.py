@@ -95,6 +95,7 @@ def test_an_unwritable_save_is_refused_before_step_one(tmp_path, text_file, caps
      "--offload-budget applies to --offload auto only"),
     (["--nvme-dir", "/tmp/x"], "--nvme-dir applies to --offload nvme only"),
     (["--save-every", "5"], "--save-every needs --save PATH"),
+    (["--sp", "ulysses"], "--sp needs a mesh: --mesh seq=N"),
 ])
 def test_flags_that_would_be_ignored_are_refused(flags, match, text_file, capsys):
     with pytest.raises(SystemExit) as info:
@@ -168,6 +169,13 @@ def test_mesh_flag_errors(text_file, capsys):
     assert "batch of 4 rows does not split over data=3" in capsys.readouterr().err
 
 
+def test_sequence_parallel_flag_errors(text_file, capsys):
+    assert main(["--mesh", "seq=4", "--seq", "12", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
+    assert "sequences of 12 positions do not split over seq=4" in capsys.readouterr().err
+    assert main(["--mesh", "data=2", "--sp", "ring", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
+    assert "add seq=N to the mesh" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mesh,schedule", [("pipe=2,data=2", "1f1b"), ("pipe=2,model=2", "zb-h1"),
                                            ("pipe=2", "interleaved")])
@@ -195,11 +203,13 @@ def test_remat_flag_keeps_the_loss_trajectory(remat, mesh, text_file):
                                    dict(mesh="data=2", remat="auto", remat_budget="64MiB"),
                                    dict(mesh="data=2,model=2", zero=3, remat="blocks"),
                                    dict(mesh="pipe=2,data=2", zero=3, microbatches=2, offload="auto",
-                                        offload_budget="64MiB")])
+                                        offload_budget="64MiB"),
+                                   dict(mesh="seq=4"), dict(mesh="data=2,seq=2", sp="ulysses", zero=1),
+                                   dict(mesh="model=2", sp="megatron", sample_bytes=8)])
 def test_strategy_flags_keep_the_loss_trajectory(flags, text_file):
     base = dict(SMALL, steps=3, data=text_file)  # AdamW decays matrices only: a mask by leaf, under ZeRO too
     ref = train(TrainConfig(**base))
-    got = train(TrainConfig(**base, **flags))
+    got = train(TrainConfig(**{**base, **flags}))
     torch.testing.assert_close(torch.tensor([l for _, l in got["history"]["train"]]),
                                torch.tensor([l for _, l in ref["history"]["train"]]), rtol=1e-4, atol=1e-5)
     cfx.tree.assert_tree_close(got["params"], ref["params"], rtol=1e-4, atol=1e-5)

@@ -20,6 +20,7 @@ from cfx._src.models.parts import parts_of
 from cfx._src.optim.base import chain
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.parallel.megatron import tensor_parallel
+from cfx._src.parallel.sequence import SequenceSplit, sequence_parallel
 from cfx._src.parallel.state import state_specs
 from cfx._src.pipeline import schedule as schedules
 from cfx._src.plan.layout import Layout, stored_order
@@ -40,10 +41,28 @@ def remat_blocks(model: Any, mode: str) -> Any:
     return model.map_blocks(lambda b: remat(b, policy=policy))
 
 
+def parallel_model(plan, model: Any) -> Any:
+    """Steps 1-2 of ``program``'s doc: the sequence split over ``seq`` (ring / Ulysses attention),
+    then every block tensor-parallel over ``model`` (with ``sp=megatron``, Megatron-SP)."""
+    if plan.sp in ("ring", "ulysses"):
+        model = sequence_parallel(model, "seq", method=plan.sp)
+    if plan.has("model"):
+        model = tensor_parallel(model, "model", sequence=plan.sp == "megatron")
+    return model
+
+
+def sequence_order(plan, length: int) -> torch.Tensor | None:
+    """The permutation of a batch's positions the plan's sequence split expects (the ring's zigzag
+    order), or None where positions stay in order."""
+    if plan.sp != "ring":
+        return None
+    return SequenceSplit("seq", "ring", "zigzag").order(length, plan.size("seq"))
+
+
 def wrap_blocks(plan, model: Any, remat_mode: str) -> Any:
-    """Steps 1-3 of the module doc: the tensor-parallel model whose blocks are gathered (ZeRO-3)
-    and checkpointed (``remat_mode``)."""
-    local = tensor_parallel(model, "model") if plan.has("model") else model
+    """Steps 1-4 of the module doc: the sequence-split, tensor-parallel model whose blocks are
+    gathered (ZeRO-3) and checkpointed (``remat_mode``)."""
+    local = parallel_model(plan, model)
     if plan.zero == 3:
         local = local.map_blocks(lambda b: gathered(b, axis="data"))
     return remat_blocks(local, remat_mode)
@@ -99,12 +118,17 @@ def check_model(plan, model) -> None:
     """What the plan needs of the model, checked without a mesh: ValueErrors naming the two parts
     that do not fit and the fix."""
     where = f"Plan {str(plan)!r}"
+    if plan.has("seq"):
+        if not hasattr(model, "seq"):
+            raise ValueError(f"{where}: {type(model).__name__} cannot split its sequence (it has no `seq` field, "
+                             "as GPT2, Llama and Bert do); drop seq= from the mesh.")
+        _check_ulysses_heads(plan, model, where)
     if plan.has("model"):
         n = plan.size("model")
         for block in tensor_parallel(model, "model").blocks:
             block.check(n)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if vocab is not None and vocab % n:
+        if plan.sp != "megatron" and vocab is not None and vocab % n:
             raise ValueError(f"{where}: the vocabulary of {vocab} does not split over model={n} (vocab-parallel "
                              "embedding and loss); use a model axis size dividing it, or pad the vocabulary.")
     if plan.has("pipe"):
@@ -113,6 +137,20 @@ def check_model(plan, model) -> None:
             raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
         stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
         make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
+
+
+def _check_ulysses_heads(plan, model, where: str) -> None:
+    """sp=ulysses: each rank's attention heads (after the model axis's split) divide over seq."""
+    if plan.sp != "ulysses":
+        return
+    n = plan.size("seq")
+    for i, block in enumerate(model.blocks):
+        heads = getattr(block, "n_heads", None)
+        per_rank = heads // plan.size("model") if heads else 0
+        if per_rank % n:
+            raise ValueError(f"{where}: sp=ulysses splits the {per_rank} attention heads of each rank's block {i} "
+                             f"over seq={n}, which does not divide them; use sp=ring, or a seq size dividing "
+                             f"{per_rank}.")
 
 
 def check_jit(plan, jit) -> None:

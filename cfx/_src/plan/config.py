@@ -4,6 +4,8 @@
 
 The text is whitespace-separated groups of comma-separated ``key=value`` pairs; a key that is a
 mesh axis (``pipe``, ``data``, ``seq``, ``model``) sets that axis's size, in the order given.
+``sp=`` names the sequence parallelism: ``ring`` (the default with a ``seq`` axis) or ``ulysses``
+over ``seq``, or ``megatron`` over ``model`` (Megatron-SP, no ``seq`` axis).
 ``remat=auto:512MiB`` / ``offload=auto:64MiB`` carry their budgets. ``str(plan)`` writes the
 canonical form (defaults left out) and ``Plan.parse(str(plan)) == plan``.
 """
@@ -21,6 +23,7 @@ OFFLOADS = ("none", "host", "nvme", "auto")
 REMATS = ("none", "blocks", "dots", "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PRECISIONS = ("fp32", "bf16", "fp16")
+SEQUENCE_METHODS = ("none", "ring", "ulysses", "megatron")
 
 
 def format_bytes(n: int) -> str:
@@ -45,6 +48,7 @@ class PlanConfig:
     microbatches: int = 1                      # per step, with a pipe axis
     chunks: int = 1                            # virtual stages per pipe rank (interleaved)
     precision: str = "fp32"
+    sp: str | None = None                      # sequence parallelism; None: ring with a seq axis, else none
 
     def __post_init__(self):
         mesh = self.mesh
@@ -55,6 +59,8 @@ class PlanConfig:
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, parse_bytes(v))
+        if self.sp is None:
+            object.__setattr__(self, "sp", self.default_sp)
         if self.schedule == "interleaved" and self.chunks == 1:
             object.__setattr__(self, "chunks", 2)
         self._check()
@@ -73,6 +79,15 @@ class PlanConfig:
 
     def has(self, axis: str) -> bool:
         return axis in self.mesh_shape
+
+    @property
+    def default_sp(self) -> str:
+        return "ring" if self.has("seq") else "none"
+
+    @property
+    def sequence_axis(self) -> str | None:
+        """The mesh axis the sequence is split over: ``seq``, ``model`` (Megatron-SP) or None."""
+        return {"ring": "seq", "ulysses": "seq", "megatron": "model"}.get(self.sp)
 
     # -- checks that need no model ----------------------------------------------------------------
     def _check(self) -> None:
@@ -94,9 +109,16 @@ class PlanConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Plan: {name}={v!r}; use a positive int.")
-        if self.has("seq"):
-            raise ValueError("Plan: a seq axis needs sequence parallelism (ring / Ulysses attention), "
-                             "which this Plan does not run yet; drop seq= from the mesh.")
+        _one_of("sp", self.sp, SEQUENCE_METHODS)
+        if self.has("seq") and self.sp not in ("ring", "ulysses"):
+            raise ValueError(f"Plan: the seq axis splits the sequence, which sp={self.sp} does not; use sp=ring "
+                             "(the default) or sp=ulysses, or drop seq= from the mesh.")
+        if self.sp in ("ring", "ulysses") and not self.has("seq"):
+            raise ValueError(f"Plan: sp={self.sp} splits the sequence over a seq axis, and the mesh "
+                             f"{dict(self.mesh)} has none; add seq=N to the mesh.")
+        if self.sp == "megatron" and not self.has("model"):
+            raise ValueError(f"Plan: sp=megatron splits the sequence over the model axis (with tensor "
+                             f"parallelism), and the mesh {dict(self.mesh)} has none; add model=N to the mesh.")
         if self.zero and not self.has("data"):
             raise ValueError(f"Plan: zero={self.zero} shards over the data axis, and the mesh "
                              f"{dict(self.mesh)} has none; add data=N to the mesh or use zero=0.")
@@ -116,10 +138,19 @@ class PlanConfig:
             raise ValueError(f"Plan: chunks={self.chunks} (virtual stages per rank) needs "
                              f"schedule=interleaved, not {self.schedule}.")
 
-    def check_batch(self, rows: int) -> None:
+    def check_batch(self, rows: int, length: int | None = None) -> None:
         """ValueError unless a global batch of ``rows`` splits over ``data`` and then into the
-        pipeline's microbatches."""
+        pipeline's microbatches, and sequences of ``length`` over the sequence axis."""
         data = self.size("data")
+        axis = self.sequence_axis
+        if length is not None and axis is not None:
+            n = self.size(axis)
+            step = 2 * n if self.sp == "ring" else n  # the ring's zigzag: two chunks per rank
+            if length % step:
+                raise ValueError(f"Plan {str(self)!r}: sequences of {length} positions do not split over "
+                                 f"{axis}={n} (sp={self.sp}{', two zigzag chunks per rank' if step > n else ''}); "
+                                 f"use a length that is a multiple of {step}, padding the rest with masked "
+                                 "positions (targets -100).")
         if rows % data:
             raise ValueError(f"Plan {str(self)!r}: the batch of {rows} rows does not split over data={data}; "
                              f"use a multiple of {data}.")
@@ -148,6 +179,8 @@ class PlanConfig:
             groups.append(f"chunks={self.chunks}")
         if self.precision != d.precision:
             groups.append(f"precision={self.precision}")
+        if self.sp != self.default_sp:
+            groups.append(f"sp={self.sp}")
         return " ".join(groups) or "single-device"
 
     @classmethod
@@ -174,11 +207,11 @@ class PlanConfig:
                 kw[key] = mode
                 if budget:
                     kw[f"{key}_budget"] = budget
-            elif key in ("schedule", "precision"):
+            elif key in ("schedule", "precision", "sp"):
                 kw[key] = value
             else:
                 raise ValueError(f"Plan.parse({text!r}): unknown key {key!r}; keys are the axes {AXES} "
-                                 "and zero, offload, remat, schedule, microbatches, chunks, precision.")
+                                 "and zero, offload, remat, schedule, microbatches, chunks, precision, sp.")
         return dict(kw, mesh=tuple(mesh))
 
 

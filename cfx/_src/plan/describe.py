@@ -98,7 +98,7 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
     collectives: dict[str, dict[str, int]] = {}
     if batch is not None:
         rows, seq = batch
-        plan.check_batch(rows)
+        plan.check_batch(rows, seq)
         program = Program(plan, model, tx if tx is not None else adamw(1e-3), mesh)
         if plan.remat == "auto":
             program._solve_remat(torch.zeros((rows, seq), dtype=torch.long), None)

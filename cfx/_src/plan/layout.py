@@ -1,8 +1,10 @@
 """How a Plan stores a model's params between steps, and the views each rank computes on.
 
 Specs come from the model's logical axes (``model.axes()``) through rules: Megatron's
-``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` -> ``model`` when the mesh has a model axis, all
-else replicated. Without a pipe axis the stored tree *is* the model's params tree.
+``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` -> ``model`` when the mesh has a model axis
+(``vocab`` stays whole under Megatron-SP), all else replicated; batches split their rows over
+``data`` and, with sequence parallelism, their positions over ``seq`` (``model`` for Megatron-SP). Without a pipe axis the stored tree *is*
+the model's params tree.
 
 With a pipe axis of ``p`` ranks and ``v`` virtual stages per rank, each stage runs ``k`` of the
 ``L`` blocks (``L = p * v * k``) and a rank must hold only its own stages' blocks. The stored
@@ -49,11 +51,11 @@ class Layout:
     def __init__(self, cfg, model, mesh):
         self.cfg, self.mesh = cfg, mesh
         tp = cfg.has("model")
-        self.rules = Rules({"batch": "data" if cfg.has("data") else None,
-                            **({k: "model" for k in MEGATRON_RULES} if tp else {})})
+        split = {k: "model" for k in MEGATRON_RULES if tp and not (k == "vocab" and cfg.sp == "megatron")}
+        self.rules = Rules({"batch": "data" if cfg.has("data") else None, "length": cfg.sequence_axis, **split})
         self.model_shapes = eval_shape(model.init, random.key(0))
         self.model_specs = self.rules.specs(model.axes(), mesh=mesh)
-        self.batch_spec = self.rules.spec(("batch", None))
+        self.batch_spec = self.rules.spec(("batch", "length"))  # tokens (B, T): the sequence split too
         self.stacked, self.zero3 = cfg.has("pipe"), cfg.zero == 3
         self.order: tuple[int, ...] = ()
         if self.stacked:

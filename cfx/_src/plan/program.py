@@ -3,20 +3,25 @@
 The strategy is applied in one readable order (torchtitan's habit), each part a transform the
 runtime already has:
 
-1. tensor parallelism: every block Megatron-split over ``model``, the vocabulary too;
-2. ZeRO-3 (``zero=3``): each block, then the rest of the model, gathered just before use;
-3. activation checkpointing per block (``remat``), outermost (it re-gathers while recomputing),
+1. sequence parallelism (``seq`` axis): each rank holds ``T/N`` positions of every sequence
+   and attention gathers the rest (``sp=ring``: keys and values round the ring, positions in
+   zigzag order; ``sp=ulysses``: all-to-alls between a sequence and a head split);
+2. tensor parallelism: every block Megatron-split over ``model``, the vocabulary too (with
+   ``sp=megatron``: Megatron-SP, the sequence split over ``model`` between the blocks' matmuls,
+   the vocabulary whole); the gradients of what the sequence split replicates are summed;
+3. ZeRO-3 (``zero=3``): each block, then the rest of the model, gathered just before use;
+4. activation checkpointing per block (``remat``), outermost (it re-gathers while recomputing),
    or ``remat=auto``: one Rotor schedule over the blocks (with a pipe axis: over one stage's
    blocks, for one microbatch, run by every stage), solved on the first batch;
    ``offload`` (with ZeRO-3): the pieces, their grads and the optimizer state live on the host
    and the gathered layers read their shards from Gemini chunk copies on the device
    (``zero.placed``: one chunk at a time, or what ``auto``'s plan fits in its budget);
-4. pipeline stages over ``pipe``: each rank runs and *stores* only its own blocks (``layout``);
+5. pipeline stages over ``pipe``: each rank runs and *stores* only its own blocks (``layout``);
    gradients accumulate over the microbatches and leave the pipeline once per step;
-5. data parallelism over ``data``: one flat all-reduce of the gradients (``zero=0``), or ZeRO
+6. data parallelism over ``data``: one flat all-reduce of the gradients (``zero=0``), or ZeRO
    1/2: one reduce-scatter per step into this rank's shard of the flat optimizer state, the
    update all-gathered back (ZeRO-3's gathered blocks reduce-scatter in backward);
-6. the optimizer: on each rank's view of the model's tree where that differs from the stored
+7. the optimizer: on each rank's view of the model's tree where that differs from the stored
    layout (pipe stages' blocks one by one; ZeRO-3's pieces), on the stored layout otherwise,
    inside ``cfx.optim.sharded`` so global norms and inf/nan checks span every rank's part.
 
@@ -48,10 +53,11 @@ from cfx._src.optim.base import apply_gradients
 from cfx._src.optim.loss_scale import loss_scale
 from cfx._src.optim.reduction import sharded
 from cfx._src.parallel.megatron import tensor_parallel
+from cfx._src.parallel.sequence import sequence_grads
 from cfx._src.parallel.state import tree_pmean
 from cfx._src.pipeline.executor import pipeline
 from cfx._src.plan.build import (check_jit, check_mesh, check_model, free_device_bytes, make_optimizer, make_placement,
-                                 make_schedule, wrap_blocks)
+                                 make_schedule, parallel_model, sequence_order, wrap_blocks)
 from cfx._src.plan.layout import Layout, put_tree
 from cfx._src.remat import remat
 from cfx._src.shard_map import shard_map
@@ -78,17 +84,17 @@ class Program:
         check_jit(plan, jit)
         self.layout = layout = Layout(plan, model, mesh)
         self.policy = amp.policy(plan.precision)
-        # 1. tensor parallelism, 2. ZeRO-3: each block gathered just before use, 3. remat per
-        # block (outermost; it re-gathers while recomputing), 4. pipeline stages
+        # 1. sequence, 2. tensor parallelism, 3. ZeRO-3: each block gathered just before use,
+        # 4. remat per block (outermost; it re-gathers while recomputing), 5. pipeline stages
         self._blocks_wrapped = wrap_blocks(plan, model, plan.remat if plan.remat != "auto" else "none")
         self.local_model = local = self._outer(self._blocks_wrapped)
-        self.eval_model = self._outer(tensor_parallel(model, "model") if plan.has("model") else model)
+        self.eval_model = self._outer(parallel_model(plan, model))
         self.remat_plan = None  # remat=auto: the Rotor schedule, solved on the first batch
         self.pipe_step = None
         if plan.has("pipe"):
             sched = make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
             self.pipe_step = pipeline(local, sched, local_blocks=True)
-        # 4-5. data parallelism and the optimizer, over the stored layout; clipping sees the
+        # 6-7. data parallelism and the optimizer, over the stored layout; clipping sees the
         # global norm across every shard through cfx.optim.sharded
         self.opt, self.state_specs = make_optimizer(plan, tx, layout, mesh, grad_clip=self.grad_clip)
         # offload: each rank's placement of its pieces (kept across steps: auto's warm-up record),
@@ -149,8 +155,7 @@ class Program:
                  ) -> tuple[TrainState, dict]:
         """``(state, (tokens, targets)) -> (state, {"loss": replicated scalar})``; ``state`` is
         donated; ``key`` drives dropout (None: none)."""
-        tokens, targets = batch
-        _check_batch(self.plan, tokens)
+        tokens, targets = self._arrange(*batch)
         if self._solve:
             self._solve_remat(tokens, key)
         new, loss = self._step(state, (tokens, targets), key)
@@ -161,7 +166,8 @@ class Program:
         one data rank's batch of the unsharded model (tensor-parallel blocks then hold less)."""
         meta = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"),
                              self.layout.model_shapes)
-        rows = tokens[:tokens.shape[0] // self.plan.size("data")]
+        axis = self.plan.sequence_axis  # one rank's rows and positions
+        rows = tokens[:tokens.shape[0] // self.plan.size("data"), :tokens.shape[1] // (self.plan.size(axis) if axis else 1)]
         self._solve = False
         if self.pipe_step is None:
             _, self.remat_plan = remat.solve(self.model, meta, rows, budget=self.plan.remat_budget, key=key)
@@ -225,7 +231,7 @@ class Program:
         if self.plan.offload == "none":  # (a compiled step reads nothing of its rank here)
             return self._run(local, tokens, targets, key, scale, self.policy.cast_to_compute)
         placement = self.placement_of(current_or_none().rank)
-        agree = [a for a in ("data", "model") if self.plan.has(a)]  # ranks that run the same accesses
+        agree = [a for a in ("data", "seq", "model") if self.plan.has(a)]  # ranks that run the same accesses
         with placement.step(local, agree=lambda v: lax.pmax(v, tuple(agree)) if agree else v):
             # the chunk copies are cast to the compute dtype; the pieces stay as stored
             return self._run(local, tokens, targets, key, scale, placement.tree)
@@ -246,7 +252,18 @@ class Program:
                 return (loss if scale is None else loss * scale), loss
             grad_fn = self.opt.value_and_grad if self.layout.zero3 else value_and_grad
             (_, loss), grads = grad_fn(scaled, has_aux=True)(local)
-        return loss, tree_util.map(lambda g, p: g.to(p.dtype), grads, local)
+        return loss, self._sum_sequence_shares(tree_util.map(lambda g, p: g.to(p.dtype), grads, local))
+
+    def _sum_sequence_shares(self, grads: Any) -> Any:
+        """Each rank's gradient covers its own positions: summed over the sequence axis for every
+        leaf it replicates (all of them over ``seq``; under Megatron-SP the norms, biases and
+        embeddings, which ``model`` does not split). One flat all-reduce."""
+        axis = self.plan.sequence_axis
+        if axis is None:
+            return grads
+        pieces = grads.pieces if isinstance(grads, ZeroParams) else grads
+        summed = sequence_grads(pieces, self.layout.local_specs if axis == "model" else P(), axis)
+        return ZeroParams(summed, grads.shapes, grads.n) if isinstance(grads, ZeroParams) else summed
 
     # -- eval and sampling, sharded like the step ------------------------------------------------
     def _eval_loss(self, params, tokens, targets):
@@ -260,14 +277,23 @@ class Program:
 
     def loss(self, state: TrainState, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The model's loss on a global batch (split over ``data``), without dropout."""
+        return float(self._loss(state.params, *self._arrange(tokens, targets)))
+
+    def _arrange(self, tokens: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A checked global batch with its positions in the order the sequence split expects
+        (the ring's zigzag); a per-token mean loss does not depend on the order."""
         _check_batch(self.plan, tokens)
-        return float(self._loss(state.params, tokens, targets))
+        order = sequence_order(self.plan, tokens.shape[1])
+        if order is None:
+            return tokens, targets
+        return tokens[:, order], targets[:, order]
 
     def sample(self, state: TrainState, prompt: bytes, *, steps: int, key: torch.Tensor, context: int) -> bytes:
         """``sample_bytes`` with the tensor-parallel model on every rank (same key: same text);
         under a pipe axis each rank first gathers the other stages' blocks (inference only)."""
-        model = tensor_parallel(self.model, "model") if self.plan.has("model") else self.model
-        policy, tp = self.policy, self.plan.has("model")
+        tp = self.plan.has("model") and self.plan.sp != "megatron"  # the vocabulary split over model
+        model = tensor_parallel(self.model, "model", vocab=tp) if self.plan.has("model") else self.model
+        policy = self.policy
 
         def logits(p, tokens):  # vocab-parallel logits (B, T, V/n) -> (B, T, V)
             out = model.apply(p, tokens)
@@ -290,7 +316,7 @@ def _watch(tree: Any, kind: str, tier: str) -> None:
 def _check_batch(plan, tokens: Any) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ValueError(f"Plan {str(plan)!r}: a batch is (tokens, targets), each a (B, T) integer tensor.")
-    plan.check_batch(tokens.shape[0])
+    plan.check_batch(*tokens.shape)
 
 
 def _remove_dir(directory: str) -> None:

@@ -71,7 +71,7 @@ def rehearse(program, rows: int, seq: int, rank: int) -> Rehearsal:
     with installed(ctx), FakeTensorMode(allow_non_fake_inputs=True):
         params = _stored_blocks(layout, mesh)
         opt_state = program.opt.init(layout.local_view(params) if layout.opt_on_local else params)
-        tokens = torch.zeros((rows // program.plan.size("data"), seq), dtype=torch.long)
+        tokens = torch.zeros(block_shape((rows, seq), layout.batch_spec, mesh), dtype=torch.long)
         with comm_stats() as stats, memory.track() as mem, mem.track_ops("device"):
             program._body(TrainState(params, opt_state), (tokens, tokens), None)
         peak = mem.peak_by_kind("device", rank=rank).get("activation", 0)

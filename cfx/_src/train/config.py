@@ -39,6 +39,7 @@ class TrainConfig:
     schedule: str = "1f1b"         # pipeline schedule with a pipe axis: gpipe | 1f1b | interleaved | zb-h1
     microbatches: int = 4          # micro-batches per step with a pipe axis
     chunks: int = 2                # virtual stages per rank for --schedule interleaved
+    sp: str | None = None          # ring | ulysses over a seq axis, megatron over model (None: ring with seq)
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
     json: str | None = None        # write the summary as JSON here
@@ -93,6 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
                    help="micro-batches per step when --mesh has a pipe axis")
     p.add_argument("--chunks", type=int, default=d.chunks,
                    help="virtual stages per pipe rank for --schedule interleaved")
+    p.add_argument("--sp", choices=["ring", "ulysses", "megatron"], default=d.sp,
+                   help="sequence parallelism: ring (the default with a seq axis in --mesh) or ulysses attention "
+                        "over seq, or megatron (Megatron-SP) over the model axis")
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")
@@ -125,6 +129,7 @@ def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
         (("offload",), not cfg.mesh, "needs --mesh data=N --zero 3"),
         (("offload_budget",), cfg.offload != "auto", "applies to --offload auto only"),
         (("nvme_dir",), cfg.offload != "nvme", "applies to --offload nvme only"),
+        (("sp",), not cfg.mesh, "needs a mesh: --mesh seq=N (ring, ulysses) or --mesh model=N (megatron)"),
         (("save_every",), not cfg.save, "needs --save PATH (where to write the checkpoints)"),
     ]
     for names, ignored, why in rules:

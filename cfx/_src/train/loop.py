@@ -81,7 +81,8 @@ def plan_of(cfg: TrainConfig) -> Plan:
         chunks=cfg.chunks if cfg.schedule == "interleaved" else 1)
     return Plan(mesh=tuple(mesh), zero=cfg.zero, offload=cfg.offload,
                 offload_budget=cfg.offload_budget if cfg.offload == "auto" else None, remat=cfg.remat,
-                remat_budget=cfg.remat_budget if cfg.remat == "auto" else None, precision=cfg.precision, **pipe)
+                remat_budget=cfg.remat_budget if cfg.remat == "auto" else None, precision=cfg.precision,
+                sp=cfg.sp, **pipe)
 
 
 def decay_mask(model) -> Any:
@@ -167,6 +168,9 @@ def strategy(cfg: TrainConfig) -> str:
         parts.append(f"offload {cfg.offload}" + (f" (budget {cfg.offload_budget or 'what is free'})"
                                                  if cfg.offload == "auto" else ""))
     parts.append(f"remat {cfg.remat}" + (f" (budget {cfg.remat_budget})" if cfg.remat == "auto" else ""))
+    sp = plan_of(cfg).sp if cfg.mesh else "none"
+    if sp != "none":
+        parts.append(f"sequence parallel {sp}")
     if "pipe" in (cfg.mesh or ""):
         parts.append(f"schedule {cfg.schedule}, {cfg.microbatches} microbatches"
                      + (f", {cfg.chunks} chunks" if cfg.schedule == "interleaved" else ""))
@@ -194,7 +198,7 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         params = model.init(k_init)
     else:  # shapes only: the parameter count and a checkpoint's layout
         plan.check(model)  # every flag combination trains or is refused here, before any rank starts
-        plan.check_batch(cfg.batch)
+        plan.check_batch(cfg.batch, cfg.seq)
         params = eval_shape(model.init, k_init)
     tx = build_optimizer(cfg, model)
     start, restored, mesh = 0, None, None
