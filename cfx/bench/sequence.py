@@ -15,8 +15,9 @@ next to each method's textbook figure for one layer with local blocks of ``B x T
   tensor parallelism's all-reduces (an all-gather plus a reduce-scatter each), measured side by
   side as the difference between a 2- and a 1-block model (so only a block's collectives count).
 
-Rows ``<method>_bytes_vs_formula`` (target 1.00). Not measured yet: the activation bytes per
-rank and the longest sequence under a budget (issue 16).
+Rows ``<method>_bytes_vs_formula`` (target 1.00); then ``sequence_memory``'s rows: activation
+bytes per rank against 1/N, and ``<method>_max_seq_vs_tp``, the longest sequence under a
+per-rank activation budget against tensor parallelism's.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 import cfx
 from cfx import P
 from cfx.bench.common import Row, report
+from cfx.bench.sequence_memory import rows as memory_rows
 
 
 def measured_and_formula(method: str, n: int, *, n_layer: int = 2, B: int = 2, T: int = 64) -> tuple[float, float]:
@@ -88,4 +90,5 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
         rows.append(Row(f"megatron_bytes_vs_formula, model={n} (wire bytes per block vs TP's all-reduces)", sp / tp,
                         "x", "1.00", abs(sp / tp - 1.0) < 1e-9))
         rows.append(Row(f"  megatron-SP wire bytes per block, model={n}", sp, "B"))
+    rows += memory_rows(quick=quick)
     return report("sequence", rows, json_path)
