@@ -7,6 +7,9 @@ that writers on this host which are no longer running left for the same checkpoi
 of a template tree (e.g. ``{"params": model.init(key), "opt_state": tx.init(params)}``) and
 checks every leaf's shape and dtype.
 
+A tree of ShardedArrays is saved as a directory instead, each process writing its own blocks,
+and loads onto any mesh (``checkpoint_sharded``).
+
 Every tensor's CRC-32 is written into the file's metadata and verified on load, so a file that
 was truncated, is not safetensors, or had bytes changed is a one-line ``ValueError`` naming the
 path (and the leaf), not a raw parser traceback or numbers that go wrong later. (Files written
@@ -19,23 +22,19 @@ import json
 import os
 import socket
 import tempfile
-import zlib
 from typing import Any
 
 import torch
 
+from cfx._src import checkpoint_sharded as sharded
+from cfx._src.checkpoint_io import crc32, write_atomic
 from cfx._src import tree as tree_util
+from cfx._src.mesh.spec import P
+from cfx._src.sharded import ShardedArray
 
 _ROOT = "<root>"
 _META_KEY = "cfx"
 _CRC_KEY = "cfx_crc32"
-
-
-def _crc32(t: torch.Tensor) -> int:
-    """CRC-32 of a CPU contiguous tensor's bytes (any dtype)."""
-    if t.numel() == 0:
-        return 0
-    return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _flat_tensors(tree: Any) -> dict[str, torch.Tensor]:
@@ -54,28 +53,22 @@ def _flat_tensors(tree: Any) -> dict[str, torch.Tensor]:
 
 
 def save(path: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
-    """Write ``tree`` (and JSON-serialisable ``metadata``) to ``path`` atomically."""
+    """Write ``tree`` (and JSON-serialisable ``metadata``) to ``path`` atomically: one file, or,
+    when ``tree`` holds ShardedArrays, a directory where every process writes its own blocks
+    (``checkpoint_sharded``; every process calls it)."""
     from safetensors.torch import save_file
 
+    if any(isinstance(x, ShardedArray) for x in tree_util.leaves(tree)):
+        return sharded.save(path, tree, metadata=metadata)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tensors = _flat_tensors(tree)
     meta = {_META_KEY: json.dumps(metadata or {}),
-            _CRC_KEY: json.dumps({k: _crc32(t) for k, t in tensors.items()})}
+            _CRC_KEY: json.dumps({k: crc32(t) for k, t in tensors.items()})}
     prefix = f".tmp-{os.path.basename(path)}-{socket.gethostname()}-"
     _sweep(directory, prefix)
-    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=directory)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta), prefix=prefix)
 
 
 def check_writable(path: str | os.PathLike, *, what: str = "cfx.checkpoint.save") -> None:
@@ -117,14 +110,21 @@ def _running(pid: int) -> bool:
     return True
 
 
-def load(path: str | os.PathLike, like: Any) -> tuple[Any, dict[str, Any]]:
+def load(path: str | os.PathLike, like: Any, *, mesh=None, specs: Any = P()) -> tuple[Any, dict[str, Any]]:
     """``(tree, metadata)`` restored from ``path`` into the structure of ``like``.
 
     Raises ValueError naming the leaf when a path is missing or unexpected, or a shape or dtype
-    differs from the template's. Tensors land on the template leaves' devices.
+    differs from the template's. Tensors land on the template leaves' devices. A sharded
+    checkpoint (a directory) loads onto any ``mesh`` with any ``specs`` (ShardedArray leaves of
+    ``like`` bring theirs), each process reading only its blocks' slices, or as whole tensors.
     """
     from safetensors import safe_open
 
+    if os.path.isdir(path):
+        return sharded.load(path, like, mesh=mesh, specs=specs)
+    if mesh is not None:
+        raise ValueError(f"cfx.checkpoint.load: {os.fspath(path)!r} is a single-file checkpoint of whole tensors; "
+                         "load it without mesh= and device_put the leaves (or save a sharded checkpoint).")
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"cfx.checkpoint.load: no checkpoint at {path!r}.")
@@ -156,7 +156,7 @@ def _read(f, path: str, items: list, treedef) -> tuple[Any, dict[str, Any]]:
     leaves = []
     for (p, ref), key in zip(items, wanted):
         t = f.get_tensor(key)
-        if key in crcs and _crc32(t.contiguous()) != crcs[key]:
+        if key in crcs and crc32(t.contiguous()) != crcs[key]:
             raise ValueError(f"cfx.checkpoint.load: leaf {key!r} in {path!r} is corrupted (its bytes do not "
                              "match the checksum written with them); restore the file from another copy.")
         if hasattr(ref, "shape") and hasattr(ref, "dtype"):  # a tensor or a ShapeDtype (eval_shape)

@@ -1,0 +1,43 @@
+"""What both checkpoint formats share: atomic file writes and CRC-32s of tensors."""
+from __future__ import annotations
+
+import os
+import tempfile
+import zlib
+from typing import Callable
+
+import torch
+
+
+def crc32(t: torch.Tensor) -> int:
+    """CRC-32 of a CPU tensor's bytes (any dtype)."""
+    if t.numel() == 0:
+        return 0
+    return zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def write_atomic(path: str, write: Callable[[str], None], *, prefix: str | None = None) -> None:
+    """``write(tmp)`` to a temporary file beside ``path`` (named ``prefix<pid>-...``), fsync it,
+    then rename it to ``path``: readers see the old file or the new one, never half of one."""
+    directory, base = os.path.split(os.path.abspath(path))
+    prefix = prefix or f".tmp-{base}-"
+    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,294 @@
+"""Sharded checkpoints: every process writes its own blocks; a load reads only the slices it needs.
+
+A checkpoint is a directory::
+
+    ckpt/
+      index.json                 the commit marker: leaves, their blocks, files, metadata
+      g000003-p00000.safetensors one file per writing process and save ("generation" 3)
+      g000003-p00001.safetensors
+
+``save(directory, tree)`` takes a pytree of ShardedArrays (any mesh, any specs) and tensors.
+Each process writes the blocks it addresses, only the *primary* copy of each (coordinate 0 on
+the axes a spec leaves out, so replicas are written once), with every block's global offsets
+and CRC-32. When every process has written and fsynced its file (a barrier under ``dist``),
+process 0 writes ``index.json`` under a temporary name and renames it into place: the rename is
+the commit. A save killed before it leaves the previous index -- and the files it names --
+untouched, so the previous checkpoint still loads; the next save removes the dead files.
+
+``load(directory, like, mesh=, specs=)`` returns ``like``'s structure with each leaf laid out
+by its own ``spec`` on ``mesh`` (ShardedArray leaves of ``like`` bring their own): for each
+block a process addresses, only the overlapping slices of the stored blocks are read (safetensors
+reads a slice without the rest of the tensor), so a process holds its blocks plus one slice at a
+time. The save's mesh and specs do not matter: a run saved on ``{"data": 4}`` loads on
+``{"data": 2, "model": 2}``, on a pipe mesh or, with ``mesh=None``, as whole tensors on one
+device. A stored block read whole is checked against its CRC-32; a file shorter or longer than
+the index records, a missing file or index, a leaf that is not there or differs in shape or
+dtype: a ``ValueError`` naming the path, the file and the fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from cfx._src import memory
+from cfx._src.checkpoint_io import crc32, fsync_dir, write_atomic
+from cfx._src import tree as tree_util
+from cfx._src.layout import is_primary
+from cfx._src.mesh.spec import P, is_spec
+from cfx._src.sharded import ShardedArray
+
+FORMAT = "cfx-sharded/1"
+INDEX = "index.json"
+_ROOT = "<root>"
+
+
+# -- save ------------------------------------------------------------------------------------------
+def save(directory: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
+    """Write ``tree`` into ``directory`` (module doc): every process calls it (a collective under
+    ``dist``); returns once the checkpoint is committed."""
+    from safetensors.torch import save_file
+
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    process, processes = _process()
+    generation = _current(directory).get("generation", 0) + 1  # every process reads the same index
+    blocks, leaves = _blocks_to_write(tree, process)
+    stem = f"g{generation:06d}-p{process:05d}"
+    tensors = {key: t for key, (_, t, _) in blocks.items()}
+    write_atomic(os.path.join(directory, stem + ".safetensors"), lambda tmp: save_file(tensors, tmp))
+    listing = {key: {"leaf": path, "offsets": list(offsets), "shape": list(t.shape), "crc32": crc32(t)}
+               for key, (path, t, offsets) in blocks.items()}
+    size = os.path.getsize(os.path.join(directory, stem + ".safetensors"))
+    write_atomic(os.path.join(directory, stem + ".json"), lambda tmp: _dump(tmp, {"blocks": listing, "bytes": size}))
+    _barrier()
+    if process == 0:
+        _commit(directory, generation, processes, leaves, metadata or {})
+    _barrier()
+
+
+def _blocks_to_write(tree: Any, process: int) -> tuple[dict, dict]:
+    """``({key: (leaf path, block, global offsets)}, {leaf path: {"shape", "dtype"}})`` of the
+    primary blocks this process addresses."""
+    blocks, leaves = {}, {}
+    for path, x in tree_util.flatten_with_path(tree)[0]:
+        path = path or _ROOT
+        if isinstance(x, ShardedArray):
+            if x.partial:
+                raise ValueError(f"cfx.checkpoint.save: leaf {path!r} holds unreduced partial sums over "
+                                 f"{x.partial}; psum it (or reshard) before saving.")
+            leaves[path] = {"shape": list(x.shape), "dtype": _dtype_name(x.dtype)}
+            for rank, block in x.blocks.items():
+                coords = x.mesh.coords(rank)
+                if is_primary(x.spec, x.mesh, coords):
+                    offsets = _offsets(block.shape, x.spec, x.mesh, coords)
+                    blocks[f"{path}@{rank}"] = (path, _cpu(block), offsets)
+        elif isinstance(x, torch.Tensor):
+            leaves[path] = {"shape": list(x.shape), "dtype": _dtype_name(x.dtype)}
+            if process == 0:
+                blocks[f"{path}@whole"] = (path, _cpu(x), (0,) * x.dim())
+        else:
+            raise ValueError(f"cfx.checkpoint.save: leaf {path!r} is a {type(x).__name__}, not a tensor or a "
+                             "ShardedArray; keep numeric state as tensors (or pass it as metadata).")
+    return blocks, leaves
+
+
+def _commit(directory: str, generation: int, processes: int, leaves: dict, metadata: dict) -> None:
+    """Process 0, after every process wrote: the index from the processes' listings, renamed into
+    place; then the files of earlier (or killed) saves removed."""
+    files = {}
+    for p in range(processes):
+        stem = f"g{generation:06d}-p{p:05d}"
+        with open(os.path.join(directory, stem + ".json")) as f:
+            listing = json.load(f)
+        files[stem + ".safetensors"] = listing["bytes"]
+        for key, b in listing["blocks"].items():
+            leaves[b["leaf"]].setdefault("blocks", []).append(
+                {"file": stem + ".safetensors", "key": key, "offsets": b["offsets"], "shape": b["shape"],
+                 "crc32": b["crc32"]})
+    index = {"format": FORMAT, "generation": generation, "files": files, "leaves": leaves, "metadata": metadata}
+    write_atomic(os.path.join(directory, INDEX), lambda tmp: _dump(tmp, index))
+    fsync_dir(directory)
+    for name in os.listdir(directory):  # earlier generations, killed saves' leftovers, listings
+        if name != INDEX and (name.endswith(".json") or name not in files):
+            if name.startswith("g") or name.startswith(".tmp-"):
+                os.remove(os.path.join(directory, name))
+
+
+# -- load ------------------------------------------------------------------------------------------
+def load(directory: str | os.PathLike, like: Any, *, mesh=None, specs: Any = P()) -> tuple[Any, dict[str, Any]]:
+    """``(tree, metadata)``: ``like``'s structure with each leaf read from the checkpoint in
+    ``directory`` and laid out on ``mesh`` by ``specs`` (a P or a pytree prefix of them;
+    ShardedArray leaves of ``like`` use their own mesh and spec), or whole tensors without a
+    mesh. Every process calls it and reads only its own blocks' slices (module doc)."""
+    directory = os.fspath(directory)
+    index = _current(directory)
+    if not index:
+        raise ValueError(f"cfx.checkpoint.load: no committed checkpoint in {directory!r} (no {INDEX}: nothing "
+                         "was saved there, or every save was cut short before its commit).")
+    items, treedef = tree_util.flatten_with_path(like)
+    spec_of = _specs_for(like, len(items), specs, mesh)
+    stored = index["leaves"]
+    wanted = [p or _ROOT for p, _ in items]
+    missing, extra = [p for p in wanted if p not in stored], sorted(set(stored) - set(wanted))
+    if missing or extra:
+        raise ValueError(f"cfx.checkpoint.load: {directory!r} does not match the template: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}. Build the template with the model config and optimizer that "
+                         "wrote the checkpoint.")
+    reader = _Reader(directory, index["files"])
+    try:
+        out = [_load_leaf(reader, path, ref, stored[path], mesh, spec)
+               for (path, ref, spec) in zip(wanted, [x for _, x in items], spec_of)]
+    finally:
+        reader.close()
+    return tree_util.unflatten(treedef, out), index.get("metadata", {})
+
+
+def _load_leaf(reader, path: str, ref: Any, entry: dict, mesh, spec: P) -> Any:
+    shape, dtype = tuple(entry["shape"]), _dtype(entry["dtype"])
+    if hasattr(ref, "shape") and hasattr(ref, "dtype") and (tuple(ref.shape) != shape or ref.dtype != dtype):
+        raise ValueError(f"cfx.checkpoint.load: leaf {path!r} is {dtype} {shape} in the checkpoint but "
+                         f"{ref.dtype} {tuple(ref.shape)} in the template.")
+    if isinstance(ref, ShardedArray):
+        mesh, spec = ref.mesh, ref.spec
+    if mesh is None:
+        return _region(reader, path, entry, (0,) * len(shape), shape, dtype)
+    from cfx._src.layout import block_shape, check_spec
+    check_spec(path, shape, spec, mesh, "cfx.checkpoint.load")
+    size = block_shape(shape, spec, mesh)
+    blocks = {}
+    for rank in mesh.local_ranks:
+        lo = _offsets(size, spec, mesh, mesh.coords(rank))
+        blocks[rank] = _region(reader, path, entry, lo, size, dtype)
+    return ShardedArray(shape, spec, mesh, blocks)
+
+
+def _region(reader, path: str, entry: dict, lo: tuple, size: tuple, dtype) -> torch.Tensor:
+    """The global region ``[lo, lo + size)`` of leaf ``path``, assembled from the stored blocks'
+    overlapping slices (each read alone)."""
+    out = torch.empty(size, dtype=dtype)
+    memory.watch(out, tier="host", kind="checkpoint")  # booked while a cfx.memory tracker is active
+    covered = 0
+    for b in entry.get("blocks", []):
+        s_lo, s_size = b["offsets"], b["shape"]
+        a = [max(l, sl) for l, sl in zip(lo, s_lo)]
+        z = [min(l + n, sl + sn) for l, n, sl, sn in zip(lo, size, s_lo, s_size)]
+        if any(x >= y for x, y in zip(a, z)) and len(size):
+            continue
+        piece = reader.read(path, b, tuple(slice(x - sl, y - sl) for x, y, sl in zip(a, z, s_lo)))
+        memory.watch(piece, tier="host", kind="checkpoint")
+        out[tuple(slice(x - l, y - l) for x, y, l in zip(a, z, lo))] = piece
+        covered += piece.numel()
+    if covered != out.numel():
+        raise ValueError(f"cfx.checkpoint.load: leaf {path!r}: the checkpoint's blocks cover {covered} of the "
+                         f"{out.numel()} elements asked for; its index is inconsistent. Restore it from another copy.")
+    return out
+
+
+class _Reader:
+    """Open safetensors files of one checkpoint, checked against the index's sizes on first use."""
+
+    def __init__(self, directory: str, files: dict[str, int]):
+        self.directory, self.files, self.open = directory, files, {}
+
+    def read(self, leaf: str, block: dict, where: tuple) -> torch.Tensor:
+        name = block["file"]
+        f = self._file(name, leaf)
+        try:
+            whole = all(s.start == 0 and s.stop == n for s, n in zip(where, block["shape"]))
+            t = f.get_tensor(block["key"]) if whole else f.get_slice(block["key"])[where]
+        except Exception as e:  # noqa: BLE001 - the parser's errors
+            raise ValueError(f"cfx.checkpoint.load: leaf {leaf!r} in {name!r} of {self.directory!r} cannot be read "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); restore the file from "
+                             "another copy.") from None
+        if whole and crc32(t) != block["crc32"]:
+            raise ValueError(f"cfx.checkpoint.load: leaf {leaf!r} in {name!r} of {self.directory!r} is corrupted "
+                             "(its bytes do not match the checksum written with them); restore the file from "
+                             "another copy.")
+        return t
+
+    def _file(self, name: str, leaf: str):
+        from safetensors import safe_open
+        if name not in self.open:
+            path = os.path.join(self.directory, name)
+            if not os.path.exists(path):
+                raise ValueError(f"cfx.checkpoint.load: {path!r}, which holds leaf {leaf!r}, is missing; copy the "
+                                 "whole checkpoint directory, not only its index.")
+            if os.path.getsize(path) != self.files[name]:
+                raise ValueError(f"cfx.checkpoint.load: {path!r} has {os.path.getsize(path)} bytes but was written "
+                                 f"with {self.files[name]}: it is truncated or was changed. Restore it from another copy.")
+            try:
+                self.open[name] = safe_open(path, framework="pt")
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"cfx.checkpoint.load: {path!r} is not a readable shard ({e}); restore it from "
+                                 "another copy.") from None
+        return self.open[name]
+
+    def close(self) -> None:
+        self.open.clear()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _offsets(size, spec: P, mesh, coords: dict) -> tuple[int, ...]:
+    """Global offsets of the block of ``size`` the rank at ``coords`` holds under ``spec``."""
+    return tuple(mesh.index_in(spec.axes_of(d), coords) * n if spec.axes_of(d) else 0 for d, n in enumerate(size))
+
+
+def _specs_for(like: Any, n: int, specs: Any, mesh) -> list[P]:
+    """Each leaf's spec: ``specs`` broadcast over ``like`` as ``shard_map`` does (a prefix)."""
+    if mesh is None or is_spec(specs):
+        return [specs if is_spec(specs) else P()] * n
+    from cfx._src.spec_tree import broadcast_specs
+    return [s for _, _, s in broadcast_specs(specs, like, "like", mesh, where="cfx.checkpoint.load")]
+
+
+def _process() -> tuple[int, int]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _current(directory: str) -> dict:
+    path = os.path.join(directory, INDEX)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cfx.checkpoint: {path!r} is not a readable index ({e}); restore it from another copy.") from None
+    if index.get("format") != FORMAT:
+        raise ValueError(f"cfx.checkpoint: {path!r} is format {index.get('format')!r}, not {FORMAT!r}.")
+    return index
+
+
+def _dump(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().to("cpu").contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()  # safetensors refuses views into a larger storage
+    return t
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"cfx.checkpoint.load: unknown dtype {name!r} in the index.")
+    return dtype
