@@ -133,7 +133,7 @@ def test_cli_reports_bad_input(text_file, capsys):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("model", ["gpt2", "llama", "opt"])
 def test_mesh_training_tracks_single_device(model, text_file):
     base = dict(SMALL, steps=5, data=text_file, model=model)
     single = train(TrainConfig(**base))

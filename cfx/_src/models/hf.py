@@ -9,10 +9,11 @@ from typing import Any, Mapping
 
 import torch
 
-from cfx._src.models import bert_hf, gpt2_hf, llama_hf
+from cfx._src.models import bert_hf, gpt2_hf, llama_hf, opt_hf
 from cfx._src.models.bert import Bert
 from cfx._src.models.gpt2 import GPT2
 from cfx._src.models.llama import Llama
+from cfx._src.models.opt import OPT
 
 
 def _converter(model: Any, where: str):
@@ -22,17 +23,20 @@ def _converter(model: Any, where: str):
         return llama_hf
     if isinstance(model, Bert):
         return bert_hf
-    raise ValueError(f"{where}: expected a cfx.models.GPT2, Llama or Bert, got {type(model).__name__}.")
+    if isinstance(model, OPT):
+        return opt_hf
+    raise ValueError(f"{where}: expected a cfx.models.GPT2, Llama, Bert or OPT, got {type(model).__name__}.")
 
 
 def hf_config(model: Any) -> Any:
-    """The ``transformers`` config (``GPT2Config`` / ``LlamaConfig`` / ``BertConfig``) matching ``model``."""
+    """The ``transformers`` config (``GPT2Config`` / ``LlamaConfig`` / ``BertConfig`` / ``OPTConfig``)
+    matching ``model``."""
     return _converter(model, "cfx.models.hf_config").hf_config(model.config)
 
 
-def model_from_hf_config(hf_config: Any, *, head: str = "mlm") -> GPT2 | Llama | Bert:
-    """The cfx model for a ``transformers`` config (``model_type`` ``"gpt2"``, ``"llama"`` or
-    ``"bert"``; for BERT, ``head`` ``"mlm"`` or ``"classify"``)."""
+def model_from_hf_config(hf_config: Any, *, head: str = "mlm") -> GPT2 | Llama | Bert | OPT:
+    """The cfx model for a ``transformers`` config (``model_type`` ``"gpt2"``, ``"llama"``,
+    ``"bert"`` or ``"opt"``; for BERT, ``head`` ``"mlm"`` or ``"classify"``)."""
     kind = getattr(hf_config, "model_type", None)
     if kind == "gpt2":
         return GPT2(gpt2_hf.config_from_hf(hf_config))
@@ -40,13 +44,15 @@ def model_from_hf_config(hf_config: Any, *, head: str = "mlm") -> GPT2 | Llama |
         return Llama(llama_hf.config_from_hf(hf_config))
     if kind == "bert":
         return Bert(bert_hf.config_from_hf(hf_config, head))
+    if kind == "opt":
+        return OPT(opt_hf.config_from_hf(hf_config))
     raise ValueError(f"cfx.models.from_hf: model_type {kind!r} is not supported; cfx converts 'gpt2', "
-                     "'llama' and 'bert' checkpoints.")
+                     "'llama', 'bert' and 'opt' checkpoints.")
 
 
-def to_hf(model: GPT2 | Llama, params: Any) -> dict[str, torch.Tensor]:
+def to_hf(model: GPT2 | Llama | Bert | OPT, params: Any) -> dict[str, torch.Tensor]:
     """A state dict with exactly the keys HF's ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
-    ``BertForMaskedLM`` / ``BertForSequenceClassification`` expects.
+    ``BertForMaskedLM`` / ``BertForSequenceClassification`` / ``OPTForCausalLM`` expects.
 
     Load it with ``hf_model.load_state_dict(sd, strict=True)`` into a model built from
     ``model.hf_config()``. Tensors are copies in the params' dtype.
@@ -54,10 +60,11 @@ def to_hf(model: GPT2 | Llama, params: Any) -> dict[str, torch.Tensor]:
     return _converter(model, "cfx.models.to_hf").to_hf(model, params)
 
 
-def from_hf(hf_model_or_state_dict: Any, model: GPT2 | Llama | None = None) -> tuple[Any, dict]:
+def from_hf(hf_model_or_state_dict: Any, model: GPT2 | Llama | Bert | OPT | None = None) -> tuple[Any, dict]:
     """``(model, params)`` from an HF model, or from a bare state dict plus ``model``.
 
-    Given an HF model (``GPT2LMHeadModel``, ``LlamaForCausalLM`` or their base models), the cfx
+    Given an HF model (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``OPTForCausalLM`` or their base
+    models, ``BertForMaskedLM``, ``BertForSequenceClassification``), the cfx
     model is built from its ``config`` unless ``model`` is passed. Params are copies in the
     checkpoint's dtype.
     """

@@ -9,7 +9,7 @@ from typing import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: str = "gpt2"            # gpt2 | llama
+    model: str = "gpt2"            # gpt2 | llama | opt
     preset: str = "tiny"
     steps: int = 300
     batch: int = 16
@@ -49,7 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m cfx.train",
                                 description="Train a cfx language model on byte-level text (CPU-friendly defaults).")
-    p.add_argument("--model", choices=["gpt2", "llama"], default=d.model)
+    p.add_argument("--model", choices=["gpt2", "llama", "opt"], default=d.model)
     p.add_argument("--preset", default=d.preset, help="model size preset, e.g. tiny, small (default: %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")

@@ -36,7 +36,7 @@ def build_model(cfg: TrainConfig):
         model = models.gpt2(cfg.preset, **overrides)
         max_len = model.config.n_positions
     else:
-        model = models.llama(cfg.preset, **overrides)
+        model = (models.llama if cfg.model == "llama" else models.opt)(cfg.preset, **overrides)
         max_len = model.config.max_position_embeddings
     if cfg.seq > max_len:
         raise ValueError(f"--seq {cfg.seq} exceeds the {cfg.model} {cfg.preset!r} context of {max_len}; "
