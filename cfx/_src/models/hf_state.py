@@ -15,7 +15,7 @@ class StateDictReader:
     """Takes keys out of ``state_dict`` (under ``prefix`` if its keys carry it) and checks shapes."""
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor], *, where: str, prefix: str):
-        self.sd = dict(state_dict)
+        self.sd = state_dict  # a Mapping: a lazy one (hf_dir) reads each tensor when taken
         self.where = where
         self.prefix = prefix if any(k.startswith(prefix) for k in self.sd) else ""
         self.used: set[str] = set()

@@ -1,0 +1,67 @@
+"""Sharded checkpoints, measured: what a save writes and what a load holds.
+
+GPT-2 params (the ``small`` widths, the vocabulary padded to 50304, 2 layers under ``--quick``),
+fp32, saved from ``{"data": 4}`` with every matrix split by rows, loaded onto ``{"model": 4}`` by
+Megatron's rules (column- and row-parallel blocks, the vocabulary split): most stored blocks
+overlap several loaded ones, so the load reads slices. ``cfx.memory`` books the load's buffers
+(each rank's blocks and every slice read) in this process, which addresses all four ranks under
+``local``:
+
+* ``load_peak_bytes_vs_own_blocks``: the load's peak over the blocks it returns (target: at
+  most 1.1 plus one slice -- the largest stored block, an upper bound on one read);
+* ``save_bytes_vs_primary_blocks``: shard bytes written over the primary blocks' bytes (the
+  replicas written once; target 1.00 up to safetensors' headers, under 1%);
+* save and load wall time.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import cfx
+from cfx import P
+from cfx.bench.common import Row, report
+
+
+def run(*, quick: bool = False, json_path: str | None = None) -> dict:
+    model = cfx.models.gpt2("small", n_layer=2 if quick else 12, vocab_size=50304)  # the vocabulary split 4 ways
+    params = model.init(cfx.random.key(0))
+    total = sum(x.numel() * x.element_size() for x in cfx.tree.leaves(params))
+    with tempfile.TemporaryDirectory() as directory:
+        rows_split = cfx.tree.map(lambda x: P("data") if x.shape[0] % 4 == 0 else P(), params)
+        with cfx.Mesh({"data": 4}) as mesh:
+            arrays = cfx.shard_map(lambda t: t, mesh=mesh, in_specs=(rows_split,), out_specs=rows_split)(params)
+            t0 = time.perf_counter()
+            cfx.checkpoint.save(directory, arrays)
+            save_s = time.perf_counter() - t0
+        written = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)
+                      if n.endswith(".safetensors"))
+        largest_stored = max(_numel(a.block_shape) * 4 for a in cfx.tree.leaves(arrays))
+        del arrays
+        with cfx.Mesh({"model": 4}) as mesh:
+            specs = cfx.Rules(cfx.parallel.MEGATRON_RULES).specs(model.axes(), mesh=mesh)
+            with cfx.memory.track() as mem:
+                t0 = time.perf_counter()
+                loaded, _ = cfx.checkpoint.load(directory, cfx.eval_shape(lambda: params), mesh=mesh, specs=specs)
+                load_s = time.perf_counter() - t0
+                own = sum(b.numel() * b.element_size() for a in cfx.tree.leaves(loaded) for b in a.blocks.values())
+                peak = mem.peak("host")
+    ok = peak <= 1.1 * own + largest_stored
+    return report("checkpoint", [
+        Row(f"load_peak_bytes_vs_own_blocks (GPT-2 {model.config.n_layer} layers, data=4 -> model=4)", peak / own,
+            "x", f"<= 1.1 + {largest_stored / own:.3f} (one slice)", ok),
+        Row("  load peak / own blocks", peak / 2**20, "MiB"),
+        Row("  own blocks (4 ranks of this process)", own / 2**20, "MiB"),
+        Row("save_bytes_vs_primary_blocks", written / total, "x", "1.00 (+headers < 1%)",
+            1.0 <= written / total < 1.01),
+        Row("  save time", save_s, "s"),
+        Row("  load time", load_s, "s"),
+    ], json_path)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
