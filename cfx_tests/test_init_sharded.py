@@ -73,6 +73,13 @@ def test_bad_specs_and_global_rng_are_refused_before_anything_is_built():
         with pytest.raises(ValueError, match="global RNG"):
             cfx.init_sharded(lambda k: {"w": torch.randn(100, 100)}, cfx.random.key(0), mesh=mesh)
 
+        def zero_a_row(k):  # a write through a view would not reach the lazily-built tensor
+            w = cfx.random.normal(k, (96, 100))
+            w[1] = 0.0
+            return {"w": w}
+        with pytest.raises(ValueError, match="writes in place into a view.*out of place"):
+            cfx.init_sharded(zero_a_row, cfx.random.key(0), mesh=mesh, specs=P("data"))
+
 
 # -- a process per rank under an address-space cap ------------------------------------------------
 

@@ -88,6 +88,10 @@ class _Recorder(TorchDispatchMode):
         if inplace and flat and isinstance(flat[0], torch.Tensor) and self.recipe_of(flat[0]) is None:
             raise ValueError(f"cfx.init_sharded: {func} writes a large lazily-built value into a small eager "
                              "tensor; build the result out of place (x = x + y) in the init function.")
+        if inplace and flat and isinstance(flat[0], torch.Tensor) and flat[0]._is_view():
+            raise ValueError(f"cfx.init_sharded: {func} writes in place into a view (a slice, a row) of a large "
+                             "lazily-built tensor, which would not reach the tensor itself; build the result out "
+                             "of place in the init function (torch.where, torch.cat, x * mask).")
         for i, o in enumerate(outs):
             if not isinstance(o, torch.Tensor):
                 continue
