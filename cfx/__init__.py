@@ -25,9 +25,18 @@ from cfx._src.zero.api import zero
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``cfx.generate`` (a callable module: the function and ``python -m cfx.generate``), imported
+    on first use so that ``python -m cfx.generate`` runs it fresh."""
+    if name == "generate":
+        import importlib
+        return importlib.import_module("cfx.generate")
+    raise AttributeError(f"module 'cfx' has no attribute {name!r}")
+
 __all__ = [
     "ActivationStats", "CollectiveMismatch", "CollectiveTimeout", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShapeDtype", "ShardedArray", "activation_stats", "amp",
     "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put", "eval_shape",
-    "gemini", "grad", "init_sharded", "jit", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
+    "gemini", "generate", "grad", "init_sharded", "jit", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
     "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap", "zero",
 ]

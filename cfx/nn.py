@@ -12,6 +12,9 @@ Logical axis names (map them to mesh axes with ``cfx.Rules``):
 ``"heads"``     query heads times head dim, flattened (``q`` outputs, ``o`` inputs)
 ``"kv_heads"``  key/value heads times head dim, flattened (``k`` and ``v`` outputs)
 ``"positions"`` learned position-embedding rows (GPT-2's ``wpe``)
+``"embed_proj"`` a projected embedding's narrower width (OPT-350m's ``wte``, ``project_in`` / ``out``)
+
+``KVCache`` holds attention's keys and values while decoding (``cfx.generate``).
 
 So ``Rules({"mlp": "model", "heads": "model", "kv_heads": "model"})`` is Megatron tensor
 parallelism: q/k/v/fc/gate/up column-parallel, o/proj/down row-parallel.
@@ -20,13 +23,14 @@ from cfx._src.nn.attention import Attention, attention
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.dropout import Dropout, dropout
 from cfx._src.nn.embedding import Embedding
+from cfx._src.nn.kv_cache import KVCache
 from cfx._src.nn.linear import Linear
 from cfx._src.nn.mlp import MLP, activation
 from cfx._src.nn.norm import LayerNorm, RMSNorm
 from cfx._src.nn.rope import apply_rope, rope_cos_sin, rotate_half
 
 __all__ = [
-    "MLP", "Attention", "Dropout", "Embedding", "LayerNorm", "Linear", "RMSNorm",
+    "KVCache", "MLP", "Attention", "Dropout", "Embedding", "LayerNorm", "Linear", "RMSNorm",
     "TransformerBlock", "activation", "apply_rope", "attention", "dropout", "rope_cos_sin",
     "rotate_half",
 ]

@@ -164,13 +164,23 @@ class DecoderLM:
         return dataclasses.replace(self, blocks=tuple(f(b) for b in self.blocks))
 
     def run_blocks(self, params: list, x: torch.Tensor, *, mask: torch.Tensor | None,
-                   keys: list) -> torch.Tensor:
-        # x (B, T, C) -> (B, T, C), through each block's own apply (so wrapped blocks take effect)
+                   keys: list, positions: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
+        # x (B, T, C) -> (B, T, C), through each block's own apply (so wrapped blocks take effect);
+        # with a KVCache, every block appends its keys and values, then the cache advances by T
+        if cache is not None:
+            if len(cache.k) != len(self.blocks):
+                raise ValueError(f"{type(self).__name__}: a KVCache of {len(cache.k)} layers for {len(self.blocks)} "
+                                 "blocks; make it with n_layers=len(model.blocks).")
+            for i, (block, p) in enumerate(zip(self.blocks, params)):
+                x = block.apply(p, x, mask=mask, positions=positions, cache=cache.layer(i))
+            cache.advance(x.shape[1])
+            return x
+        extra = {} if positions is None else {"positions": positions}
         if self.remat_plan is not None:  # the blocks as one chain, under a checkpointing schedule
             return self.remat_plan.run([b.apply for b in self.blocks], params, x,
-                                       [dict(mask=mask, key=k) for k in keys])
+                                       [dict(mask=mask, key=k, **extra) for k in keys])
         for block, p, k in zip(self.blocks, params, keys):
-            x = block.apply(p, x, mask=mask, key=k)
+            x = block.apply(p, x, mask=mask, key=k, **extra)
         return x
 
     def loss(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,

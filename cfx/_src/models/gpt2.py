@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from cfx._src.models.common import (DecoderLM, check_inputs, check_params, config_from_preset,
                                      dropout_keys)
@@ -107,11 +108,13 @@ class GPT2(DecoderLM):
         }
 
     def apply(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
-              key: torch.Tensor | None = None) -> torch.Tensor:
+              key: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              cache: Any = None) -> torch.Tensor:
         """Logits ``(B, T, vocab_size)`` for int tokens ``(B, T)``; ``key=None`` means no dropout.
 
         ``mask`` (bool ``(B, T)``, True = real token) hides padded keys; positions stay
-        ``0..T-1`` as in HF without ``position_ids``.
+        ``0..T-1`` as in HF without ``position_ids``, unless ``positions`` (int ``(B, T)``) says.
+        ``cache`` (a ``cfx.nn.KVCache``): decode after the cached positions (``cfx.generate``).
         """
         c = self.config
         check_inputs("GPT2.apply", tokens, mask, vocab_size=c.vocab_size, max_len=c.n_positions,
@@ -120,9 +123,11 @@ class GPT2(DecoderLM):
         layers = self._layers()
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
         T = tokens.shape[1]
-        x = self.embed(layers["wte"], params["wte"], tokens) + self.position_rows(params["wpe"]["w"], T)  # (B, T, C)
+        wpe = params["wpe"]["w"]  # (P, C)
+        rows = self.position_rows(wpe, T) if positions is None else F.embedding(positions, wpe)  # (T | B, T, C)
+        x = self.embed(layers["wte"], params["wte"], tokens) + rows  # (B, T, C)
         x = dropout(x, c.dropout, keys[0])
-        x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:])  # (B, T, C)
+        x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:], cache=cache)  # (B, T, C)
         x = layers["ln_f"].apply(params["ln_f"], x)
         return layers["wte"].attend(params["wte"], self.head_input(x))  # (B, T, V) or (B, T, V/n)
 

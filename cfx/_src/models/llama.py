@@ -127,11 +127,14 @@ class Llama(DecoderLM):
         return params
 
     def apply(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
-              key: torch.Tensor | None = None) -> torch.Tensor:
+              key: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              cache: Any = None) -> torch.Tensor:
         """Logits ``(B, T, vocab_size)`` for int tokens ``(B, T)``.
 
         ``mask`` (bool ``(B, T)``, True = real token) hides padded keys; RoPE positions stay
-        ``0..T-1``. Llama has no dropout: ``key`` is accepted for a uniform signature and unused.
+        ``0..T-1`` unless ``positions`` (int ``(B, T)``) says. ``cache`` (a ``cfx.nn.KVCache``):
+        decode after the cached positions (``cfx.generate``). Llama has no dropout: ``key`` is
+        accepted for a uniform signature and unused.
         """
         del key
         c = self.config
@@ -140,7 +143,8 @@ class Llama(DecoderLM):
         check_params("Llama.apply", self, params)
         layers = self._layers()
         x = self.embed(layers["embed"], params["embed"], tokens)  # (B, T, C)
-        x = self.run_blocks(params["blocks"], x, mask=mask, keys=[None] * len(self.blocks))
+        x = self.run_blocks(params["blocks"], x, mask=mask, keys=[None] * len(self.blocks), positions=positions,
+                            cache=cache)
         x = layers["norm"].apply(params["norm"], x)  # (B, T, C)
         x = self.head_input(x)
         if c.tie_embeddings:

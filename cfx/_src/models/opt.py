@@ -167,11 +167,14 @@ class OPT(DecoderLM):
                           lambda name, layer: layer.init(keys[name]))
 
     def apply(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
-              key: torch.Tensor | None = None) -> torch.Tensor:
+              key: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              cache: Any = None) -> torch.Tensor:
         """Logits ``(B, T, vocab_size)`` for int tokens ``(B, T)``; ``key=None`` means no dropout.
 
         ``mask`` (bool ``(B, T)``, True = real token) hides padded keys and numbers the positions
-        by real tokens (module doc), so left padding gives HF's logits.
+        by real tokens (module doc), so left padding gives HF's logits; ``positions`` (int
+        ``(B, T)``) overrides that. ``cache`` (a ``cfx.nn.KVCache``): decode after the cached
+        positions (``cfx.generate``).
         """
         c = self.config
         check_inputs("OPT.apply", tokens, mask, vocab_size=c.vocab_size, max_len=c.max_position_embeddings,
@@ -182,11 +185,13 @@ class OPT(DecoderLM):
                              "real tokens over the whole sequence, which one rank's share cannot count. Right-pad "
                              "and pass mask=None (causal attention keeps trailing padding out of the real tokens), "
                              "or split the batch instead of the sequence.")
-        x = self._embed(params, tokens, mask)  # (B, T, C)
-        x = self.run_blocks(params["blocks"], x, mask=mask, keys=dropout_keys(key, c.dropout, len(self.blocks)))
+        x = self._embed(params, tokens, mask, positions)  # (B, T, C)
+        x = self.run_blocks(params["blocks"], x, mask=mask, keys=dropout_keys(key, c.dropout, len(self.blocks)),
+                            cache=cache)
         return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
 
-    def _embed(self, params: dict, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _embed(self, params: dict, tokens: torch.Tensor, mask: torch.Tensor | None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         # tokens (B, T) -> (B, T, C)
         layers, pad = self._layers(), self.config.pad_token_id
         x = self.embed(layers["wte"], params["wte"], tokens)  # (B, T, E)
@@ -195,6 +200,8 @@ class OPT(DecoderLM):
         if "project_in" in layers:
             x = layers["project_in"].apply(params["project_in"], x)  # (B, T, C)
         table = params["wpe"]["w"]  # (P + 2, C)
+        if positions is not None:
+            return x + F.embedding(positions + POSITION_OFFSET, table)  # + (B, T, C)
         if mask is None:
             return x + self.position_rows(table[POSITION_OFFSET:], tokens.shape[1])  # + (T, C)
         positions = mask.long().cumsum(1) * mask - 1  # (B, T): 0, 1, ... over real tokens, -1 on padding

@@ -182,13 +182,15 @@ class Attention:
         return {n: layer.init(k) for (n, layer), k in zip(layers.items(), split_keys(key, len(layers)))}
 
     def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
-              positions: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.heads(params, x, mask=mask, positions=positions)  # (B, T, H * D)
+              positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        out = self.heads(params, x, mask=mask, positions=positions, cache=cache)  # (B, T, H * D)
         return self._layers()["o"].apply(params["o"], out)  # (B, T, C)
 
     def heads(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
-              positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Every head's output, concatenated, before the ``o`` projection: (B, T, C) -> (B, T, H * D)."""
+              positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Every head's output, concatenated, before the ``o`` projection: (B, T, C) -> (B, T, H * D).
+        ``cache`` (a ``KVCache`` layer): this call's keys and values join the cached ones, and the
+        queries attend over all of them (``positions`` then say where the new tokens sit)."""
         if x.dim() != 3:
             raise ValueError(f"Attention.apply: x must be (B, T, C), got shape {tuple(x.shape)}.")
         B, T, _ = x.shape
@@ -203,6 +205,11 @@ class Attention:
             pos = positions.to(x.device)
             cos, sin = rope_cos_sin(pos, D, theta=self.rope_theta, dtype=q.dtype)  # (..., T, D)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # decoding: (B, L + T, Hkv, D) keys and values, (B, L + T) key mask
+            if self.seq is not None:
+                raise ValueError("Attention: a KV cache with the sequence split over a mesh axis; decode with "
+                                 "the unsplit (or tensor-parallel) model.")
+            k, v, mask = cache.update(k, v, mask)
         if self.seq is not None:  # the other ranks' positions: ring / ulysses
             out = self.seq.attend(q, k, v, causal=self.causal, mask=mask, impl=self.impl)  # (B, T, H, D)
         else:

@@ -75,19 +75,20 @@ class TransformerBlock:
         return {n: layer.init(k) for (n, layer), k in zip(layers.items(), split_keys(key, len(layers)))}
 
     def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
-              positions: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
-        # x (B, T, C) -> (B, T, C)
+              positions: torch.Tensor | None = None, key: torch.Tensor | None = None,
+              cache=None) -> torch.Tensor:
+        # x (B, T, C) -> (B, T, C); ``cache``: a KVCache layer (decoding)
         layers = self._layers()
         k_attn = k_mlp = None
         if key is not None and self.dropout > 0.0:
             k_attn, k_mlp = split_keys(key, 2)
         if self.post_norm:
-            h = layers["attn"].apply(params["attn"], x, mask=mask, positions=positions)
+            h = layers["attn"].apply(params["attn"], x, mask=mask, positions=positions, cache=cache)
             x = layers["norm1"].apply(params["norm1"], x + dropout(h, self.dropout, k_attn))
             h = layers["mlp"].apply(params["mlp"], x)
             return layers["norm2"].apply(params["norm2"], x + dropout(h, self.dropout, k_mlp))
         h = layers["attn"].apply(params["attn"], layers["norm1"].apply(params["norm1"], x),
-                                 mask=mask, positions=positions)
+                                 mask=mask, positions=positions, cache=cache)
         x = x + dropout(h, self.dropout, k_attn)
         h = layers["mlp"].apply(params["mlp"], layers["norm2"].apply(params["norm2"], x))
         return x + dropout(h, self.dropout, k_mlp)

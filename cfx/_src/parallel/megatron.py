@@ -28,6 +28,8 @@ from cfx._src import random
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
+from cfx._src.quant import QuantizedWeight
+from cfx_kernels.int8_matmul import int8_matmul
 
 MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 
@@ -79,8 +81,12 @@ class TensorParallelBlock:
         return local
 
     def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
-              positions: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
-        # x (B, T, C) replicated over the axis -> (B, T, C) replicated
+              positions: torch.Tensor | None = None, key: torch.Tensor | None = None,
+              cache=None) -> torch.Tensor:
+        # x (B, T, C) replicated over the axis -> (B, T, C) replicated; ``cache``: this rank's heads'
+        if self.sequence and cache is not None:
+            raise ValueError("tensor_parallel(sequence=True) with a KV cache: decode with the plain tensor-parallel "
+                             "model (sequence=False).")
         layers = self._local_layers(lax.axis_size(self.axis))
         attn, mlp, rate = layers["attn"], layers["mlp"], self.block.dropout
         k_attn = k_mlp = None
@@ -93,7 +99,7 @@ class TensorParallelBlock:
         post = self.block.post_norm  # BERT: each norm after its residual sum, not before the sub-layer
         norm1, norm2 = (lambda x, n=n: layers[n].apply(params[n], x) for n in ("norm1", "norm2"))
         h = self._f(x if post else norm1(x))
-        h = attn.heads(params["attn"], h, mask=mask, positions=positions)  # (B, T, H/n * D)
+        h = attn.heads(params["attn"], h, mask=mask, positions=positions, cache=cache)  # (B, T, H/n * D)
         x = x + dropout(self._g(h, params["attn"]["o"]), rate, k_attn)
         x = norm1(x) if post else x
         h = self._f(x if post else norm2(x))
@@ -111,7 +117,8 @@ class TensorParallelBlock:
     def _g(self, h: torch.Tensor, p: dict) -> torch.Tensor:
         """Out of it: (..., in/n) @ (in/n, out) summed over the axis (under Megatron-SP summed and
         split along the sequence, (B, T, C) -> (B, T/n, C)), then the replicated bias once."""
-        y = h @ p["w"]
+        w = p["w"]
+        y = int8_matmul(h, w.q, w.scale) if isinstance(w, QuantizedWeight) else h @ w  # (B, T, C) partial sums
         y = lax.psum_scatter(y, self.axis, dim=1, tiled=True) if self.sequence else lax.psum(y, self.axis)
         return y + p["b"] if "b" in p else y
 
