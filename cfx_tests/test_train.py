@@ -226,6 +226,25 @@ def test_a_pipe_plan_resumes_its_own_checkpoint(tmp_path, text_file):
 
 
 @pytest.mark.timeout(300)
+def test_sharded_checkpoints_resume_bitwise_and_onto_another_mesh(tmp_path, text_file):
+    base = dict(SMALL, steps=4, data=text_file, mesh="data=2,model=2")
+    full = train(TrainConfig(**base))
+    train(TrainConfig(**base, stop_after=2, save=str(tmp_path / "half")))
+    assert (tmp_path / "half" / "index.json").exists()  # a directory of every process's blocks
+    same = train(TrainConfig(**base, resume=str(tmp_path / "half")))
+    assert same["history"]["train"] == full["history"]["train"][2:]  # bitwise: the same losses
+    cfx.tree.assert_tree_close(same["params"], full["params"], rtol=0, atol=0)
+    other = train(TrainConfig(**dict(base, mesh="model=4"), resume=str(tmp_path / "half")))
+    cfx.tree.assert_tree_close(other["params"], full["params"], rtol=1e-4, atol=1e-5)
+    zero = dict(base, zero=1)
+    train(TrainConfig(**zero, stop_after=2, save=str(tmp_path / "zero1")))
+    with pytest.raises(ValueError, match="saved by plan 'data=2,model=2 zero=1'.*stores its state differently"):
+        train(TrainConfig(**base, resume=str(tmp_path / "zero1")))
+    resumed = train(TrainConfig(**zero, resume=str(tmp_path / "zero1")))
+    assert resumed["steps"] == 2
+
+
+@pytest.mark.timeout(300)
 def test_a_zero3_plan_resumes_and_samples(tmp_path, text_file):  # its state in files (offload=nvme)
     base = dict(SMALL, steps=4, data=text_file, mesh="data=2,model=2", zero=3, sample_bytes=8, offload="nvme",
                 nvme_dir=str(tmp_path / "nvme"))

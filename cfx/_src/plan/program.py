@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cfx._src import amp, donation, memory
+from cfx._src import amp, checkpoint, donation, memory
 from cfx._src import tree as tree_util
 from cfx._src.gemini.mapped import mapped_copy
 from cfx._src.jit.api import jit as cfx_jit
@@ -145,6 +145,28 @@ class Program:
         """A ``TrainState`` from global trees: the model's params and a state saved from this plan's
         ``device_get(state.opt_state)`` (a checkpoint)."""
         return self._at_home(TrainState(self.layout.put(params), put_tree(opt_state, self.state_specs, self.mesh)))
+
+    def save(self, directory: str, state: TrainState, *, metadata: dict | None = None) -> None:
+        """``state`` as a sharded checkpoint directory: every process writes its own blocks and
+        none gathers anything (``cfx.checkpoint``; every process calls it)."""
+        checkpoint.save(directory, {"params": state.params, "opt_state": state.opt_state},
+                        metadata={**(metadata or {}), "plan": str(self.plan)})
+
+    def load(self, directory: str, like: TrainState) -> tuple[TrainState, dict]:
+        """``(state, metadata)`` from ``save``'s directory, laid out like ``like`` (this program's
+        state, e.g. ``init``'s), each process reading only its blocks' slices. A checkpoint of a
+        plan that stores its state the same way (no pipe axis, ZeRO 0; any data / seq / model
+        sizes) loads onto this one; one that stores it otherwise is a ValueError naming both."""
+        try:
+            tree, meta = checkpoint.load(directory, {"params": like.params, "opt_state": like.opt_state})
+        except ValueError as e:
+            saved = _saved_plan(directory)
+            if saved is None or saved == str(self.plan):
+                raise
+            raise ValueError(f"{e} It was saved by plan {saved!r}, which stores its state differently from "
+                             f"{str(self.plan)!r} (its ZeRO stage or pipe axis): resume with the saving plan's "
+                             "--zero / --mesh pipe=..., or save under a plan without them.") from None
+        return self._at_home(TrainState(tree["params"], tree["opt_state"])), meta
 
     def _outer(self, model: Any) -> Any:
         """ZeRO-3: what is left of the model (embeddings, final norm) gathered around its use."""
@@ -317,6 +339,15 @@ def _check_batch(plan, tokens: Any) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ValueError(f"Plan {str(plan)!r}: a batch is (tokens, targets), each a (B, T) integer tensor.")
     plan.check_batch(*tokens.shape)
+
+
+def _saved_plan(directory: str) -> str | None:
+    import json
+    try:
+        with open(os.path.join(directory, "index.json")) as f:
+            return json.load(f).get("metadata", {}).get("plan")
+    except (OSError, ValueError):
+        return None
 
 
 def _remove_dir(directory: str) -> None:

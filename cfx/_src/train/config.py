@@ -63,7 +63,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--data", default=d.data, help="a text file (default: the Python stdlib's source text)")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--save", default=d.save, help="checkpoint path (.safetensors)")
+    p.add_argument("--save", default=d.save,
+                   help="checkpoint path: FILE.safetensors (gathered), or on a --mesh a DIR each process writes "
+                        "its own blocks into (--resume DIR loads it onto another data / seq / model layout)")
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--resume", default=d.resume, help="checkpoint to resume from")
     p.add_argument("--stop-after", type=int, default=d.stop_after,

@@ -67,6 +67,12 @@ def show_remat_plan(plan, *, quiet: bool) -> None:
         tqdm.write(str(format_table(plan.summary(), ["remat plan", "value"])))
 
 
+def sharded_save(path: str) -> bool:
+    """On a mesh, ``--save DIR`` (no ``.safetensors`` suffix) writes a sharded checkpoint directory;
+    ``--save FILE.safetensors`` one file of gathered tensors."""
+    return not path.endswith(".safetensors")
+
+
 def plan_of(cfg: TrainConfig) -> Plan:
     """The ``cfx.parallel.Plan`` the flags name (``--mesh`` and the strategy flags)."""
     mesh = []
@@ -185,8 +191,10 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     policy = amp.policy(cfg.precision)
-    if cfg.save:  # a checkpoint that cannot be written fails now, not after the last step
-        checkpoint.check_writable(cfg.save, what="--save")
+    if cfg.save and not (cfg.mesh and sharded_save(cfg.save)):  # a checkpoint that cannot be written fails
+        checkpoint.check_writable(cfg.save, what="--save")           # now, not after the last step
+    elif cfg.save:
+        checkpoint.check_writable(os.path.join(cfg.save, "index.json"), what="--save")
     corpus = data_lib.text_file(cfg.data) if cfg.data else data_lib.stdlib_corpus()
     train_data, val_data = data_lib.train_val_split(corpus)
     model = build_model(cfg)
@@ -222,7 +230,10 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         program = plan.step(model, tx, mesh=mesh, grad_clip=cfg.grad_clip, nvme_dir=cfg.nvme_dir)
         # params and optimizer state live as ShardedArrays: each process builds only its blocks
         state = program.init(k_init)
-        if cfg.resume:  # the saved optimizer state is this plan's, as global tensors
+        if cfg.resume and os.path.isdir(cfg.resume):  # a sharded checkpoint: each process reads its blocks
+            state, meta = program.load(cfg.resume, state)
+            start = int(meta.get("step", 0))
+        elif cfg.resume:  # one file: the saved optimizer state is this plan's, as global tensors
             like = {"params": params, "opt_state": tree_util.map(lambda a: ShapeDtype(a.shape, a.dtype),
                                                                  state.opt_state)}
             restored, meta = checkpoint.load(cfg.resume, like)
@@ -244,9 +255,13 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     n_params = tree_util.tree_size(params)
 
     def save(step: int) -> None:
+        meta = {"step": step, "config": dataclasses.asdict(cfg)}
+        if plan is not None and sharded_save(cfg.save):  # every process writes its own blocks
+            program.save(cfg.save, state, metadata=meta)
+            return
         out = saved(state)
         if is_main:
-            checkpoint.save(cfg.save, out, metadata={"step": step, "config": dataclasses.asdict(cfg)})
+            checkpoint.save(cfg.save, out, metadata=meta)
 
     def evaluate_all() -> float:
         return sum(loss_of(state, x, y) for x, y in val_batches) / len(val_batches)
