@@ -121,21 +121,31 @@ def test_a_second_save_replaces_the_first_and_removes_its_files(tmp_path):
 
 KILLED = textwrap.dedent("""
     import os, signal, sys, torch
+    import safetensors.torch
     import cfx
     from cfx._src import checkpoint_sharded
     from cfx_tests.test_checkpoint_sharded import save_sharded, state
-    checkpoint_sharded._barrier = lambda: os.kill(os.getpid(), signal.SIGKILL)  # shards written, no commit
+    def half_then_die(tensors, path, metadata=None):  # killed half way through writing a shard
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[2] == "mid-write":
+        safetensors.torch.save_file = half_then_die
+    else:  # every shard written, no commit
+        checkpoint_sharded._barrier = lambda: os.kill(os.getpid(), signal.SIGKILL)
     save_sharded(sys.argv[1], cfx.tree.map(lambda x: x * 0, state()))
 """)
 
 
 @pytest.mark.timeout(120)
-def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("when", ["mid-write", "before-commit"])
+def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(tmp_path, when):
     want = save_sharded(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", KILLED, str(tmp_path)], cwd=os.path.dirname(os.path.dirname(__file__)),
-                          capture_output=True, timeout=100)
+    proc = subprocess.run([sys.executable, "-c", KILLED, str(tmp_path), when],
+                          cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, timeout=100)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    assert any(n.startswith("g000002") for n in os.listdir(tmp_path))  # it had written its shards
+    left = os.listdir(tmp_path)  # what the dead save left: its shards, or a half-written temporary file
+    assert any(n.startswith("g000002") for n in left) if when == "before-commit" else any(".tmp-" in n for n in left)
     got, _ = cfx.checkpoint.load(tmp_path, like())
     for a, b in zip(cfx.tree.leaves(got), cfx.tree.leaves(want)):
         assert torch.equal(a, b)
