@@ -207,3 +207,12 @@ def test_under_torchrun_each_process_writes_its_blocks_and_reads_its_own(tmp_pat
         assert torch.equal(got["blocks"]["b"], b[3 * r:3 * r + 3])
     whole, _ = cfx.checkpoint.load(tmp_path / "ckpt", {"w": w, "b": b})  # and on one process
     assert torch.equal(whole["w"], w) and torch.equal(whole["b"], b)
+
+
+def test_leaves_sharing_storage_are_saved_each_whole(tmp_path):
+    w = torch.randn(8, 4)
+    with cfx.Mesh({"data": 2}) as mesh:
+        a = cfx.device_put(w, mesh, P())
+        cfx.checkpoint.save(tmp_path, {"tied": a, "head": a, "plain": w, "again": w})  # one storage, four leaves
+    got, _ = cfx.checkpoint.load(tmp_path, {k: w for k in ("tied", "head", "plain", "again")})
+    assert all(torch.equal(t, w) for t in got.values())

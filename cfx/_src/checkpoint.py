@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from cfx._src import checkpoint_sharded as sharded
-from cfx._src.checkpoint_io import crc32, write_atomic
+from cfx._src.checkpoint_io import cpu_unshared, crc32, write_atomic
 from cfx._src import tree as tree_util
 from cfx._src.mesh.spec import P
 from cfx._src.sharded import ShardedArray
@@ -38,18 +38,13 @@ _CRC_KEY = "cfx_crc32"
 
 
 def _flat_tensors(tree: Any) -> dict[str, torch.Tensor]:
-    out, seen = {}, set()
+    out = {}
     for path, x in tree_util.flatten_with_path(tree)[0]:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"cfx.checkpoint.save: leaf {path or _ROOT!r} is a {type(x).__name__}, not a "
                              "tensor; keep numeric state as tensors (or pass it as metadata).")
-        t = x.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()  # safetensors refuses shared or partial storages
-        seen.add(t.untyped_storage().data_ptr())
-        out[path or _ROOT] = t
-    return out
+        out[path or _ROOT] = x
+    return cpu_unshared(out)
 
 
 def save(path: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:

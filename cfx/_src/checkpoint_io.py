@@ -16,6 +16,20 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
+def cpu_unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` detached, on the CPU and contiguous, each owning its storage: safetensors refuses
+    tensors that share one (tied weights, views of one buffer) or view part of a larger one."""
+    out, seen = {}, set()
+    for key, x in tensors.items():
+        t = x.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[key] = t
+    return out
+
+
 def write_atomic(path: str, write: Callable[[str], None], *, prefix: str | None = None) -> None:
     """``write(tmp)`` to a temporary file beside ``path`` (named ``prefix<pid>-...``), fsync it,
     then rename it to ``path``: readers see the old file or the new one, never half of one."""

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from cfx._src import memory
-from cfx._src.checkpoint_io import crc32, fsync_dir, write_atomic
+from cfx._src.checkpoint_io import cpu_unshared, crc32, fsync_dir, write_atomic
 from cfx._src import tree as tree_util
 from cfx._src.layout import is_primary
 from cfx._src.mesh.spec import P, is_spec
@@ -57,9 +57,9 @@ def save(directory: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | 
     generation = _current(directory).get("generation", 0) + 1  # every process reads the same index
     blocks, leaves = _blocks_to_write(tree, process)
     stem = f"g{generation:06d}-p{process:05d}"
-    tensors = {key: t for key, (_, t, _) in blocks.items()}
+    tensors = cpu_unshared({key: t for key, (_, t, _) in blocks.items()})
     write_atomic(os.path.join(directory, stem + ".safetensors"), lambda tmp: save_file(tensors, tmp))
-    listing = {key: {"leaf": path, "offsets": list(offsets), "shape": list(t.shape), "crc32": crc32(t)}
+    listing = {key: {"leaf": path, "offsets": list(offsets), "shape": list(t.shape), "crc32": crc32(tensors[key])}
                for key, (path, t, offsets) in blocks.items()}
     size = os.path.getsize(os.path.join(directory, stem + ".safetensors"))
     write_atomic(os.path.join(directory, stem + ".json"), lambda tmp: _dump(tmp, {"blocks": listing, "bytes": size}))
@@ -84,11 +84,11 @@ def _blocks_to_write(tree: Any, process: int) -> tuple[dict, dict]:
                 coords = x.mesh.coords(rank)
                 if is_primary(x.spec, x.mesh, coords):
                     offsets = _offsets(block.shape, x.spec, x.mesh, coords)
-                    blocks[f"{path}@{rank}"] = (path, _cpu(block), offsets)
+                    blocks[f"{path}@{rank}"] = (path, block, offsets)
         elif isinstance(x, torch.Tensor):
             leaves[path] = {"shape": list(x.shape), "dtype": _dtype_name(x.dtype)}
             if process == 0:
-                blocks[f"{path}@whole"] = (path, _cpu(x), (0,) * x.dim())
+                blocks[f"{path}@whole"] = (path, x, (0,) * x.dim())
         else:
             raise ValueError(f"cfx.checkpoint.save: leaf {path!r} is a {type(x).__name__}, not a tensor or a "
                              "ShardedArray; keep numeric state as tensors (or pass it as metadata).")
@@ -274,13 +274,6 @@ def _current(directory: str) -> dict:
 def _dump(path: str, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().to("cpu").contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()  # safetensors refuses views into a larger storage
-    return t
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from cfx._src import tree as tree_util
 from cfx._src.arrays import device_get
 from cfx._src.checkpoint_io import write_atomic
 from cfx._src.mesh.spec import P
@@ -35,7 +36,7 @@ def save_pretrained(directory: str | os.PathLike, model: Any, params: Any, *,
     os.makedirs(directory, exist_ok=True)
     config = hf.hf_config(model)
     config.architectures = [_architecture(model, config)]
-    config.torch_dtype = str(next(iter(_leaves(params))).dtype).removeprefix("torch.")
+    config.torch_dtype = str(tree_util.leaves(params)[0].dtype).removeprefix("torch.")
     state = {k: v.contiguous() for k, v in hf.to_hf(model, device_get(params)).items()}
     shards = _pack(state, max_shard_bytes)
     names = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -123,11 +124,6 @@ def _pack(state: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Te
         shards[-1][k] = t
         size += n
     return shards
-
-
-def _leaves(params: Any):
-    from cfx._src import tree as tree_util
-    return tree_util.leaves(params)
 
 
 def _dump(path: str, obj: Any) -> None:
