@@ -182,3 +182,26 @@ def test_a_jitted_loss_differentiated_in_the_body_equals_eager_and_compiles_per_
     # its backward is compiled by AOT autograd on the first call: each rank has its own graph
     stats = jitted.stats()
     assert (stats.signatures, stats.recompiles, stats.calls) == (2, 0, 4)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_graph_has_its_code_before_its_first_call(backend):
+    # Ranks sharing one graph make their first calls at once; a graph module that generates its
+    # code on the first call (torch's lazy graph module) is not safe to call from two threads.
+    # Dynamo compiles with lazy modules on; what the backend hands back must have none left.
+    import gc
+
+    from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
+
+    from cfx._src.jit.api import _Entry, _Recorder
+
+    def pending():
+        return {id(o) for o in gc.get_objects()
+                if isinstance(o, _LazyGraphModule) and type(o)._needs_recompile()}
+
+    gm = torch.fx.symbolic_trace(lambda x, w: (torch.tanh(x @ w).sum(),))  # dynamo hands tuples
+    before = pending()
+    with _use_lazy_graph_module(True):  # as dynamo's convert_frame calls a backend
+        compiled = _Recorder(backend, _Entry(None, None))(gm, [torch.randn(3, 4), torch.randn(4, 2)])
+    assert pending() <= before, "a graph module the backend built generates its code on its first call"
+    assert compiled is not None

@@ -48,7 +48,7 @@ import torch
 import torch._dynamo
 from torch._dynamo import convert_frame
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
+from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module, _use_lazy_graph_module
 
 from cfx._src import context, donation
 from cfx._src import tree as tree_util
@@ -307,8 +307,10 @@ class _Recorder:
         try:
             # graph modules with their code generated now, not on the first call: ranks sharing
             # this graph make their first calls at once, and a lazy module's codegen is not
-            # thread-safe
-            with _force_skip_lazy_graph_module():
+            # thread-safe. Dynamo has turned lazy modules on before calling a backend: turn them
+            # off for what this backend builds (aot_eager's graphs) and for what re-enters the
+            # switch (inductor's). Compiles hold dynamo's lock, so no other compile sees the flag.
+            with _force_skip_lazy_graph_module(), _use_lazy_graph_module(False):
                 return self.inner(gm, example_inputs)
         finally:
             self.entry.traced.set()  # the other ranks may go on (before this one runs the graph)
