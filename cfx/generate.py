@@ -5,8 +5,9 @@ command line, which streams text as it is decoded::
     python -m cfx.generate --checkpoint DIR --prompt "..." --mesh model=2 --int8 --temperature 0.8
 
 ``--checkpoint``: a Hugging Face directory (``cfx.models.save_pretrained``'s or ``transformers``'
-``save_pretrained``'s; its tokenizer is used when it has one, bytes otherwise) or a
-``python -m cfx.train --save`` file (a byte-level model). ``--mesh model=N`` decodes
+``save_pretrained``'s; its tokenizer is used when it has one, bytes otherwise) or what
+``python -m cfx.train --save`` wrote (a byte-level model): a file, or the directory of a run on a
+mesh under any plan. ``--mesh model=N`` decodes
 tensor-parallel over N local ranks (or torchrun processes); ``--int8`` quantizes the Linear
 weights first (``cfx.quant.quantize``).
 
@@ -37,7 +38,7 @@ sys.modules[__name__].__class__ = _Callable
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cfx.generate", description="Stream text from a cfx or HF model.")
-    p.add_argument("--checkpoint", required=True, help="a Hugging Face directory or a cfx.train .safetensors file")
+    p.add_argument("--checkpoint", required=True, help="a Hugging Face directory, or a cfx.train checkpoint (file or directory)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -129,8 +130,11 @@ class _HFTokenizer:
 
 
 def _load(path: str) -> tuple[Any, Any, Any]:
-    """``(model, params, codec)`` from an HF directory or a cfx.train checkpoint file."""
+    """``(model, params, codec)`` from an HF directory or a cfx.train checkpoint (a file, or a
+    sharded directory)."""
     import cfx
+    if os.path.isfile(os.path.join(path, "index.json")):  # a sharded checkpoint of python -m cfx.train
+        return _load_train_dir(path)
     if os.path.isdir(path):
         model, params = cfx.models.from_pretrained(path)
         has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.json",
@@ -145,18 +149,35 @@ def _load(path: str) -> tuple[Any, Any, Any]:
 
     from safetensors import safe_open
 
-    from cfx._src.train.config import TrainConfig
-    from cfx._src.train.loop import build_model
     with safe_open(path, framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("cfx", "{}"))
-        if "config" not in meta:
-            raise ValueError(f"--checkpoint {path!r}: not a python -m cfx.train checkpoint (no training config in "
-                             "its metadata); pass a Hugging Face directory instead.")
-        fields = {k: v for k, v in meta["config"].items() if k in TrainConfig.__dataclass_fields__}
-        model = build_model(TrainConfig(**fields))
+        model = _train_model(path, json.loads((f.metadata() or {}).get("cfx", "{}")))
         items, treedef = cfx.tree.flatten_with_path(cfx.eval_shape(model.init, cfx.random.key(0)))
         params = cfx.tree.unflatten(treedef, [f.get_tensor(f"params.{p}") for p, _ in items])
     return model, params, _bytes_for(model, path)
+
+
+def _load_train_dir(path: str) -> tuple[Any, Any, Any]:
+    """A directory ``python -m cfx.train --mesh ... --save DIR`` wrote (any plan: its params are
+    stored in the model's own coordinates), read as whole tensors."""
+    import cfx
+    from cfx._src.checkpoint_sharded import Stored
+    with Stored(path) as stored:
+        model = _train_model(path, stored.metadata)
+        items, treedef = cfx.tree.flatten_with_path(cfx.eval_shape(model.init, cfx.random.key(0)))
+        params = cfx.tree.unflatten(treedef, [stored.region(f"params.{p}", (0,) * x.dim(), tuple(x.shape))
+                                              for p, x in items])
+    return model, params, _bytes_for(model, path)
+
+
+def _train_model(path: str, meta: dict) -> Any:
+    """The model a cfx.train checkpoint's metadata describes."""
+    from cfx._src.train.config import TrainConfig
+    from cfx._src.train.loop import build_model
+    if "config" not in meta:
+        raise ValueError(f"--checkpoint {path!r}: not a python -m cfx.train checkpoint (no training config in "
+                         "its metadata); pass a Hugging Face directory instead.")
+    fields = {k: v for k, v in meta["config"].items() if k in TrainConfig.__dataclass_fields__}
+    return build_model(TrainConfig(**fields))
 
 
 def _bytes_for(model: Any, path: str) -> _Bytes:

@@ -207,6 +207,17 @@ def test_under_torchrun_each_process_writes_its_blocks_and_reads_its_own(tmp_pat
         assert torch.equal(got["blocks"]["b"], b[3 * r:3 * r + 3])
     whole, _ = cfx.checkpoint.load(tmp_path / "ckpt", {"w": w, "b": b})  # and on one process
     assert torch.equal(whole["w"], w) and torch.equal(whole["b"], b)
+    # a Plan's state: saved by "data=2 zero=3" (each process its pieces), loaded by "model=2"
+    saved = [torch.load(tmp_path / f"rank{r}.pt")["saved"] for r in range(2)]
+    cfx.tree.assert_tree_close(saved[0], saved[1], rtol=0, atol=0)
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["plan_meta"] == {"step": 1, "plan": "data=2 zero=3"}
+        cfx.tree.assert_tree_close(got["loaded"], saved[0], rtol=0, atol=0)
+    like = cfx.eval_shape(lambda: saved[0])
+    params, _ = cfx.checkpoint.load(str(tmp_path / "ckpt") + "-plan", {
+        "params": like, "opt_state": cfx.eval_shape(cfx.optim.adamw(1e-3).init, like)})
+    cfx.tree.assert_tree_close(params["params"], saved[0], rtol=0, atol=0)
 
 
 def test_leaves_sharing_storage_are_saved_each_whole(tmp_path):

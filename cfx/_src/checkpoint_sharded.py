@@ -49,13 +49,30 @@ _ROOT = "<root>"
 def save(directory: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
     """Write ``tree`` into ``directory`` (module doc): every process calls it (a collective under
     ``dist``); returns once the checkpoint is committed."""
+    blocks, leaves = _blocks_to_write(tree, _process()[0])
+    _write(directory, blocks, leaves, metadata)
+
+
+def save_boxes(directory: str | os.PathLike, leaves: dict[str, tuple[tuple[int, ...], torch.dtype]],
+               boxes: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]], *,
+               metadata: dict[str, Any] | None = None) -> None:
+    """``save`` for state that is not one ShardedArray per leaf (a Plan's, in model coordinates):
+    ``leaves`` gives every leaf's global shape and dtype (the same on every process), ``boxes``
+    the rectangles ``(global offsets, tensor)`` of each leaf that this process writes; together
+    the processes' boxes must tile each leaf once (``load`` says which elements are missing)."""
+    listing = {path: {"shape": list(shape), "dtype": _dtype_name(dtype)} for path, (shape, dtype) in leaves.items()}
+    blocks = {f"{path}#{i}": (path, t, tuple(offsets))
+              for path, own in boxes.items() for i, (offsets, t) in enumerate(own)}
+    _write(directory, blocks, listing, metadata)
+
+
+def _write(directory: str | os.PathLike, blocks: dict, leaves: dict, metadata: dict | None) -> None:
     from safetensors.torch import save_file
 
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     process, processes = _process()
     generation = _current(directory).get("generation", 0) + 1  # every process reads the same index
-    blocks, leaves = _blocks_to_write(tree, process)
     stem = f"g{generation:06d}-p{process:05d}"
     tensors = cpu_unshared({key: t for key, (_, t, _) in blocks.items()})
     write_atomic(os.path.join(directory, stem + ".safetensors"), lambda tmp: save_file(tensors, tmp))
@@ -123,45 +140,71 @@ def load(directory: str | os.PathLike, like: Any, *, mesh=None, specs: Any = P()
     ``directory`` and laid out on ``mesh`` by ``specs`` (a P or a pytree prefix of them;
     ShardedArray leaves of ``like`` use their own mesh and spec), or whole tensors without a
     mesh. Every process calls it and reads only its own blocks' slices (module doc)."""
-    directory = os.fspath(directory)
-    index = _current(directory)
-    if not index:
-        raise ValueError(f"cfx.checkpoint.load: no committed checkpoint in {directory!r} (no {INDEX}: nothing "
-                         "was saved there, or every save was cut short before its commit).")
     items, treedef = tree_util.flatten_with_path(like)
     spec_of = _specs_for(like, len(items), specs, mesh)
-    stored = index["leaves"]
     wanted = [p or _ROOT for p, _ in items]
-    missing, extra = [p for p in wanted if p not in stored], sorted(set(stored) - set(wanted))
-    if missing or extra:
-        raise ValueError(f"cfx.checkpoint.load: {directory!r} does not match the template: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}. Build the template with the model config and optimizer that "
-                         "wrote the checkpoint.")
-    reader = _Reader(directory, index["files"])
-    try:
-        out = [_load_leaf(reader, path, ref, stored[path], mesh, spec)
+    with Stored(directory) as stored:
+        stored.check_leaves(wanted)
+        out = [_load_leaf(stored, path, ref, mesh, spec)
                for (path, ref, spec) in zip(wanted, [x for _, x in items], spec_of)]
-    finally:
-        reader.close()
-    return tree_util.unflatten(treedef, out), index.get("metadata", {})
+    return tree_util.unflatten(treedef, out), stored.metadata
 
 
-def _load_leaf(reader, path: str, ref: Any, entry: dict, mesh, spec: P) -> Any:
-    shape, dtype = tuple(entry["shape"]), _dtype(entry["dtype"])
+class Stored:
+    """A committed checkpoint opened for reading: ``shape`` / ``dtype`` of its leaves, ``metadata``,
+    and ``region``, which reads any rectangle of a leaf from the overlapping slices of the stored
+    blocks. A context manager (closing its files)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = os.fspath(directory)
+        index = _current(self.directory)
+        if not index:
+            raise ValueError(f"cfx.checkpoint.load: no committed checkpoint in {self.directory!r} (no {INDEX}: "
+                             "nothing was saved there, or every save was cut short before its commit).")
+        self.leaves, self.metadata = index["leaves"], index.get("metadata", {})
+        self._reader = _Reader(self.directory, index["files"])
+
+    def shape(self, path: str) -> tuple[int, ...]:
+        return tuple(self.leaves[path]["shape"])
+
+    def dtype(self, path: str) -> torch.dtype:
+        return _dtype(self.leaves[path]["dtype"])
+
+    def check_leaves(self, wanted: list[str]) -> None:
+        """A ValueError unless the checkpoint holds exactly the leaves ``wanted``."""
+        missing, extra = [p for p in wanted if p not in self.leaves], sorted(set(self.leaves) - set(wanted))
+        if missing or extra:
+            raise ValueError(f"cfx.checkpoint.load: {self.directory!r} does not match the template: missing "
+                             f"{missing[:5]}, unexpected {extra[:5]}. Build the template with the model config and "
+                             "optimizer that wrote the checkpoint.")
+
+    def region(self, path: str, lo: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+        """The rectangle ``[lo, lo + size)`` of leaf ``path``."""
+        return _region(self._reader, path, self.leaves[path], tuple(lo), tuple(size), self.dtype(path))
+
+    def __enter__(self) -> "Stored":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._reader.close()
+
+
+def _load_leaf(stored: Stored, path: str, ref: Any, mesh, spec: P) -> Any:
+    shape, dtype = stored.shape(path), stored.dtype(path)
     if hasattr(ref, "shape") and hasattr(ref, "dtype") and (tuple(ref.shape) != shape or ref.dtype != dtype):
         raise ValueError(f"cfx.checkpoint.load: leaf {path!r} is {dtype} {shape} in the checkpoint but "
                          f"{ref.dtype} {tuple(ref.shape)} in the template.")
     if isinstance(ref, ShardedArray):
         mesh, spec = ref.mesh, ref.spec
     if mesh is None:
-        return _region(reader, path, entry, (0,) * len(shape), shape, dtype)
+        return stored.region(path, (0,) * len(shape), shape)
     from cfx._src.layout import block_shape, check_spec
     check_spec(path, shape, spec, mesh, "cfx.checkpoint.load")
     size = block_shape(shape, spec, mesh)
     blocks = {}
     for rank in mesh.local_ranks:
         lo = _offsets(size, spec, mesh, mesh.coords(rank))
-        blocks[rank] = _region(reader, path, entry, lo, size, dtype)
+        blocks[rank] = stored.region(path, lo, size)
     return ShardedArray(shape, spec, mesh, blocks)
 
 

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cfx._src import amp, checkpoint, donation, memory
+from cfx._src import amp, donation, memory
 from cfx._src import tree as tree_util
 from cfx._src.gemini.mapped import mapped_copy
 from cfx._src.jit.api import jit as cfx_jit
@@ -59,6 +59,7 @@ from cfx._src.pipeline.executor import pipeline
 from cfx._src.plan.build import (check_jit, check_mesh, check_model, free_device_bytes, make_optimizer, make_placement,
                                  make_schedule, parallel_model, sequence_order, wrap_blocks)
 from cfx._src.plan.layout import Layout, put_tree
+from cfx._src.plan.saving import StateFiles
 from cfx._src.remat import remat
 from cfx._src.shard_map import shard_map
 from cfx._src.sharded import ShardedArray
@@ -97,6 +98,7 @@ class Program:
         # 6-7. data parallelism and the optimizer, over the stored layout; clipping sees the
         # global norm across every shard through cfx.optim.sharded
         self.opt, self.state_specs = make_optimizer(plan, tx, layout, mesh, grad_clip=self.grad_clip)
+        self._files = StateFiles(layout, mesh, tx, zero=plan.zero, clipped=self.grad_clip > 0, plan=str(plan))
         # offload: each rank's placement of its pieces (kept across steps: auto's warm-up record),
         # one built now on shapes so that a budget below one chunk fails before any rank runs
         self.home = {"none": "device", "nvme": "nvme"}.get(plan.offload, "host")
@@ -147,26 +149,17 @@ class Program:
         return self._at_home(TrainState(self.layout.put(params), put_tree(opt_state, self.state_specs, self.mesh)))
 
     def save(self, directory: str, state: TrainState, *, metadata: dict | None = None) -> None:
-        """``state`` as a sharded checkpoint directory: every process writes its own blocks and
-        none gathers anything (``cfx.checkpoint``; every process calls it)."""
-        checkpoint.save(directory, {"params": state.params, "opt_state": state.opt_state},
-                        metadata={**(metadata or {}), "plan": str(self.plan)})
+        """``state`` as a sharded checkpoint directory in model coordinates (``plan.saving``): every
+        process writes the regions its ranks own and none gathers anything (every process calls it)."""
+        self._files.save(directory, state, metadata=metadata)
 
     def load(self, directory: str, like: TrainState) -> tuple[TrainState, dict]:
-        """``(state, metadata)`` from ``save``'s directory, laid out like ``like`` (this program's
-        state, e.g. ``init``'s), each process reading only its blocks' slices. A checkpoint of a
-        plan that stores its state the same way (no pipe axis, ZeRO 0; any data / seq / model
-        sizes) loads onto this one; one that stores it otherwise is a ValueError naming both."""
-        try:
-            tree, meta = checkpoint.load(directory, {"params": like.params, "opt_state": like.opt_state})
-        except ValueError as e:
-            saved = _saved_plan(directory)
-            if saved is None or saved == str(self.plan):
-                raise
-            raise ValueError(f"{e} It was saved by plan {saved!r}, which stores its state differently from "
-                             f"{str(self.plan)!r} (its ZeRO stage or pipe axis): resume with the saving plan's "
-                             "--zero / --mesh pipe=..., or save under a plan without them.") from None
-        return self._at_home(TrainState(tree["params"], tree["opt_state"])), meta
+        """``(state, metadata)`` from a checkpoint ``save`` wrote under any plan of this model and
+        optimizer (another mesh, ZeRO stage or pipe axis), read into ``like`` (this program's state,
+        e.g. ``init``'s, donated as the step donates its state: its buffers receive the checkpoint,
+        so no second copy is made); each process reads only its blocks' slices."""
+        params, opt_state, meta = self._files.load(directory, like)
+        return TrainState(params, opt_state), meta
 
     def _outer(self, model: Any) -> Any:
         """ZeRO-3: what is left of the model (embeddings, final norm) gathered around its use."""
@@ -339,15 +332,6 @@ def _check_batch(plan, tokens: Any) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ValueError(f"Plan {str(plan)!r}: a batch is (tokens, targets), each a (B, T) integer tensor.")
     plan.check_batch(*tokens.shape)
-
-
-def _saved_plan(directory: str) -> str | None:
-    import json
-    try:
-        with open(os.path.join(directory, "index.json")) as f:
-            return json.load(f).get("metadata", {}).get("plan")
-    except (OSError, ValueError):
-        return None
 
 
 def _remove_dir(directory: str) -> None:
