@@ -11,7 +11,12 @@ overlap several loaded ones, so the load reads slices. ``cfx.memory`` books the 
   most 1.1 plus one slice -- the largest stored block, an upper bound on one read);
 * ``save_bytes_vs_primary_blocks``: shard bytes written over the primary blocks' bytes (the
   replicas written once; target 1.00 up to safetensors' headers, under 1%);
-* save and load wall time.
+* save and load wall time;
+* a Plan's state (params and AdamW moments) saved in model coordinates from ``data=4 zero=3``
+  and resumed by ``pipe=2,data=2``: ``plan_save_bytes_vs_model_state`` (shard bytes over the
+  single-device state's; 1.00: every element once, ZeRO's padding left out) and
+  ``plan_load_extra_bytes_vs_own_state`` (what the load holds beyond the state it reads into,
+  over that state; target: one region read at a time, at most twice the largest block).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import time
 import cfx
 from cfx import P
 from cfx.bench.common import Row, report
+from cfx.parallel import Plan
 
 
 def run(*, quick: bool = False, json_path: str | None = None) -> dict:
@@ -48,6 +54,7 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
                 own = sum(b.numel() * b.element_size() for a in cfx.tree.leaves(loaded) for b in a.blocks.values())
                 peak = mem.peak("host")
     ok = peak <= 1.1 * own + largest_stored
+    plan_rows = _plan_resume(cfx.models.gpt2("small", n_layer=2 if quick else 4, vocab_size=50304))
     return report("checkpoint", [
         Row(f"load_peak_bytes_vs_own_blocks (GPT-2 {model.config.n_layer} layers, data=4 -> model=4)", peak / own,
             "x", f"<= 1.1 + {largest_stored / own:.3f} (one slice)", ok),
@@ -57,7 +64,45 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
             1.0 <= written / total < 1.01),
         Row("  save time", save_s, "s"),
         Row("  load time", load_s, "s"),
+        *plan_rows,
     ], json_path)
+
+
+def _plan_resume(model) -> list[Row]:
+    tx = cfx.optim.adamw(1e-3)
+    with tempfile.TemporaryDirectory() as directory:
+        plan = Plan.parse("data=4 zero=3")
+        with plan.make_mesh() as mesh:
+            program = plan.step(model, tx, mesh=mesh)
+            state = program.init(cfx.random.key(0))
+            t0 = time.perf_counter()
+            program.save(directory, state)
+            save_s = time.perf_counter() - t0
+            del state
+        written = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)
+                      if n.endswith(".safetensors"))
+        shapes = cfx.eval_shape(model.init, cfx.random.key(0))
+        model_state = sum(_numel(x.shape) * 4 for x in cfx.tree.leaves((shapes, cfx.eval_shape(tx.init, shapes))))
+        plan = Plan.parse("pipe=2,data=2")
+        with plan.make_mesh() as mesh:
+            program = plan.step(model, tx, mesh=mesh)
+            like = program.init(cfx.random.key(1))
+            blocks = [b.numel() * b.element_size() for a in cfx.tree.leaves(like) for b in a.blocks.values()]
+            with cfx.memory.track() as mem:
+                t0 = time.perf_counter()
+                program.load(directory, like)
+                load_s = time.perf_counter() - t0
+                extra = mem.peak("host")
+    own, largest = sum(blocks), max(blocks)
+    return [
+        Row(f"plan_save_bytes_vs_model_state (GPT-2 {model.config.n_layer} layers, data=4 zero=3)",
+            written / model_state, "x", "1.00 (+headers < 1%)", 1.0 <= written / model_state < 1.01),
+        Row("plan_load_extra_bytes_vs_own_state (-> pipe=2,data=2)", extra / own, "x",
+            f"<= {2 * largest / own:.3f} (twice the largest block)", extra <= 2 * largest),
+        Row("  own state (4 ranks of this process)", own / 2**20, "MiB"),
+        Row("  plan save time", save_s, "s"),
+        Row("  plan load time", load_s, "s"),
+    ]
 
 
 def _numel(shape) -> int:
