@@ -1,7 +1,9 @@
 """Language models as pure functions over params pytrees, with HF weight converters.
 
 ``cfx.models.gpt2("small")`` / ``cfx.models.llama("tiny")`` / ``cfx.models.opt("125m")`` build decoders and
-``cfx.models.bert("base", head="mlm"|"classify")`` an encoder (frozen dataclasses):
+``cfx.models.bert("base", head="mlm"|"classify")`` an encoder (frozen dataclasses), and
+``cfx.models.evoformer("af2")`` AlphaFold 2's Evoformer stack (``apply(params, m, z, msa_mask=,
+pair_mask=, chunk_size=) -> (m, z)``). The language models have:
 ``init(key)``, ``apply(params, tokens, mask=None, key=None) -> logits``,
 ``loss(params, tokens, targets, mask=None, key=None)``, ``axes()``, ``map_blocks(f)``,
 ``hf_config()`` and ``parts()`` (the parts protocol: embedding | blocks | head + loss, which the
@@ -13,6 +15,7 @@ write and read Hugging Face model directories (config.json + safetensors, one fi
 """
 from cfx._src.models.bert import BERT_PRESETS, Bert, BertConfig, bert
 from cfx._src.models.common import cross_entropy
+from cfx._src.models.evoformer import EVOFORMER_PRESETS, Evoformer, EvoformerBlock, EvoformerConfig, evoformer
 from cfx._src.models.gpt2 import GPT2, GPT2_PRESETS, GPT2Config, gpt2
 from cfx._src.models.hf import from_hf, hf_config, model_from_hf_config, to_hf
 from cfx._src.models.hf_dir import from_pretrained, save_pretrained
@@ -21,8 +24,8 @@ from cfx._src.models.opt import OPT, OPT_PRESETS, OPTConfig, opt
 from cfx._src.models.parts import ModelParts
 
 __all__ = [
-    "BERT_PRESETS", "Bert", "BertConfig", "GPT2", "GPT2Config", "GPT2_PRESETS", "LLAMA_PRESETS", "Llama", "LlamaConfig",
+    "BERT_PRESETS", "Bert", "BertConfig", "EVOFORMER_PRESETS", "Evoformer", "EvoformerBlock", "EvoformerConfig", "GPT2", "GPT2Config", "GPT2_PRESETS", "LLAMA_PRESETS", "Llama", "LlamaConfig",
     "ModelParts", "OPT", "OPTConfig", "OPT_PRESETS", "cross_entropy",
-    "bert", "from_hf", "from_pretrained", "gpt2", "hf_config", "llama", "model_from_hf_config", "opt",
+    "bert", "evoformer", "from_hf", "from_pretrained", "gpt2", "hf_config", "llama", "model_from_hf_config", "opt",
     "save_pretrained", "to_hf",
 ]

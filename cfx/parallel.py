@@ -1,6 +1,8 @@
 """Parallelism as layer transforms and rules: ``tensor_parallel`` (Megatron), ``MEGATRON_RULES``,
-``ring_attention`` over a sequence axis (with ``zigzag_indices``), and ``Plan``: the whole strategy
-(pipe x data x model, ZeRO, remat, schedule) as one object."""
+``ring_attention`` over a sequence axis (with ``zigzag_indices``), ``dap`` (Dynamic Axial
+Parallelism for the Evoformer), and ``Plan``: the whole strategy (pipe x data x model, ZeRO,
+remat, schedule) as one object."""
+from cfx._src.parallel.dap import DAPEvoformer, dap
 from cfx._src.parallel.megatron import MEGATRON_RULES, TensorParallelBlock, tensor_parallel
 from cfx._src.parallel.ring import ring_attention, zigzag_indices
 from cfx._src.parallel.sequence import SequenceSplit, sequence_grads, sequence_parallel
@@ -9,5 +11,5 @@ from cfx._src.plan.plan import Plan
 from cfx._src.plan.program import Program, TrainState
 from cfx._src.parallel.state import state_specs, tree_pmean, tree_psum
 
-__all__ = ["MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "SequenceSplit", "TensorParallelBlock", "ring_attention", "sequence_grads", "sequence_parallel",
+__all__ = ["DAPEvoformer", "MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "SequenceSplit", "TensorParallelBlock", "dap", "ring_attention", "sequence_grads", "sequence_parallel",
            "state_specs", "tensor_parallel", "tree_pmean", "tree_psum", "zigzag_indices"]

@@ -196,8 +196,8 @@ def test_a_compiled_graph_has_its_code_before_its_first_call(backend):
     from cfx._src.jit.api import _Entry, _Recorder
 
     def pending():
-        return {id(o) for o in gc.get_objects()
-                if isinstance(o, _LazyGraphModule) and type(o)._needs_recompile()}
+        return {id(o) for o in gc.get_objects()  # type(): a dead weak proxy must not be dereferenced
+                if issubclass(type(o), _LazyGraphModule) and type(o)._needs_recompile()}
 
     gm = torch.fx.symbolic_trace(lambda x, w: (torch.tanh(x @ w).sum(),))  # dynamo hands tuples
     before = pending()

@@ -4,7 +4,7 @@ import torch
 
 import cfx
 from cfx import P
-from cfx.parallel import MEGATRON_RULES, state_specs, tensor_parallel, tree_pmean
+from cfx.parallel import MEGATRON_RULES, state_specs, tensor_parallel, tree_pmean, tree_psum
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,6 +102,14 @@ def test_dp_gradient_sync_is_one_all_reduce_of_all_params():
     assert len(recs) == 1 and recs[0].op == "all_reduce" and recs[0].nbytes == 4 * n_params
     # ring all-reduce moves 2 (N-1)/N of the payload per rank: 2 * Psi * (N-1)/N
     assert 2 * recs[0].nbytes * 3 / 4 == 2 * 4 * n_params * (4 - 1) / 4
+
+
+def test_the_flat_all_reduce_keeps_fp64_leaves_fp64():
+    tree = {"a": torch.tensor([1.0 + 2 ** -40], dtype=torch.float64), "b": torch.ones(2)}
+    with cfx.Mesh({"data": 2}) as mesh:
+        got = cfx.device_get(cfx.shard_map(lambda t: tree_psum(t, "data"), mesh=mesh, in_specs=P(), out_specs=P())(tree))
+    assert got["a"].dtype == torch.float64 and got["a"].item() == 2 * (1.0 + 2 ** -40)  # fp32 would round it
+    assert got["b"].dtype == torch.float32 and torch.equal(got["b"], torch.full((2,), 2.0))
 
 
 def test_tp_bad_mesh_size():

@@ -2,6 +2,7 @@
 (global norms across shards: ``cfx.optim.sharded``)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,7 +47,8 @@ def _flat_reduce(tree: Any, axis: str, *, mean: bool) -> Any:
     floats = [i for i, x in enumerate(items) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not floats:
         return tree
-    flat = torch.cat([items[i].reshape(-1).to(torch.float32) for i in floats])
+    dtype = functools.reduce(torch.promote_types, (items[i].dtype for i in floats), torch.float32)  # fp64 stays
+    flat = torch.cat([items[i].reshape(-1).to(dtype) for i in floats])
     if flat.requires_grad:
         flat = (lax.pmean if mean else lax.psum)(flat, axis)
     else:  # the flat copy is ours: reduce and scale it in place (no second copy of the model)
