@@ -116,3 +116,18 @@ def test_the_estimate_is_the_graphs_own_peak():
     gm, _ = _trace(f, (torch.randn(1024),), {})
     peak = simulate(items(list(gm.graph.nodes)))
     assert peak.bytes == 2 * 4096  # y and z at once, then the scalar
+
+
+def test_one_blocks_plan_serves_every_block_of_a_stack():
+    cfg = cfx.models.EvoformerConfig.preset("tiny", n_blocks=3, softmax_impl="reference")
+    model = cfx.models.Evoformer(cfg)
+    params = model.init(cfx.random.key(0))
+    m, z = torch.randn(4, 32, cfg.c_m), torch.randn(32, 32, cfg.c_z)
+    block = cfx.autochunk(lambda p, m, z: model.blocks[0].apply(p, (m, z)), (params["blocks"][0], m, z),
+                          memory_budget="512KiB")
+    x = (m, z)
+    for p in params["blocks"]:
+        x = block(p, *x)
+    with torch.no_grad():
+        cfx.tree.assert_tree_close(x, model.apply(params, m, z))
+    assert len(block._compiled) == 1 and block.compile(params["blocks"][0], m, z).choices

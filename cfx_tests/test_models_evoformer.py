@@ -279,3 +279,45 @@ def test_bad_inputs_raise():
         model.apply(params, m, z, msa_mask=msa[:, :-1])
     with pytest.raises(ValueError, match="pair_mask must be"):
         model.apply(params, m, z, pair_mask=pair[:-1])
+
+
+# -- layer transforms ----------------------------------------------------------------------------------
+def test_remat_blocks_equal_the_plain_stack():
+    """The stack's blocks take the layer transforms the decoders take, through ``map_blocks``:
+    ``cfx.remat`` per block (values and gradients), ZeRO-3's gathered blocks (below)."""
+    model = Evoformer(CONFIG)
+    params = randomized(model.init(key(10)), 10)
+    m, z, msa, pair = case(masked=True)
+
+    def loss(model, p):
+        mo, zo = model.apply(p, m, z, msa_mask=msa, pair_mask=pair)
+        return mo.square().mean() + zo.square().mean()
+    want, want_g = cfx.value_and_grad(lambda p: loss(model, p))(params)
+    got, got_g = cfx.value_and_grad(lambda p: loss(model.map_blocks(cfx.remat), p))(params)
+    torch.testing.assert_close(got, want)
+    cfx.tree.assert_tree_close(got_g, want_g)
+    assert model.map_blocks(cfx.remat).axes() == model.axes()
+
+
+@pytest.mark.timeout(120)
+def test_zero3_gathered_blocks_on_a_data_axis_equal_one_device():
+    model = Evoformer(CONFIG)
+    params = randomized(model.init(key(11)), 11)
+    m, z = randn(1, 2, 3, 4, CONFIG.c_m), randn(2, 2, 4, 4, CONFIG.c_z)  # a batch of 2, split over data
+
+    def loss(model, p, m, z):
+        mo, zo = model.apply(p, m, z)
+        return mo.square().mean() + zo.square().mean()
+    want, want_g = cfx.value_and_grad(lambda p: loss(model, p, m, z))(params)
+    net = cfx.zero.gathered(model.map_blocks(lambda b: cfx.zero.gathered(b, axis="data")), axis="data")
+    ztx = cfx.zero(cfx.optim.sgd(0.1), stage=3, axis="data")
+
+    def body(params, m, z):
+        p = cfx.zero.shard_params(params, axis="data")
+        value, grads = ztx.value_and_grad(lambda p: loss(net, p, m, z))(p)
+        return cfx.lax.pmean(value, "data"), cfx.zero.gather_params(grads, axis="data")
+    with cfx.Mesh({"data": 2}) as mesh:
+        got, got_g = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(cfx.P(), cfx.P("data"), cfx.P("data")),
+                                                  out_specs=(cfx.P(), cfx.P()))(params, m, z))
+    torch.testing.assert_close(got, want)
+    cfx.tree.assert_tree_close(got_g, want_g, rtol=1e-5, atol=1e-6)  # the mean over ranks: fp32 reordering

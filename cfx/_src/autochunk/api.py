@@ -15,6 +15,15 @@ loops (``rewrite``). The results are the unchunked function's (the same ops on s
 sums that a region splits do not exist: a reduction along the chunked dim ends the region).
 Inference only: the chunked function runs under ``torch.no_grad()``. ``chunk_size=`` arguments a
 model offers for manual chunking stay available and compose (they are traced as they run).
+
+The search is greedy over the graph's ops (seconds for a few Evoformer blocks, growing with the
+square of the graph). For a deep stack of identical blocks, chunk one block: its plan depends only
+on the shapes, so it serves every block::
+
+    block = cfx.autochunk(lambda p, m, z: model.blocks[0].apply(p, (m, z)), (params["blocks"][0], m, z),
+                          memory_budget="2GiB")
+    for p in params["blocks"]:
+        m, z = block(p, m, z)
 """
 from __future__ import annotations
 
@@ -70,17 +79,16 @@ class Chunked:
 
     def report(self, *args: Any, **kwargs: Any) -> str:
         """A table of the regions chosen for these arguments (default: the last signature compiled)."""
-        from cfx._src.plan.config import format_bytes
         if args or kwargs:
             c = self.compile(*args, **kwargs)
         elif self._compiled:
             c = list(self._compiled.values())[-1]
         else:
             raise ValueError("cfx.autochunk: nothing compiled yet; call it (or .compile) with arguments first.")
-        lines = [f"estimated peak activations: {format_bytes(c.unchunked_bytes)} unchunked -> "
-                 f"{format_bytes(c.chunked_bytes)} chunked (budget {format_bytes(self.budget)})"]
+        lines = [f"estimated peak activations: {_mib(c.unchunked_bytes)} unchunked -> {_mib(c.chunked_bytes)} "
+                 f"chunked (budget {_mib(self.budget)})"]
         lines += [f"  {ch.op:<24} {ch.output:<20} dim {ch.dim} of {ch.length} in {ch.chunks} chunks of {ch.size} "
-                  f"({ch.ops} ops) -> peak {format_bytes(ch.peak)}" for ch in c.choices]
+                  f"({ch.ops} ops) -> peak {_mib(ch.peak)}" for ch in c.choices]
         return "\n".join(lines)
 
 
@@ -130,6 +138,10 @@ def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[fx.GraphM
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, structure["out"]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 class _bar:

@@ -219,7 +219,10 @@ def flow(order: list, index: dict, output: Node, chunk: Chunk) -> Region | None:
     want: dict[Node, Any] = {output: chunk}
     needs: dict[Node, dict] = {}
     members: set[Node] = set()
+    lowest = index[output]  # the earliest node any member wants: nothing before it can join
     for i in range(index[output], -1, -1):
+        if i < lowest:
+            break
         node = order[i]
         if node not in want:
             continue
@@ -241,6 +244,7 @@ def flow(order: list, index: dict, output: Node, chunk: Chunk) -> Region | None:
         for x, cx in got.items():
             if cx is not None and isinstance(x, Node) and x.op == "call_function":
                 want.setdefault(x, cx)
+                lowest = min(lowest, index[x])
     if output not in members:
         return None
     ordered = sorted(members, key=index.__getitem__)
