@@ -13,6 +13,7 @@ Logical axis names (map them to mesh axes with ``cfx.Rules``):
 ``"kv_heads"``  key/value heads times head dim, flattened (``k`` and ``v`` outputs)
 ``"positions"`` learned position-embedding rows (GPT-2's ``wpe``)
 ``"embed_proj"`` a projected embedding's narrower width (OPT-350m's ``wte``, ``project_in`` / ``out``)
+``"conv_out"`` / ``"conv_in"`` / ``"kernel"``  a ``Conv2d``'s output and input channels and its window
 
 ``KVCache`` holds attention's keys and values while decoding (``cfx.generate``).
 
@@ -21,16 +22,17 @@ parallelism: q/k/v/fc/gate/up column-parallel, o/proj/down row-parallel.
 """
 from cfx._src.nn.attention import Attention, attention
 from cfx._src.nn.block import TransformerBlock
+from cfx._src.nn.conv import Conv2d
 from cfx._src.nn.dropout import Dropout, dropout
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.kv_cache import KVCache
 from cfx._src.nn.linear import Linear
 from cfx._src.nn.mlp import MLP, activation
-from cfx._src.nn.norm import LayerNorm, RMSNorm
+from cfx._src.nn.norm import GroupNorm, LayerNorm, RMSNorm
 from cfx._src.nn.rope import apply_rope, rope_cos_sin, rotate_half
 
 __all__ = [
-    "KVCache", "MLP", "Attention", "Dropout", "Embedding", "LayerNorm", "Linear", "RMSNorm",
+    "KVCache", "MLP", "Attention", "Conv2d", "Dropout", "Embedding", "GroupNorm", "LayerNorm", "Linear", "RMSNorm",
     "TransformerBlock", "activation", "apply_rope", "attention", "dropout", "rope_cos_sin",
     "rotate_half",
 ]

@@ -314,3 +314,24 @@ def test_init_scale_matches_std(seed):
     w = lin.init(cfx.random.key(seed))["w"]
     assert abs(w.std().item() - 0.02) < 0.002
     assert abs(nn.Linear(64, 64).init(cfx.random.key(seed))["w"].std().item() - 1 / 8) < 0.01
+
+
+def test_conv2d_and_group_norm_equal_torch_nn_on_the_same_weights():
+    g = torch.Generator().manual_seed(0)
+    conv = cfx.nn.Conv2d(3, 5, kernel_size=3, stride=2, padding=1)
+    p = cfx.tree.map(lambda t: torch.randn(t.shape, generator=g), conv.init(cfx.random.key(0)))
+    ref = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1)
+    ref.load_state_dict({"weight": p["w"], "bias": p["b"]})  # torch's layout: no transpose
+    x = torch.randn(2, 3, 9, 9, generator=g)
+    torch.testing.assert_close(conv.apply(p, x), ref(x))
+    assert conv.axes() == {"w": ("conv_out", "conv_in", "kernel", "kernel"), "b": ("conv_out",)}
+    norm = cfx.nn.GroupNorm(2, 6, eps=1e-6)
+    q = {"scale": torch.randn(6, generator=g), "bias": torch.randn(6, generator=g)}
+    ref = torch.nn.GroupNorm(2, 6, eps=1e-6)
+    ref.load_state_dict({"weight": q["scale"], "bias": q["bias"]})
+    y = torch.randn(2, 6, 4, 4, generator=g)
+    torch.testing.assert_close(norm.apply(q, y), ref(y))
+    with pytest.raises(ValueError, match="do not split into 4 groups"):
+        cfx.nn.GroupNorm(4, 6)
+    with pytest.raises(ValueError, match=r"x must be \(B, 3, H, W\)"):
+        conv.apply(p, torch.randn(2, 4, 9, 9))

@@ -69,3 +69,32 @@ class RMSNorm:
 
     def axes(self) -> dict:
         return {"scale": (self.axis_name,)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupNorm:
+    """``F.group_norm`` over ``(B, C, ...)``: ``groups`` groups of channels normalised together, then
+    a per-channel ``scale`` and ``bias`` (diffusers' ``GroupNorm(num_groups, num_channels, eps)``)."""
+
+    groups: int
+    channels: int
+    eps: float = 1e-5
+    axis_name: str = "conv_out"
+
+    def __post_init__(self):
+        if self.groups <= 0 or self.channels % self.groups:
+            raise ValueError(f"GroupNorm: {self.channels} channels do not split into {self.groups} groups; use a "
+                             "group count dividing the channels.")
+
+    def init(self, key: torch.Tensor) -> dict:
+        del key  # deterministic init
+        return {"scale": torch.ones(self.channels, dtype=torch.float32),
+                "bias": torch.zeros(self.channels, dtype=torch.float32)}
+
+    def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[1] != self.channels:
+            raise ValueError(f"GroupNorm.apply: x must be (B, {self.channels}, ...), got {tuple(x.shape)}.")
+        return torch.nn.functional.group_norm(x, self.groups, params["scale"], params["bias"], self.eps)
+
+    def axes(self) -> dict:
+        return {"scale": (self.axis_name,), "bias": (self.axis_name,)}
