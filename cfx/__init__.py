@@ -3,8 +3,8 @@
 Models are pure functions over parameter pytrees; parallelism and memory strategies are
 function transformations over named device meshes.
 """
-from cfx import (amp, checkpoint, checkpoint_policies, gemini, lax, memory, models, nn, optim, parallel, quant,
-                 random, testing, tree)
+from cfx import (amp, checkpoint, checkpoint_policies, diffusion, gemini, lax, memory, models, nn, optim, parallel,
+                 quant, random, testing, tree)
 from cfx._src.arrays import device_get, device_put, reshard
 from cfx._src.autochunk.api import autochunk
 from cfx._src.init_sharded import init_sharded
@@ -37,7 +37,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "ActivationStats", "CollectiveMismatch", "CollectiveTimeout", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShapeDtype", "ShardedArray", "activation_stats", "amp",
-    "autochunk", "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put", "eval_shape",
+    "autochunk", "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put",
+    "diffusion", "eval_shape",
     "gemini", "generate", "grad", "init_sharded", "jit", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
     "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap", "zero",
 ]

@@ -1,0 +1,20 @@
+"""Stable Diffusion on cfx: its three models as pure functions over params, with weights
+interchangeable with ``diffusers`` / ``transformers``, and its schedules as pure functions.
+
+``UNet2DCondition`` (``diffusers.UNet2DConditionModel``: ``apply(params, sample, timestep,
+encoder_hidden_states) -> noise prediction``), ``AutoencoderKL`` (``encode -> (mean, logvar)``,
+``sample_latents``, ``decode``), ``CLIPTextEncoder`` (``transformers.CLIPTextModel``: ``apply(params,
+tokens, mask=) -> (hidden, pooled)``); each module's ``from_diffusers`` / ``from_hf`` and
+``to_diffusers_state_dict`` / ``to_hf_state_dict`` convert weights. ``Schedule`` and the functions
+of ``schedulers`` (``add_noise``, ``target``, ``ddpm_step``, ``ddim_step``, Euler, ``guidance``)
+equal diffusers' DDPM / DDIM / Euler schedulers step for step.
+"""
+from cfx._src.diffusion import clip_text, schedulers, unet, vae
+from cfx._src.diffusion.clip_text import CLIPTextConfig, CLIPTextEncoder
+from cfx._src.diffusion.schedulers import Schedule, add_noise, ddim_step, ddim_timesteps, ddpm_step, guidance, target
+from cfx._src.diffusion.unet import UNet2DCondition, UNet2DConditionConfig
+from cfx._src.diffusion.vae import AutoencoderKL, AutoencoderKLConfig
+
+__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "CLIPTextConfig", "CLIPTextEncoder", "Schedule", "UNet2DCondition",
+           "UNet2DConditionConfig", "add_noise", "clip_text", "ddim_step", "ddim_timesteps", "ddpm_step", "guidance",
+           "schedulers", "target", "unet", "vae"]
