@@ -7,14 +7,17 @@ encoder_hidden_states) -> noise prediction``), ``AutoencoderKL`` (``encode -> (m
 tokens, mask=) -> (hidden, pooled)``); each module's ``from_diffusers`` / ``from_hf`` and
 ``to_diffusers_state_dict`` / ``to_hf_state_dict`` convert weights. ``Schedule`` and the functions
 of ``schedulers`` (``add_noise``, ``target``, ``ddpm_step``, ``ddim_step``, Euler, ``guidance``)
-equal diffusers' DDPM / DDIM / Euler schedulers step for step.
+equal diffusers' DDPM / DDIM / Euler schedulers step for step. ``denoising_loss`` is the training
+objective (diffusers' ``train_text_to_image.py`` loss) and ``draw`` its timesteps and noise from a key.
 """
 from cfx._src.diffusion import clip_text, schedulers, unet, vae
+from cfx._src.diffusion.train import denoising_loss, draw
 from cfx._src.diffusion.clip_text import CLIPTextConfig, CLIPTextEncoder
 from cfx._src.diffusion.schedulers import Schedule, add_noise, ddim_step, ddim_timesteps, ddpm_step, guidance, target
 from cfx._src.diffusion.unet import UNet2DCondition, UNet2DConditionConfig
 from cfx._src.diffusion.vae import AutoencoderKL, AutoencoderKLConfig
 
 __all__ = ["AutoencoderKL", "AutoencoderKLConfig", "CLIPTextConfig", "CLIPTextEncoder", "Schedule", "UNet2DCondition",
-           "UNet2DConditionConfig", "add_noise", "clip_text", "ddim_step", "ddim_timesteps", "ddpm_step", "guidance",
+           "UNet2DConditionConfig", "add_noise", "clip_text", "ddim_step", "ddim_timesteps", "ddpm_step", "denoising_loss",
+           "draw", "guidance",
            "schedulers", "target", "unet", "vae"]
