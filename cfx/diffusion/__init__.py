@@ -9,15 +9,19 @@ tokens, mask=) -> (hidden, pooled)``); each module's ``from_diffusers`` / ``from
 of ``schedulers`` (``add_noise``, ``target``, ``ddpm_step``, ``ddim_step``, Euler, ``guidance``)
 equal diffusers' DDPM / DDIM / Euler schedulers step for step. ``denoising_loss`` is the training
 objective (diffusers' ``train_text_to_image.py`` loss) and ``draw`` its timesteps and noise from a key.
+``load_pipeline(dir)`` / ``save_pipeline(dir, pipeline)`` read and write diffusers' pipeline layout
+(``unet/``, ``vae/``, ``text_encoder/``, ``scheduler/``).
 """
 from cfx._src.diffusion import clip_text, schedulers, unet, vae
 from cfx._src.diffusion.train import denoising_loss, draw
 from cfx._src.diffusion.clip_text import CLIPTextConfig, CLIPTextEncoder
+from cfx._src.diffusion.pipeline import Pipeline, load_pipeline, save_pipeline
 from cfx._src.diffusion.schedulers import Schedule, add_noise, ddim_step, ddim_timesteps, ddpm_step, guidance, target
 from cfx._src.diffusion.unet import UNet2DCondition, UNet2DConditionConfig
 from cfx._src.diffusion.vae import AutoencoderKL, AutoencoderKLConfig
 
-__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "CLIPTextConfig", "CLIPTextEncoder", "Schedule", "UNet2DCondition",
+__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "CLIPTextConfig", "CLIPTextEncoder", "Pipeline", "Schedule",
+           "UNet2DCondition", "load_pipeline", "save_pipeline",
            "UNet2DConditionConfig", "add_noise", "clip_text", "ddim_step", "ddim_timesteps", "ddpm_step", "denoising_loss",
            "draw", "guidance",
            "schedulers", "target", "unet", "vae"]
