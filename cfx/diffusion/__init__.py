@@ -10,18 +10,22 @@ of ``schedulers`` (``add_noise``, ``target``, ``ddpm_step``, ``ddim_step``, Eule
 equal diffusers' DDPM / DDIM / Euler schedulers step for step. ``denoising_loss`` is the training
 objective (diffusers' ``train_text_to_image.py`` loss) and ``draw`` its timesteps and noise from a key.
 ``load_pipeline(dir)`` / ``save_pipeline(dir, pipeline)`` read and write diffusers' pipeline layout
-(``unet/``, ``vae/``, ``text_encoder/``, ``scheduler/``).
+(``unet/``, ``vae/``, ``text_encoder/``, ``scheduler/``); ``sample_images`` draws images (DDIM
+with classifier-free guidance, as ``StableDiffusionPipeline``), and ``python -m cfx.diffusion.sample``
+is its command line (the module ``cfx.diffusion.sample``).
 """
 from cfx._src.diffusion import clip_text, schedulers, unet, vae
 from cfx._src.diffusion.train import denoising_loss, draw
 from cfx._src.diffusion.clip_text import CLIPTextConfig, CLIPTextEncoder
 from cfx._src.diffusion.pipeline import Pipeline, load_pipeline, save_pipeline
+from cfx._src.diffusion.sampling import sample as sample_images
+from cfx._src.diffusion.sampling import text_states
 from cfx._src.diffusion.schedulers import Schedule, add_noise, ddim_step, ddim_timesteps, ddpm_step, guidance, target
 from cfx._src.diffusion.unet import UNet2DCondition, UNet2DConditionConfig
 from cfx._src.diffusion.vae import AutoencoderKL, AutoencoderKLConfig
 
 __all__ = ["AutoencoderKL", "AutoencoderKLConfig", "CLIPTextConfig", "CLIPTextEncoder", "Pipeline", "Schedule",
-           "UNet2DCondition", "load_pipeline", "save_pipeline",
+           "UNet2DCondition", "load_pipeline", "sample_images", "save_pipeline", "text_states",
            "UNet2DConditionConfig", "add_noise", "clip_text", "ddim_step", "ddim_timesteps", "ddpm_step", "denoising_loss",
            "draw", "guidance",
            "schedulers", "target", "unet", "vae"]

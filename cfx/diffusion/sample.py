@@ -1,0 +1,76 @@
+"""``python -m cfx.diffusion.sample --pipeline DIR --prompt "..." --steps 25 --out image.png``.
+
+Text to image with a Stable Diffusion pipeline directory (diffusers' layout, its ``tokenizer/``
+read with transformers' ``CLIPTokenizer``): DDIM with classifier-free guidance (``--guidance``,
+against ``--negative-prompt``), a progress bar over the steps, the PNG written with Pillow.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cfx.diffusion.sample", description=__doc__.splitlines()[0])
+    p.add_argument("--pipeline", required=True, help="a Stable Diffusion pipeline directory (diffusers' layout)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default="", help="what guidance steers away from (default: empty)")
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (1: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the UNet's sample size x 8)")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--out", default="image.png")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        image = run(a)
+        _write_png(image, a.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(a.out)
+    return 0
+
+
+def run(a: argparse.Namespace) -> torch.Tensor:
+    import cfx
+    from cfx._src.diffusion.sampling import sample, text_states
+    pipe = cfx.diffusion.load_pipeline(a.pipeline)
+    tokenize = _tokenizer(a.pipeline, pipe.text_encoder.config.max_position_embeddings)
+    cond, uncond = text_states(pipe, tokenize(a.prompt)), text_states(pipe, tokenize(a.negative_prompt))
+    from tqdm.auto import tqdm
+    with tqdm(total=a.steps, desc="sampling", unit="step", disable=a.no_progress) as bar:
+        images = sample(pipe, cond, uncond, steps=a.steps, guidance_scale=a.guidance, key=cfx.random.key(a.seed),
+                        height=a.height, width=a.width, progress=lambda i: bar.update(1))
+    return images[0]
+
+
+def _tokenizer(directory: str, length: int):
+    path = os.path.join(directory, "tokenizer")
+    if not os.path.isdir(path):
+        raise ValueError(f"--pipeline {directory!r} has no tokenizer/ directory; save the pipeline's tokenizer there "
+                         "(tokenizer.save_pretrained(DIR + '/tokenizer')).")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("reading the pipeline's tokenizer needs transformers: pip install transformers.") from None
+    tok = transformers.CLIPTokenizer.from_pretrained(path)
+    return lambda text: tok(text, padding="max_length", max_length=min(length, tok.model_max_length), truncation=True,
+                            return_tensors="pt").input_ids
+
+
+def _write_png(image: torch.Tensor, path: str) -> None:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError("writing the PNG needs Pillow: pip install pillow.") from None
+    pixels = (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    Image.fromarray(pixels).save(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Sampling equals diffusers' ``StableDiffusionPipeline`` on the same tiny components, text states
+and starting latents (DDIM, classifier-free guidance, decode to [0, 1]); the starting noise is a
+pure function of the key; sizes that do not map to whole latents are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+import cfx  # noqa: E402
+from cfx._src.diffusion.sampling import sample, text_states  # noqa: E402
+from cfx_tests.test_diffusion_pipeline import components  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory):
+    unet, vae, text, sched = components()
+    d = tmp_path_factory.mktemp("pipe")
+    for name, part in (("unet", unet), ("vae", vae), ("text_encoder", text), ("scheduler", sched)):
+        part.save_pretrained(d / name)
+    ref = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=None, unet=unet, scheduler=sched,
+                                            safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    ref.set_progress_bar_config(disable=True)
+    return cfx.diffusion.load_pipeline(d), ref
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scale", [1.0, 7.5])
+def test_sampling_equals_diffusers_pipeline(pipes, scale):
+    p, ref = pipes
+    g = torch.Generator().manual_seed(0)
+    tokens, empty = torch.randint(0, 99, (2, 7), generator=g), torch.zeros(2, 7, dtype=torch.long)
+    cond, uncond = text_states(p, tokens), text_states(p, empty)
+    latents = torch.randn(2, 4, 8, 8, generator=g)
+    got = sample(p, cond, uncond, steps=6, guidance_scale=scale, latents=latents)
+    want = ref(prompt_embeds=cond, negative_prompt_embeds=uncond, latents=latents, num_inference_steps=6,
+               guidance_scale=scale, output_type="pt", height=16, width=16).images
+    torch.testing.assert_close(got, want)
+    assert got.shape == (2, 3, 16, 16) and 0 <= float(got.min()) and float(got.max()) <= 1
+
+
+def test_the_noise_is_the_keys_and_bad_sizes_are_refused(pipes):
+    p, _ = pipes
+    cond = text_states(p, torch.ones(1, 5, dtype=torch.long))
+    a = sample(p, cond, steps=2, key=cfx.random.key(3))
+    b = sample(p, cond, steps=2, key=cfx.random.key(3))
+    assert torch.equal(a, b) and a.shape == (1, 3, 16, 16)
+    with pytest.raises(ValueError, match="do not map to whole latents: use multiples of 4"):
+        sample(p, cond, steps=2, key=cfx.random.key(3), height=18, width=16)
+    with pytest.raises(ValueError, match="pass key="):
+        sample(p, cond, steps=2)
+
+
+def tiny_tokenizer(directory):
+    """A character-level CLIP BPE tokenizer (no merges) whose ids fit the tiny text encoder's 99."""
+    import json
+    directory.mkdir(parents=True, exist_ok=True)
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = {t: i for i, t in enumerate(["<|startoftext|>", "<|endoftext|>", *letters, *(c + "</w>" for c in letters)])}
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    tok = transformers.CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=16)
+    tok.save_pretrained(directory)
+    return tok
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_writes_the_png_the_function_draws(pipes, tmp_path):
+    from PIL import Image
+
+    from cfx.diffusion.sample import main
+    p, _ = pipes
+    tok = tiny_tokenizer(p_dir(p) / "tokenizer")
+    out = tmp_path / "cat.png"
+    assert main(["--pipeline", str(p_dir(p)), "--prompt", "a cat", "--steps", "3", "--seed", "4", "--out", str(out),
+                 "--no-progress"]) == 0
+    ids = lambda s: tok(s, padding="max_length", max_length=16, return_tensors="pt").input_ids  # noqa: E731
+    want = sample(p, text_states(p, ids("a cat")), text_states(p, ids("")), steps=3, key=cfx.random.key(4))[0]
+    got = torch.from_numpy(__import__("numpy").array(Image.open(out))).permute(2, 0, 1).float() / 255
+    torch.testing.assert_close(got, want, atol=1 / 255, rtol=0)  # 8-bit rounding
+    assert main(["--pipeline", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "no.png")]) == 2
+
+
+def p_dir(p):
+    import pathlib
+    return pathlib.Path(p.directory)
