@@ -80,9 +80,24 @@ def test_the_cli_writes_the_png_the_function_draws(pipes, tmp_path):
     want = sample(p, text_states(p, ids("a cat")), text_states(p, ids("")), steps=3, key=cfx.random.key(4))[0]
     got = torch.from_numpy(__import__("numpy").array(Image.open(out))).permute(2, 0, 1).float() / 255
     torch.testing.assert_close(got, want, atol=1 / 255, rtol=0)  # 8-bit rounding
+    assert main(["--pipeline", str(p_dir(p)), "--prompt", "a cat", "--steps", "3", "--seed", "4", "--int8",
+                 "--out", str(tmp_path / "int8.png"), "--no-progress"]) == 0  # the tiny model's Linears stay fp32
     assert main(["--pipeline", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "no.png")]) == 2
 
 
 def p_dir(p):
     import pathlib
     return pathlib.Path(p.directory)
+
+
+def test_int8_linear_weights_sample_close_to_fp32(pipes):
+    import dataclasses
+    p, _ = pipes
+    q = dataclasses.replace(p, unet_params=cfx.quant.quantize(p.unet_params, "int8", min_size=0),
+                            text_params=cfx.quant.quantize(p.text_params, "int8", min_size=0))
+    assert any(isinstance(x, cfx.quant.QuantizedWeight) for x in cfx.tree.leaves(
+        q.unet_params, is_leaf=lambda x: isinstance(x, cfx.quant.QuantizedWeight)))
+    tokens = torch.ones(1, 5, dtype=torch.long)
+    want = sample(p, text_states(p, tokens), steps=3, key=cfx.random.key(1))
+    got = sample(q, text_states(q, tokens), steps=3, key=cfx.random.key(1))
+    assert 0 < float((got - want).abs().max()) < 0.05  # weight-only int8: close, not equal

@@ -2,7 +2,8 @@
 
 Text to image with a Stable Diffusion pipeline directory (diffusers' layout, its ``tokenizer/``
 read with transformers' ``CLIPTokenizer``): DDIM with classifier-free guidance (``--guidance``,
-against ``--negative-prompt``), a progress bar over the steps, the PNG written with Pillow.
+against ``--negative-prompt``), a progress bar over the steps, the PNG written with Pillow;
+``--int8`` quantizes the UNet's and text encoder's Linear weights (``cfx.quant``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--height", type=int, default=None, help="pixels (default: the UNet's sample size x 8)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--out", default="image.png")
+    p.add_argument("--int8", action="store_true",
+                   help="int8 weight-only Linear layers in the UNet and text encoder (cfx.quant; convolutions stay fp32)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -40,6 +43,9 @@ def run(a: argparse.Namespace) -> torch.Tensor:
     import cfx
     from cfx._src.diffusion.sampling import sample, text_states
     pipe = cfx.diffusion.load_pipeline(a.pipeline)
+    if a.int8:
+        pipe.unet_params = cfx.quant.quantize(pipe.unet_params, "int8")
+        pipe.text_params = cfx.quant.quantize(pipe.text_params, "int8")
     tokenize = _tokenizer(a.pipeline, pipe.text_encoder.config.max_position_embeddings)
     cond, uncond = text_states(pipe, tokenize(a.prompt)), text_states(pipe, tokenize(a.negative_prompt))
     from tqdm.auto import tqdm
