@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cfx
-from cfx._src.models.evoformer import (Evoformer, EvoformerBlock, EvoformerConfig, MSAColumnAttention,
-                                       MSARowAttention, OuterProductMean, Transition, TriangleAttention,
-                                       TriangleMultiplication)
+from cfx._src.models.evoformer import Evoformer, EvoformerBlock, EvoformerConfig
+from cfx._src.models.evoformer_layers import (MSAColumnAttention, MSARowAttention, OuterProductMean, Transition,
+                                              TriangleAttention, TriangleMultiplication)
 from cfx_tests import evoformer_reference as ref
 from cfx_tests.budget import examples
 

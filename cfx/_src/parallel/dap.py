@@ -39,7 +39,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from cfx._src.lax import collectives as lax
-from cfx._src.models.evoformer import Evoformer, EvoformerBlock, _mask_of
+from cfx._src.models.evoformer import Evoformer, EvoformerBlock
+from cfx._src.models.evoformer_layers import mask_of
 from cfx._src.nn.linear import split_keys
 
 
@@ -151,8 +152,8 @@ class DAPEvoformer:
             raise ValueError(f"{where}: {R} residues do not split into {n} row blocks of the pair (this rank "
                              f"holds {z.shape[-3]} rows); shard z's rows with P({self.axis!r}) over a residue "
                              f"count divisible by {n} (pad the residues and mask them).")
-        _mask_of(msa_mask, tuple(m.shape[:-1]), "msa_mask (this rank's sequences)")
-        _mask_of(pair_mask, tuple(z.shape[:-1]), "pair_mask (this rank's rows)")
+        mask_of(msa_mask, tuple(m.shape[:-1]), "msa_mask (this rank's sequences)")
+        mask_of(pair_mask, tuple(z.shape[:-1]), "pair_mask (this rank's rows)")
 
     def masks(self, msa_mask: torch.Tensor | None, pair_mask: torch.Tensor | None) -> DAPMasks:
         """The masks in every layout (floats on the wire: gloo moves no bools)."""
