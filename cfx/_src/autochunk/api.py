@@ -58,8 +58,8 @@ class Chunked:
         self._compiled: dict[Any, Compiled] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key, tensors = _signature(args, kwargs)
         compiled = self.compile(*args, **kwargs)
+        _, tensors = _signature(args, kwargs)
         with torch.no_grad():
             out = compiled.module(*tensors)
         return tree_util.unflatten(compiled.outputs, list(out))

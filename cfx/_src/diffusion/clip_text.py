@@ -30,7 +30,6 @@ from cfx._src.models.hf_state import StateDictReader, copy
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import split_keys
-from cfx._src.nn.mlp import MLP
 from cfx._src.nn.norm import LayerNorm
 from cfx._src.nn.sublayers import keep_sublayers
 
@@ -45,42 +44,6 @@ CLIP_TEXT_PRESETS: dict[str, dict[str, Any]] = {
                  num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
                  eos_token_id=2, bos_token_id=0, pad_token_id=1),
 }
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(1.702 x)``: CLIP's GELU approximation (transformers' ``quick_gelu``)."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-@dataclasses.dataclass(frozen=True)
-class QuickGELUMLP(MLP):
-    """``cfx.nn.MLP`` (params ``{"fc", "proj"}``) with ``quick_gelu`` between the projections."""
-
-    activation: str = "quick_gelu"
-
-    def __post_init__(self):
-        if self.activation != "quick_gelu":
-            raise ValueError(f"QuickGELUMLP: activation must be 'quick_gelu', got {self.activation!r}; "
-                             "use cfx.nn.MLP for the others.")
-        keep_sublayers(self, self._build_layers())
-
-    def hidden_out(self, params: dict, x: torch.Tensor) -> torch.Tensor:
-        # (..., C) -> (..., hidden)
-        return quick_gelu(self._layers()["fc"].apply(params["fc"], x))
-
-
-@dataclasses.dataclass(frozen=True)
-class CLIPBlock(TransformerBlock):
-    """``cfx.nn.TransformerBlock`` (pre-LN, causal, biases) that also takes ``activation="quick_gelu"``."""
-
-    def _build_layers(self) -> dict:
-        if self.activation != "quick_gelu":
-            return super()._build_layers()
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(TransformerBlock)}
-        layers = dict(TransformerBlock(**{**fields, "activation": "gelu"})._layers())
-        layers["mlp"] = QuickGELUMLP(self.features, self.mlp_hidden, bias=self.bias, init_std=self.init_std,
-                                     out_init_std=self.out_init_std)
-        return layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +90,7 @@ class CLIPTextConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CLIPTextEncoder:
-    """The CLIP text transformer. ``blocks`` defaults to ``num_hidden_layers`` ``CLIPBlock``s."""
+    """The CLIP text transformer. ``blocks`` defaults to ``num_hidden_layers`` pre-LN causal ``TransformerBlock``s."""
 
     config: CLIPTextConfig
     blocks: tuple = None
@@ -135,7 +98,7 @@ class CLIPTextEncoder:
     def __post_init__(self):
         c = self.config
         if self.blocks is None:
-            block = CLIPBlock(c.hidden_size, c.num_attention_heads, c.intermediate_size, activation=c.hidden_act,
+            block = TransformerBlock(c.hidden_size, c.num_attention_heads, c.intermediate_size, activation=c.hidden_act,
                               norm="layernorm", norm_eps=c.layer_norm_eps, bias=True, causal=True,
                               init_std=c.init_std, out_init_std=c.init_std / math.sqrt(2 * c.num_hidden_layers))
             object.__setattr__(self, "blocks", (block,) * c.num_hidden_layers)

@@ -9,21 +9,24 @@ import torch.nn.functional as F
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.sublayers import keep_sublayers
 
-ACTIVATIONS = ("gelu_tanh", "gelu", "relu", "swiglu")
+ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu", "relu", "swiglu")
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    """Pointwise activation by name. ``gelu_tanh`` is GPT-2's ``gelu_new`` (tanh approximation)."""
+    """Pointwise activation by name. ``gelu_tanh`` is GPT-2's ``gelu_new`` (tanh approximation);
+    ``quick_gelu`` is CLIP's ``x * sigmoid(1.702 x)``."""
     if name == "gelu_tanh":
         # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as one fused kernel
         return F.gelu(x, approximate="tanh")
     if name == "gelu":
         return F.gelu(x)
+    if name == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
     if name == "relu":
         return F.relu(x)
     if name == "silu":
         return F.silu(x)
-    raise ValueError(f"activation: unknown name {name!r}; use one of {ACTIVATIONS[:3] + ('silu',)}.")
+    raise ValueError(f"activation: unknown name {name!r}; use one of {ACTIVATIONS[:4] + ('silu',)}.")
 
 
 @dataclasses.dataclass(frozen=True)
