@@ -8,7 +8,6 @@ against ``--negative-prompt``), a progress bar over the steps, the PNG written w
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -41,32 +40,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(a: argparse.Namespace) -> torch.Tensor:
     import cfx
+    from cfx._src.diffusion.pipeline import tokenizer
     from cfx._src.diffusion.sampling import sample, text_states
     pipe = cfx.diffusion.load_pipeline(a.pipeline)
     if a.int8:
         pipe.unet_params = cfx.quant.quantize(pipe.unet_params, "int8")
         pipe.text_params = cfx.quant.quantize(pipe.text_params, "int8")
-    tokenize = _tokenizer(a.pipeline, pipe.text_encoder.config.max_position_embeddings)
+    tokenize = tokenizer(a.pipeline, pipe.text_encoder.config.max_position_embeddings)
     cond, uncond = text_states(pipe, tokenize(a.prompt)), text_states(pipe, tokenize(a.negative_prompt))
     from tqdm.auto import tqdm
     with tqdm(total=a.steps, desc="sampling", unit="step", disable=a.no_progress) as bar:
         images = sample(pipe, cond, uncond, steps=a.steps, guidance_scale=a.guidance, key=cfx.random.key(a.seed),
                         height=a.height, width=a.width, progress=lambda i: bar.update(1))
     return images[0]
-
-
-def _tokenizer(directory: str, length: int):
-    path = os.path.join(directory, "tokenizer")
-    if not os.path.isdir(path):
-        raise ValueError(f"--pipeline {directory!r} has no tokenizer/ directory; save the pipeline's tokenizer there "
-                         "(tokenizer.save_pretrained(DIR + '/tokenizer')).")
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("reading the pipeline's tokenizer needs transformers: pip install transformers.") from None
-    tok = transformers.CLIPTokenizer.from_pretrained(path)
-    return lambda text: tok(text, padding="max_length", max_length=min(length, tok.model_max_length), truncation=True,
-                            return_tensors="pt").input_ids
 
 
 def _write_png(image: torch.Tensor, path: str) -> None:

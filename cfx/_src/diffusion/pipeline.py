@@ -78,6 +78,22 @@ def save_pipeline(directory: str | os.PathLike, p: Pipeline) -> None:
         "clip_sample": False, "set_alpha_to_one": False, "steps_offset": 1})
 
 
+def tokenizer(directory: str, length: int):
+    """``text -> (1, length) token ids`` with the pipeline directory's ``tokenizer/`` (transformers'
+    ``CLIPTokenizer``, padded to ``length``), for the CLIs."""
+    path = os.path.join(directory, "tokenizer")
+    if not os.path.isdir(path):
+        raise ValueError(f"--pipeline {directory!r} has no tokenizer/ directory; save the pipeline's tokenizer there "
+                         "(tokenizer.save_pretrained(DIR + '/tokenizer')).")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("reading the pipeline's tokenizer needs transformers: pip install transformers.") from None
+    tok = transformers.CLIPTokenizer.from_pretrained(path)
+    return lambda text: tok(text, padding="max_length", max_length=min(length, tok.model_max_length), truncation=True,
+                            return_tensors="pt").input_ids
+
+
 def _clip_config(c: Any) -> dict:
     return {"architectures": ["CLIPTextModel"], "model_type": "clip_text_model", "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from cfx._src import random
-from cfx._src.diffusion.composite import Composite
+from cfx._src.diffusion.composite import Composite, map_units
 from cfx._src.diffusion.layers import Downsample2D, ResnetBlock2D, Upsample2D
 from cfx._src.diffusion.transformer2d import Transformer2D
 from cfx._src.diffusion.unet_config import UNet2DConditionConfig
@@ -208,6 +208,7 @@ class UNet2DCondition(Composite):
 
     config: UNet2DConditionConfig
     attention_impl: str = "auto"
+    block_map: tuple = ()   # functions applied to every block, first to last (``map_blocks``)
 
     def __post_init__(self):
         c = self.config
@@ -234,7 +235,25 @@ class UNet2DCondition(Composite):
             L["mid_block"] = MidBlock(boc[-1], temb, g, eps, attn(n - 1))
         L.update({"up_blocks": up, "conv_norm_out": GroupNorm(g, boc[0], eps),
                   "conv_out": Conv2d(boc[0], c.out_channels, k_out, padding=(k_out - 1) // 2)})
-        keep_sublayers(self, L)
+        blocks = []
+
+        def block(layer: Any) -> Any:
+            for f in self.block_map:
+                layer = f(layer)
+            blocks.append(layer)
+            return layer
+        keep_sublayers(self, map_units(L, (ResnetBlock2D, Transformer2D), block))
+        object.__setattr__(self, "_blocks", tuple(blocks))
+
+    @property
+    def blocks(self) -> tuple:
+        """The resnets and transformers, in the order they are built (down, mid, up): the layers
+        a strategy wraps one by one (``map_blocks``: ZeRO-3's gathers, remat)."""
+        return self._blocks
+
+    def map_blocks(self, f: Any) -> "UNet2DCondition":
+        """The same UNet with every block replaced by ``f(block)`` (same params tree)."""
+        return dataclasses.replace(self, block_map=self.block_map + (f,))
 
     def check_inputs(self, sample: Any, encoder_hidden_states: Any) -> None:
         """ValueError on a sample or text states this UNet cannot take, naming the fix."""
@@ -278,6 +297,8 @@ class UNet2DCondition(Composite):
         c, L = self.config, self._sublayers
         check_params("UNet2DCondition.apply", self, params)
         self.check_inputs(sample, encoder_hidden_states)
+        dtype = params["conv_in"]["w"].dtype  # inputs follow the weights (bf16 params: bf16 compute)
+        sample, encoder_hidden_states = sample.to(dtype), encoder_hidden_states.to(dtype)
         t = self.timesteps(timestep, sample.shape[0], sample.device)  # (B,)
         if c.center_input_sample:
             sample = 2 * sample - 1.0

@@ -233,7 +233,11 @@ class AutoencoderKL:
     def sample_latents(self, params: dict, x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """``(mean + exp(logvar / 2) * noise - shift_factor) * scaling_factor`` with ``noise`` drawn from
         ``key``: the scaled latents a diffusion model trains on."""
-        mean, logvar = self.encode(params, x)
+        return self.latents_from_moments(*self.encode(params, x), key)
+
+    def latents_from_moments(self, mean: torch.Tensor, logvar: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """``sample_latents`` from ``encode``'s ``(mean, logvar)``: a trainer encodes its images once and
+        draws new latents from the posterior every epoch."""
         noise = random.normal(key, tuple(mean.shape), dtype=mean.dtype).to(mean.device)
         z = mean + torch.exp(0.5 * logvar) * noise
         if self.config.shift_factor is not None:

@@ -118,6 +118,8 @@ def check_model(plan, model) -> None:
     """What the plan needs of the model, checked without a mesh: ValueErrors naming the two parts
     that do not fit and the fix."""
     where = f"Plan {str(plan)!r}"
+    if getattr(model, "check_train_batch", None) is not None:  # not a token model (cfx.diffusion.Denoiser)
+        _check_own_batch_model(plan, model, where)
     if plan.has("seq"):
         if not hasattr(model, "seq"):
             raise ValueError(f"{where}: {type(model).__name__} cannot split its sequence (it has no `seq` field, "
@@ -137,6 +139,19 @@ def check_model(plan, model) -> None:
             raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
         stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
         make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
+
+
+def _check_own_batch_model(plan, model, where: str) -> None:
+    """A model with a batch of its own takes ZeRO, offload, remat per block and precision over
+    ``data``; the model axis and remat=auto are written for token models."""
+    name = type(model).__name__
+    if plan.has("model"):
+        raise ValueError(f"{where}: the model axis splits a token model's heads, MLPs and vocabulary (Megatron); "
+                         f"{name} has no such split. Drop model= and shard its state with data= and zero=3 "
+                         "(and offload=) instead.")
+    if plan.remat == "auto":
+        raise ValueError(f"{where}: remat=auto solves its schedule on a token model's chain of blocks; {name}'s "
+                         "blocks are no chain (skip connections). Use remat=blocks or remat=dots.")
 
 
 def _check_ulysses_heads(plan, model, where: str) -> None:

@@ -55,7 +55,8 @@ class Layout:
         self.rules = Rules({"batch": "data" if cfg.has("data") else None, "length": cfg.sequence_axis, **split})
         self.model_shapes = eval_shape(model.init, random.key(0))
         self.model_specs = self.rules.specs(model.axes(), mesh=mesh)
-        self.batch_spec = self.rules.spec(("batch", "length"))  # tokens (B, T): the sequence split too
+        # tokens (B, T): the sequence split too; a model may name its batch's axes (a Denoiser's: rows)
+        self.batch_spec = self.rules.spec(getattr(model, "batch_axes", ("batch", "length")))
         self.stacked, self.zero3 = cfg.has("pipe"), cfg.zero == 3
         self.order: tuple[int, ...] = ()
         if self.stacked:
@@ -99,6 +100,7 @@ class Layout:
 
     def put(self, params: Any) -> Any:
         """Global model params (a checkpoint) in the stored layout."""
+        self.check_params(params)
         arrays = put_tree(self.to_stored(params), self.plain_specs, self.mesh)
         if not self.zero3:
             return arrays
@@ -106,6 +108,20 @@ class Layout:
         def shard(plain):
             return self.stack_local(shard_params(self._rows(plain), axis="data").pieces)
         return shard_map(shard, mesh=self.mesh, in_specs=(self.plain_specs,), out_specs=self.specs)(arrays)
+
+    def check_params(self, params: Any) -> None:
+        """ValueError naming the first leaf whose shape or dtype is not what ``model.init`` makes
+        (the plan's specs, ZeRO's flat state and its checkpoints are laid out for those)."""
+        items, _ = tree_util.flatten_with_path(params)
+        want = tree_util.leaves(self.model_shapes)
+        if len(items) != len(want):
+            return  # a structure mismatch: put_tree names the first differing path
+        for (path, x), w in zip(items, want):
+            if isinstance(x, torch.Tensor) and (tuple(x.shape) != tuple(w.shape) or x.dtype != w.dtype):
+                raise ValueError(f"Plan {str(self.cfg)!r}: params leaf {path!r} is {x.dtype} {tuple(x.shape)}, but the "
+                                 f"model initialises it as {w.dtype} {tuple(w.shape)}; a plan stores the params "
+                                 "model.init makes: cast them (cfx.tree.map(lambda x: x.to(dtype), params)) and choose "
+                                 "the compute dtype with precision=.")
 
     # -- global trees ----------------------------------------------------------------------------
     def to_stored(self, params: Any, *, spec: bool = False) -> Any:

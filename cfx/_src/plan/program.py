@@ -113,19 +113,26 @@ class Program:
         self._placements: dict[int, Placement] = {}
         self.chunking = self._new_placement().chunks if plan.offload != "none" else None
         specs = TrainState(layout.specs, self.state_specs)
-        batch = (layout.batch_spec, layout.batch_spec)
-        self._step = shard_map(self._body, mesh=mesh, in_specs=(specs, batch, P()), out_specs=(specs, P()),
-                               donate_argnums=(0,))
+        # every tensor of a batch (tokens and targets; a Denoiser's four) splits as batch_spec says
+        self._step = shard_map(self._body, mesh=mesh, in_specs=(specs, layout.batch_spec, P()),
+                               out_specs=(specs, P()), donate_argnums=(0,))
         if jit:  # each rank's body compiled, the state donated to it
             self._step = cfx_jit(self._step, donate_argnums=(0,), backend="inductor" if jit is True else jit)
         self._solve = plan.remat == "auto"
-        self._loss = shard_map(self._eval_loss, mesh=mesh, in_specs=(layout.specs, layout.batch_spec,
-                                                                      layout.batch_spec), out_specs=P())
+        self._loss = shard_map(self._eval_loss, mesh=mesh, in_specs=(layout.specs, layout.batch_spec),
+                               out_specs=P())
 
     # -- state ---------------------------------------------------------------------------------
     def init(self, key: torch.Tensor) -> TrainState:
         """Params and optimizer state as ShardedArrays; each process builds only its blocks."""
-        params = self.layout.init(self.model.init, key)
+        return self._started(self.layout.init(self.model.init, key))
+
+    def init_from(self, params: Any) -> TrainState:
+        """A ``TrainState`` starting from ``params``, the model's tree of global tensors (pretrained
+        weights): stored in the plan's layout, the optimizer's state initialised on them by each rank."""
+        return self._started(self.layout.put(params))
+
+    def _started(self, params: Any) -> TrainState:
         opt_init = (lambda p: self.opt.init(self.layout.local_view(p))) if self.layout.opt_on_local else self.opt.init
         opt_state = shard_map(opt_init, mesh=self.mesh, in_specs=(self.layout.specs,),
                               out_specs=self.state_specs)(params)
@@ -169,11 +176,12 @@ class Program:
     def __call__(self, state: TrainState, batch: tuple, key: torch.Tensor | None = None
                  ) -> tuple[TrainState, dict]:
         """``(state, (tokens, targets)) -> (state, {"loss": replicated scalar})``; ``state`` is
-        donated; ``key`` drives dropout (None: none)."""
-        tokens, targets = self._arrange(*batch)
+        donated; ``key`` drives dropout (None: none). A model with its own batch (``check_train_batch``,
+        as ``cfx.diffusion.Denoiser``) takes that tuple instead of ``(tokens, targets)``."""
+        batch = self._arrange(batch)
         if self._solve:
-            self._solve_remat(tokens, key)
-        new, loss = self._step(state, (tokens, targets), key)
+            self._solve_remat(batch[0], key)
+        new, loss = self._step(state, batch, key)
         return new, {"loss": loss}
 
     def _solve_remat(self, tokens: torch.Tensor, key) -> None:
@@ -211,12 +219,11 @@ class Program:
 
     def _body(self, state: TrainState, batch: tuple, key) -> tuple[TrainState, torch.Tensor]:
         params, opt_state = state
-        tokens, targets = batch
         scale = loss_scale(opt_state) if self.policy.needs_loss_scaling else None
         local = self.layout.local_view(params)
         _watch(params, "param", self.home)  # booked while a cfx.memory tracker is active
         _watch(opt_state, "optim", self.home)
-        loss, grads = self._loss_and_grads(local, tokens, targets, key, scale)
+        loss, grads = self._loss_and_grads(local, batch, key, scale)
         _watch(grads, "grad", "device" if self.home == "device" else "host")
         if self.layout.zero3:  # grads are already reduce-scattered pieces; update this rank's view
             loss = lax.pmean(loss, "data")
@@ -242,28 +249,28 @@ class Program:
         split, total = self.layout.norm_axes()
         return sharded(split, total_axes=total, every=tuple(self.mesh.axis_names), psum=lax.psum)
 
-    def _loss_and_grads(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale):
+    def _loss_and_grads(self, local: Any, batch: tuple, key, scale):
         if self.plan.offload == "none":  # (a compiled step reads nothing of its rank here)
-            return self._run(local, tokens, targets, key, scale, self.policy.cast_to_compute)
+            return self._run(local, batch, key, scale, self.policy.cast_to_compute)
         placement = self.placement_of(current_or_none().rank)
         agree = [a for a in ("data", "seq", "model") if self.plan.has(a)]  # ranks that run the same accesses
         with placement.step(local, agree=lambda v: lax.pmax(v, tuple(agree)) if agree else v):
             # the chunk copies are cast to the compute dtype; the pieces stay as stored
-            return self._run(local, tokens, targets, key, scale, placement.tree)
+            return self._run(local, batch, key, scale, placement.tree)
 
-    def _run(self, local: Any, tokens: torch.Tensor, targets: torch.Tensor, key, scale, view):
+    def _run(self, local: Any, batch: tuple, key, scale, view):
         """Loss and grads of ``local`` (what the rank stores, as the model's tree): ``view`` turns it
         into what the model runs on (cast; ZeRO-3's ShardedLeaf tree)."""
         if self.pipe_step is not None and self.layout.zero3:  # the stages gather their own pieces
             tree = view(local)  # a cast ZeroParams, or a placement's ShardedLeaf tree already
             tree = tree.sharded_leaves() if isinstance(tree, ZeroParams) else tree
-            loss, pieces = self.pipe_step(tree, tokens, targets, scale=scale)
+            loss, pieces = self.pipe_step(tree, *batch, scale=scale)
             grads = ZeroParams(pieces, local.shapes, local.n)
         elif self.pipe_step is not None:
-            loss, grads = self.pipe_step(view(local), tokens, targets, scale=scale)
+            loss, grads = self.pipe_step(view(local), *batch, scale=scale)
         else:
             def scaled(p):
-                loss = self.local_model.loss(view(p), tokens, targets, key=key)
+                loss = self.local_model.loss(view(p), *batch, key=key)
                 return (loss if scale is None else loss * scale), loss
             grad_fn = self.opt.value_and_grad if self.layout.zero3 else value_and_grad
             (_, loss), grads = grad_fn(scaled, has_aux=True)(local)
@@ -281,22 +288,31 @@ class Program:
         return ZeroParams(summed, grads.shapes, grads.n) if isinstance(grads, ZeroParams) else summed
 
     # -- eval and sampling, sharded like the step ------------------------------------------------
-    def _eval_loss(self, params, tokens, targets):
+    def _eval_loss(self, params, batch):
         local = self.policy.cast_to_compute(self.layout.local_view(params))
         if self.pipe_step is not None:  # the stages' own blocks: the schedule's forward half
-            loss = self.pipe_step.loss(local.sharded_leaves() if self.layout.zero3 else local, tokens, targets)
+            loss = self.pipe_step.loss(local.sharded_leaves() if self.layout.zero3 else local, *batch)
         else:
             with torch.no_grad():
-                loss = self.eval_model.loss(local, tokens, targets)
+                loss = self.eval_model.loss(local, *batch)
         return lax.pmean(loss, "data") if self.plan.has("data") else loss
 
-    def loss(self, state: TrainState, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The model's loss on a global batch (split over ``data``), without dropout."""
-        return float(self._loss(state.params, *self._arrange(tokens, targets)))
+    def loss(self, state: TrainState, *batch: torch.Tensor) -> float:
+        """The model's loss on a global batch (``tokens, targets``, or a ``check_train_batch`` model's;
+        split over ``data``), without dropout."""
+        return float(self._loss(state.params, self._arrange(batch)))
 
-    def _arrange(self, tokens: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _arrange(self, batch: Any) -> tuple:
         """A checked global batch with its positions in the order the sequence split expects
         (the ring's zigzag); a per-token mean loss does not depend on the order."""
+        check = getattr(self.model, "check_train_batch", None)
+        if check is not None:  # a model with a batch of its own (cfx.diffusion.Denoiser)
+            check(batch, f"Plan {str(self.plan)!r}")
+            self.plan.check_batch(batch[0].shape[0])
+            return tuple(batch)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError(f"Plan {str(self.plan)!r}: a batch is (tokens, targets), each a (B, T) integer tensor.")
+        tokens, targets = batch
         _check_batch(self.plan, tokens)
         order = sequence_order(self.plan, tokens.shape[1])
         if order is None:

@@ -29,7 +29,8 @@ blocks first, then the model for what is left (embeddings, final norm), as FSDP 
 
 A gathered layer skips the params of the sub-layers that are themselves gathered: the entries
 ``params[f]`` / ``params[f][i]`` of its dataclass fields ``f`` holding (a tuple of) gathered
-layers (``blocks`` for the cfx models). Plain tensors pass through untouched, so the same
+layers (``blocks`` for the cfx models), found also inside the sublayers of composites that are
+not gathered themselves (``params["down_blocks"][0]["resnets"][1]`` of a UNet). Plain tensors pass through untouched, so the same
 model runs unsharded. Composes with remat as ``cfx.remat(cfx.zero.gathered(b))``: tensors the
 hook does not own go to the enclosing hooks (remat re-gathers while recomputing).
 """
@@ -198,22 +199,38 @@ def _inner_gathered(obj: Any, depth: int = 0) -> "Gathered | None":
     return None
 
 
-def _field(layer: Any, prefix: str) -> Any:
-    """The sub-layer at a ``gathered_children`` prefix: ``blocks.3`` or ``head``."""
-    name, _, index = prefix.partition(".")
-    value = getattr(layer, name)
-    return value[int(index)] if index else value
+def sublayer_at(layer: Any, prefix: str) -> Any:
+    """The sub-layer at a ``gathered_children`` prefix: ``blocks.3``, ``head``, or a path into a
+    composite's sublayers (``down_blocks.0.resnets.1``)."""
+    obj = layer
+    for name in prefix.split("."):
+        subs = getattr(obj, "_sublayers", None)
+        if isinstance(obj, (list, tuple)):
+            obj = obj[int(name)]
+        elif isinstance(subs, dict) and name in subs:
+            obj = subs[name]
+        else:
+            obj = getattr(obj, name)
+    return obj
 
 
-def gathered_children(layer: Any) -> list[str]:
-    """Param path prefixes owned by gathered sub-layers (see the module doc)."""
+def gathered_children(layer: Any, prefix: str = "") -> list[str]:
+    """Param path prefixes owned by gathered sub-layers (see the module doc): in ``layer``'s
+    dataclass fields, and in the sublayers a composite keeps (``keep_sublayers``; their names are
+    its params' keys), looked for through the composites that are not gathered themselves."""
+    entries = [(f.name, getattr(layer, f.name), False) for f in dataclasses.fields(layer)] \
+        if dataclasses.is_dataclass(layer) else []
+    subs = getattr(layer, "_sublayers", None)
+    entries += [(k, v, True) for k, v in subs.items()] if isinstance(subs, dict) else []
     out = []
-    for f in dataclasses.fields(layer) if dataclasses.is_dataclass(layer) else ():
-        v = getattr(layer, f.name)
-        if isinstance(v, (tuple, list)):
-            out += [f"{f.name}.{i}" for i, item in enumerate(v) if _inner_gathered(item) is not None]
-        elif _inner_gathered(v) is not None:
-            out.append(f.name)
+    for name, v, inside in entries:
+        path = f"{prefix}{name}"
+        items = [(f"{path}.{i}", x) for i, x in enumerate(v)] if isinstance(v, (tuple, list)) else [(path, v)]
+        for p, item in items:
+            if _inner_gathered(item) is not None:
+                out.append(p)
+            elif inside and isinstance(getattr(item, "_sublayers", None), dict):
+                out += gathered_children(item, p + ".")
     return out
 
 
@@ -302,7 +319,7 @@ class Gathered:
         of its own, or offloaded pieces)."""
         groups = []
         for prefix in children:
-            inner = _inner_gathered(_field(self.layer, prefix))
+            inner = _inner_gathered(sublayer_at(self.layer, prefix))
             if inner is None or not inner.prefetch or gathered_children(inner.layer):
                 break
             own = [x for p, x in items if isinstance(x, ShardedLeaf) and _under(p, [prefix])]

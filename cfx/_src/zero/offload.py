@@ -32,7 +32,7 @@ import torch
 
 from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, HostPolicy
 from cfx._src.gemini.store import NvmeStore
-from cfx._src.zero.gathered import Gathered, ShardSource, _under, gathered_children
+from cfx._src.zero.gathered import Gathered, ShardSource, _under, gathered_children, sublayer_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +81,6 @@ def offload(policy: Any, *, nvme_dir: str | os.PathLike | None = None) -> Offloa
     return Offload(policy, None if nvme_dir is None else os.fspath(nvme_dir))
 
 
-def _resolve(obj: Any, entry: str) -> Any:
-    name, _, index = entry.partition(".")
-    v = getattr(obj, name)
-    return v[int(index)] if index else v
-
-
 def gather_groups(layer: Any, paths: list[str]) -> list[list[int]]:
     """Leaf indices per gathered layer of ``layer`` (own params only), in nesting order."""
     groups: list[list[int]] = []
@@ -100,7 +94,7 @@ def gather_groups(layer: Any, paths: list[str]) -> list[list[int]]:
             if own:
                 groups.append(own)
             for c in children:
-                walk(_resolve(obj.layer, c), join(c))
+                walk(sublayer_at(obj.layer, c), join(c))
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             for f in dataclasses.fields(obj):  # a wrapper (remat, ...) shares its layer's params
                 v = getattr(obj, f.name)
