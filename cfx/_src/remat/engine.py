@@ -107,16 +107,20 @@ def activation_stats() -> ActivationStats:
 
 
 class _Recomputation:
-    """Re-runs ``f`` once, on first need, and serves the saved tensors by pack position."""
+    """Re-runs ``f`` on first need and serves the saved tensors by pack position, each handed out
+    once: autograd unpacks a saved tensor once per backward, and the graph's nodes (with the
+    hooks that reach this object) live until the whole backward ends, so a value kept after its
+    use would keep every recomputed block alive at once. A second backward through a retained
+    graph finds its values gone and recomputes again."""
 
     def __init__(self, f, args, kwargs, needed: set[int]):
         self.f, self.args, self.kwargs, self.needed = f, args, kwargs, needed
-        self.values: dict[int, torch.Tensor] | None = None
+        self.values: dict[int, torch.Tensor] = {}
 
     def get(self, index: int) -> torch.Tensor:
-        if self.values is None:
+        if index not in self.values:
             self._run()
-        return self.values[index]
+        return self.values.pop(index)
 
     def _run(self) -> None:
         values: dict[int, torch.Tensor] = {}
@@ -134,7 +138,6 @@ class _Recomputation:
                 _DotTagger(WeakIdKeyDictionary()):
             self.f(*args, **self.kwargs)
         self.values = values
-        self.f = self.args = self.kwargs = None  # the recomputation happens once
 
 
 @dataclasses.dataclass(frozen=True)
