@@ -1,5 +1,7 @@
-"""Weight-only quantisation: ``cfx.quant.quantize(params, "int8")`` swaps Linear weights for
-int8 + per-column scales, and ``cfx.nn.Linear.apply`` then runs the int8 matmul kernel::
+"""Weight-only quantisation: ``cfx.quant.quantize(params, "int8")`` swaps Linear and convolution
+weights for int8 + per-output-channel scales (``kinds=("linear",)`` keeps convolutions as they
+are); ``cfx.nn.Linear.apply`` then runs the int8 matmul kernel and ``cfx.nn.Conv2d.apply``
+dequantises one layer's weight at a time::
 
     qparams = cfx.quant.quantize(params, "int8")
     logits = model.apply(qparams, tokens)

@@ -78,3 +78,23 @@ def test_missing_parts_and_pickles_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="pickled .bin weights; convert them"):
         load_pipeline(tmp_path)
     json.loads((tmp_path / "unet" / "config.json").read_text())  # the config was there all along
+
+
+@pytest.mark.timeout(120)
+def test_components_of_two_pipelines_are_refused(tmp_path):
+    unet, vae, text, sched = components()
+    wide = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=99, hidden_size=24, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=77, eos_token_id=2, bos_token_id=0, pad_token_id=1))
+    for name, part in (("unet", unet), ("vae", vae), ("text_encoder", wide), ("scheduler", sched)):
+        part.save_pretrained(tmp_path / name)
+    with pytest.raises(ValueError, match="cross-attends to states of width 16, but .*text_encoder/config.json' has "
+                                         "hidden_size 24"):
+        load_pipeline(tmp_path)
+    eight = diffusers.AutoencoderKL(block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8,
+                                    latent_channels=8, down_block_types=("DownEncoderBlock2D",) * 2,
+                                    up_block_types=("UpDecoderBlock2D",) * 2)
+    text.save_pretrained(tmp_path / "text_encoder")
+    eight.save_pretrained(tmp_path / "vae")
+    with pytest.raises(ValueError, match="takes and predicts 4 / 4 channels, but .*vae/config.json' makes latents of 8"):
+        load_pipeline(tmp_path)

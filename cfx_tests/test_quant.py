@@ -5,6 +5,7 @@ import torch
 import cfx
 import cfx.quant
 from cfx import models
+from cfx._src.quant import floating_dtype
 
 # GPT-2 small, random init (std 0.02), 2 x 64 random tokens: measured max |logit error| 0.067
 # with logits up to 2.9 (std 0.55), relative RMS error 2.2%, top-1 agreement 94.5% (random-init
@@ -106,3 +107,82 @@ def test_bad_mode_and_mismatched_params_raise():
     del qparams["blocks"][0]["mlp"]["fc"]["b"]
     with pytest.raises(ValueError, match=r"missing leaves \['blocks.0.mlp.fc.b'\]"):
         model.apply(qparams, torch.zeros(1, 4, dtype=torch.int64))
+
+
+# -- convolutions ---------------------------------------------------------------------------------------
+def conv_weight(out=16, cin=8, k=3, seed=0):
+    """A conv weight whose output channels differ in magnitude by up to 30x (a per-tensor scale would
+    then round the small channels to a few levels), with channel 3 all zero."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, cin, k, k, generator=g) * torch.logspace(-1.5, 0, out)[:, None, None, None]
+    w[3] = 0
+    return w
+
+
+def test_conv_weights_quantise_per_output_channel():
+    w, b = conv_weight(), torch.randn(16)
+    params = {"conv": {"w": w, "b": b}}
+    qp = cfx.quant.quantize(params, "int8", min_size=0)
+    qw = qp["conv"]["w"]
+    assert cfx.quant.is_quantized(qw) and qp["conv"]["b"] is b
+    assert qw.q.dtype == torch.int8 and tuple(qw.q.shape) == (16, 8, 3, 3)
+    assert qw.scale.dtype == torch.float32 and tuple(qw.scale.shape) == (16, 1, 1, 1)
+    # scale: each output channel's absmax / 127 (1 for the zero channel), so its absmax maps to +-127
+    amax = w.abs().amax(dim=(1, 2, 3))  # (out,)
+    want_scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    torch.testing.assert_close(qw.scale.flatten(), want_scale, rtol=0, atol=0)
+    nonzero = amax > 0
+    assert torch.equal(qw.q.abs().amax(dim=(1, 2, 3))[nonzero], torch.full((15,), 127, dtype=torch.int8))
+    assert torch.equal(qw.q[3], torch.zeros_like(qw.q[3])) and torch.equal(qw.dequantize()[3], w[3])
+    # round to nearest: every element within half a step of its channel's scale
+    err = (qw.dequantize() - w).abs()
+    assert bool((err <= want_scale[:, None, None, None] / 2 * (1 + 1e-6)).all()), (err / qw.scale).max()
+    assert err.max() > 0
+    torch.testing.assert_close(cfx.quant.dequantize(qp)["conv"]["w"], qw.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv2d_with_an_int8_weight_is_conv2d_of_the_dequantised_weight(dtype):
+    import torch.nn.functional as F
+    conv = cfx.nn.Conv2d(8, 16, 3, stride=2, padding=1)
+    params = cfx.tree.map(lambda x: x.to(dtype), {**conv.init(cfx.random.key(0)), "b": torch.randn(16)})
+    qparams = cfx.quant.quantize(params, "int8", min_size=0)
+    x = torch.randn(2, 8, 9, 9, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = conv.apply(qparams, x)
+    w = qparams["w"].dequantize().to(dtype)
+    assert got.dtype == dtype and got.shape == (2, 16, 5, 5)
+    torch.testing.assert_close(got, F.conv2d(x, w, params["b"], stride=2, padding=1), rtol=0, atol=0)
+    fp = conv.apply(params, x)
+    assert 0 < float((got.float() - fp.float()).abs().max()) < 0.05 * float(fp.float().abs().max())
+
+
+def test_min_size_and_kinds_pick_the_weights():
+    params = {"lin": {"w": torch.randn(64, 64)}, "conv": {"w": torch.randn(16, 16, 3, 3), "b": torch.zeros(16)},
+              "small_conv": {"w": torch.randn(4, 4, 1, 1)}, "conv1d": {"w": torch.randn(16, 16, 16)},
+              "int_conv": {"w": torch.ones(16, 16, 3, 3, dtype=torch.int32)}}
+    kept = lambda q: sorted(k for k in q if cfx.quant.is_quantized(q[k]["w"]))  # noqa: E731
+    assert kept(cfx.quant.quantize(params, "int8", min_size=1000)) == ["conv", "lin"]
+    assert kept(cfx.quant.quantize(params, "int8", min_size=0)) == ["conv", "lin", "small_conv"]
+    assert kept(cfx.quant.quantize(params, "int8", min_size=0, kinds=("linear",))) == ["lin"]
+    assert kept(cfx.quant.quantize(params, "int8", min_size=0, kinds=("conv",))) == ["conv", "small_conv"]
+    assert kept(cfx.quant.quantize(params, "int8", min_size=0, kinds=())) == []
+    for bad in ("conv", ("conv", "conv1d"), None):
+        with pytest.raises(ValueError, match=r"kinds must be a tuple of names from \('linear', 'conv'\)"):
+            cfx.quant.quantize(params, "int8", kinds=bad)
+
+
+def test_a_quantised_conv_takes_a_quarter_of_the_bytes():
+    w = conv_weight(out=64, cin=64)
+    q = cfx.quant.quantize({"w": w}, "int8", min_size=0)
+    ratio = cfx.tree.tree_bytes(q) / cfx.tree.tree_bytes({"w": w})
+    assert 0.25 <= ratio <= 0.25 + 1 / (64 * 3 * 3), ratio  # int8 q, plus one fp32 scale per 576 weights
+
+
+def test_floating_dtype_looks_past_the_fp32_scales():
+    bf16 = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    # "a" (a bias-less conv, whose only floating tensor is the fp32 scale) comes before "norm"
+    params = {"a": {"w": bf16(conv_weight())}, "norm": {"scale": bf16(torch.ones(16))}}
+    assert floating_dtype(cfx.quant.quantize(params, "int8", min_size=0)) == torch.bfloat16
+    assert floating_dtype(cfx.quant.quantize({"w": conv_weight()}, min_size=0)) == torch.float32
+    with pytest.raises(ValueError, match="no floating-point tensor"):
+        floating_dtype({"ids": torch.zeros(3, dtype=torch.int64)})

@@ -3,7 +3,8 @@
 Text to image with a Stable Diffusion pipeline directory (diffusers' layout, its ``tokenizer/``
 read with transformers' ``CLIPTokenizer``): DDIM with classifier-free guidance (``--guidance``,
 against ``--negative-prompt``), a progress bar over the steps, the PNG written with Pillow;
-``--int8`` quantizes the UNet's and text encoder's Linear weights (``cfx.quant``).
+``--int8`` quantizes the UNet's and text encoder's Linear and convolution weights to int8 (``cfx.quant``;
+the VAE stays in floating point).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--out", default="image.png")
     p.add_argument("--int8", action="store_true",
-                   help="int8 weight-only Linear layers in the UNet and text encoder (cfx.quant; convolutions stay fp32)")
+                   help="int8 weight-only Linear and convolution layers in the UNet and text encoder (cfx.quant; "
+                        "the VAE stays in floating point)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     try:

@@ -23,6 +23,7 @@ from cfx._src import random
 from cfx._src import tree as tree_util
 from cfx._src.diffusion.pipeline import Pipeline, save_pipeline
 from cfx._src.diffusion.train import Denoiser, draw
+from cfx._src.quant import floating_dtype
 
 STATE_DIR = "train_state"  # the resumable state inside an output directory
 
@@ -45,7 +46,7 @@ def encode(pipe: Pipeline, images: torch.Tensor, token_ids: torch.Tensor, *, chu
     """``images`` ``(N, 3, H, W)`` in ``[-1, 1]`` and their ``token_ids`` ``(N, S)`` through the
     frozen VAE encoder and text encoder, ``chunk`` at a time."""
     means, logvars, texts = [], [], []
-    dtype = next(x.dtype for x in tree_util.leaves(pipe.vae_params) if x.is_floating_point())
+    dtype = floating_dtype(pipe.vae_params)
     for i in range(0, images.shape[0], chunk):
         mean, logvar = pipe.vae.encode(pipe.vae_params, images[i:i + chunk].to(dtype))
         means.append(mean)

@@ -48,7 +48,25 @@ def load_pipeline(directory: str | os.PathLike) -> Pipeline:
     t_cfg = clip_text.config_from_hf(types.SimpleNamespace(**_json(d, "text_encoder", "config.json")))
     text_model, text_params = clip_text.from_hf(_weights(d, "text_encoder", "model"), config=t_cfg)
     schedule = Schedule.from_diffusers(_json(d, "scheduler", "scheduler_config.json"))
+    _check_parts_fit(d, unet_model, vae_model, text_model)
     return Pipeline(unet_model, unet_params, vae_model, vae_params, text_model, text_params, schedule, d)
+
+
+def _check_parts_fit(d: str, u: Any, v: Any, t: Any) -> None:
+    """ValueError naming both config files when the UNet cannot take the VAE's latents or the text
+    encoder's states (components of two different pipelines)."""
+    uc, vc, width = u.config, v.config, t.config.hidden_size
+    unet_cfg = os.path.join(d, "unet", "config.json")
+    if uc.in_channels != vc.latent_channels or uc.out_channels != vc.latent_channels:
+        raise ValueError(f"load_pipeline: {unet_cfg!r} takes and predicts {uc.in_channels} / {uc.out_channels} "
+                         f"channels, but {os.path.join(d, 'vae', 'config.json')!r} makes latents of "
+                         f"{vc.latent_channels}; the two come from different pipelines: use the VAE the UNet was "
+                         "trained with.")
+    cross = uc.per_block("cross_attention_dim")[0]
+    if cross != width:
+        raise ValueError(f"load_pipeline: {unet_cfg!r} cross-attends to states of width {cross}, but "
+                         f"{os.path.join(d, 'text_encoder', 'config.json')!r} has hidden_size {width}; the two come "
+                         "from different pipelines: use the text encoder the UNet was trained with.")
 
 
 def save_pipeline(directory: str | os.PathLike, p: Pipeline) -> None:

@@ -35,15 +35,22 @@ def sample(p: Any, cond: torch.Tensor, uncond: torch.Tensor | None = None, *, st
            guidance_scale: float = 7.5, key: torch.Tensor | None = None, height: int | None = None,
            width: int | None = None, latents: torch.Tensor | None = None,
            progress: Callable[[int], None] | None = None) -> torch.Tensor:
-    """Images ``(B, 3, H, W)`` in ``[0, 1]`` (module doc). ``uncond`` None (or ``guidance_scale`` 1)
-    runs the conditional prediction alone."""
+    """Images ``(B, 3, H, W)`` in ``[0, 1]`` (module doc). ``guidance_scale`` 1 runs the conditional
+    prediction alone; any other scale steers away from ``uncond`` (the negative prompt's states)."""
+    if guidance_scale != 1.0 and uncond is None:
+        raise ValueError(f"sample: guidance_scale={guidance_scale} steers away from a negative prompt, but uncond is "
+                         "None; pass uncond= (text_states of the negative prompt, e.g. of '' for none), or "
+                         "guidance_scale=1.0 for the conditional prediction alone.")
+    if uncond is not None and tuple(uncond.shape) != tuple(cond.shape):
+        raise ValueError(f"sample: uncond {tuple(uncond.shape)} must be shaped like cond {tuple(cond.shape)} (the "
+                         "negative prompt tokenized to the same length, one row per image).")
     if latents is None:
         if key is None:
             raise ValueError("sample: pass key= (a cfx.random key) for the starting noise, or latents=.")
         size = p.unet.config.sample_size * 2 ** p.vae.n_down
         shape = latent_shape(p, cond.shape[0], height or size, width or size)
         latents = random.normal(key, shape, dtype=cond.dtype)
-    guided = uncond is not None and guidance_scale != 1.0
+    guided = guidance_scale != 1.0
     states = torch.cat([uncond, cond]) if guided else cond
     ts = ddim_timesteps(p.schedule, steps).tolist()
     x = latents

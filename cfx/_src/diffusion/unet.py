@@ -42,6 +42,7 @@ from cfx._src.nn.conv import Conv2d
 from cfx._src.nn.linear import Linear
 from cfx._src.nn.norm import GroupNorm
 from cfx._src.nn.sublayers import keep_sublayers
+from cfx._src.quant import floating_dtype
 from cfx._src.shapes import eval_shape
 
 
@@ -297,7 +298,7 @@ class UNet2DCondition(Composite):
         c, L = self.config, self._sublayers
         check_params("UNet2DCondition.apply", self, params)
         self.check_inputs(sample, encoder_hidden_states)
-        dtype = params["conv_in"]["w"].dtype  # inputs follow the weights (bf16 params: bf16 compute)
+        dtype = floating_dtype(params["conv_in"])  # inputs follow the weights (bf16 params: bf16 compute)
         sample, encoder_hidden_states = sample.to(dtype), encoder_hidden_states.to(dtype)
         t = self.timesteps(timestep, sample.shape[0], sample.device)  # (B,)
         if c.center_input_sample:

@@ -1,6 +1,7 @@
 """``Conv2d``: a 2-D convolution over ``(B, C, H, W)`` with PyTorch's weight layout
 ``(out_channels, in_channels, kh, kw)``, so ``diffusers`` / ``torch.nn.Conv2d`` state dicts map
-onto the params without a transpose."""
+onto the params without a transpose. A ``w`` made by ``cfx.quant.quantize`` (a ``QuantizedWeight``,
+int8 per output channel) is dequantised into the input's dtype for the call."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cfx._src.nn.linear import init_normal
+from cfx._src.quant import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,11 @@ class Conv2d:
     def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"Conv2d.apply: x must be (B, {self.in_channels}, H, W), got {tuple(x.shape)}.")
-        return F.conv2d(x, params["w"], params.get("b") if self.bias else None, stride=self.stride,
+        w = params["w"]
+        if isinstance(w, QuantizedWeight):
+            # weight-only int8: the (out, in, k, k) copy in x's dtype lives only for this call
+            w = w.dequantize().to(x.dtype)
+        return F.conv2d(x, w, params.get("b") if self.bias else None, stride=self.stride,
                         padding=self.padding)
 
     def axes(self) -> dict:
