@@ -118,3 +118,14 @@ def test_bad_batches_are_refused_before_any_rank_runs():
             step(state, (latents, text, t))
         with pytest.raises(ValueError, match="noise must be shaped like the latents"):
             step(state, (latents[:2], text[:2], t[:2], noise))
+
+
+def test_describe_gives_the_unets_state_per_rank():
+    model = _model()
+    n = sum(x.numel() for x in cfx.tree.leaves(model.init(cfx.random.key(0))))
+    d = cfx.parallel.Plan.parse("data=2 zero=3 offload=host").describe(model)
+    assert abs(d.bytes["params"] - 4 * n / 2) <= 4 * 2 * len(cfx.tree.leaves(model.init(cfx.random.key(0))))  # padding
+    largest = max(sum(x.numel() for x in cfx.tree.leaves(b.init(cfx.random.key(0)))) for b in model.blocks)
+    assert 4 * largest <= d.bytes["gathered block"] <= 4 * (largest + 2 * 16)
+    with pytest.raises(ValueError, match="takes a batch of its own"):
+        cfx.parallel.Plan.parse("data=2").describe(model, batch=(4, 8))

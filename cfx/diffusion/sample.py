@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
                         "the VAE stays in floating point)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    from cfx._src.diffusion.data import write_png
     try:
         image = run(a)
-        _write_png(image, a.out)
+        write_png(image, a.out)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -55,15 +56,6 @@ def run(a: argparse.Namespace) -> torch.Tensor:
         images = sample(pipe, cond, uncond, steps=a.steps, guidance_scale=a.guidance, key=cfx.random.key(a.seed),
                         height=a.height, width=a.width, progress=lambda i: bar.update(1))
     return images[0]
-
-
-def _write_png(image: torch.Tensor, path: str) -> None:
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ValueError("writing the PNG needs Pillow: pip install pillow.") from None
-    pixels = (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-    Image.fromarray(pixels).save(path)
 
 
 if __name__ == "__main__":

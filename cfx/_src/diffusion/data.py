@@ -12,7 +12,8 @@ Two layouts, as Hugging Face's ``imagefolder`` and diffusers' example scripts us
 ``[-1, 1]`` (what the VAE encodes), their captions (None where a directory holds no captions and
 none are required, as DreamBooth's instance images) and the file names. Without ``resolution``
 every image must have the same size; with it, each is resized (shorter side) and center-cropped to
-``resolution`` x ``resolution``, as diffusers' ``train_text_to_image.py`` does.
+``resolution`` x ``resolution``, as diffusers' ``train_text_to_image.py`` does. ``write_png`` writes
+an image the other way.
 """
 from __future__ import annotations
 
@@ -96,3 +97,13 @@ def _resize_crop(im, size: int):
     w, h = im.size
     left, top = (w - size) // 2, (h - size) // 2
     return im.crop((left, top, left + size, top + size))
+
+
+def write_png(image: torch.Tensor, path: str) -> None:
+    """``image`` ``(3, H, W)`` in ``[0, 1]`` as an 8-bit RGB PNG (Pillow)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError("writing the PNG needs Pillow: pip install pillow.") from None
+    pixels = (image.detach().cpu().permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    Image.fromarray(pixels).save(path)

@@ -25,6 +25,7 @@ from cfx._src.plan.build import check_model, eval_on_rank, gathered_model, make_
 from cfx._src.shapes import ShapeDtype
 from cfx._src.table import format_table
 from cfx._src.zero.flat import piece_size
+from cfx._src.zero.offload import gather_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
     opt, _ = make_optimizer(plan, tx if tx is not None else adamw(1e-3), layout, mesh)
     if layout.zero3:
         local = layout.local_abstract()
-        gathered = max(_nbytes(_block_leaves(layout, i)) for i in range(len(layout.model_shapes["blocks"])))
+        gathered = max(_nbytes(g) for g in _gathered_groups(plan, model, layout))
     elif layout.opt_on_local:  # the optimizer steps each rank's blocks one by one
         local, gathered = layout.local_abstract(), 0
     else:
@@ -97,6 +98,10 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
     n_params = sum(math.prod(x.shape) for x in tree_util.leaves(layout.model_shapes))
     collectives: dict[str, dict[str, int]] = {}
     if batch is not None:
+        if getattr(model, "check_train_batch", None) is not None:
+            raise ValueError(f"Plan {str(plan)!r}: describe(batch=) rehearses a token model's step on (rows, seq); "
+                             f"{type(model).__name__} takes a batch of its own. Drop batch= (the model state's "
+                             "bytes are still described), or measure its step with cfx.memory.track(ops=True).")
         rows, seq = batch
         plan.check_batch(rows, seq)
         program = Program(plan, model, tx if tx is not None else adamw(1e-3), mesh)
@@ -112,16 +117,16 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
     return Description(str(plan), n_params, out, tiers, collectives)
 
 
-def _block_leaves(layout: Layout, i: int) -> list[ShapeDtype]:
-    """Block ``i``'s leaves as one rank gathers them: its tensor-parallel shapes, padded to the
-    data axis like the gathered buffer."""
-    specs = tree_util.leaves(layout.model_specs["blocks"][i], is_leaf=is_spec)
+def _gathered_groups(plan, model: Any, layout: Layout) -> list[list[ShapeDtype]]:
+    """Each gathered block's leaves as one rank gathers them (its tensor-parallel shapes, padded to
+    the data axis like the gathered buffer); the model's own group where it has no blocks."""
+    paths = [p for p, _ in tree_util.flatten_with_path(layout.model_shapes)[0]]
+    groups = gather_groups(gathered_model(plan, model), paths)  # the root's own leaves first
+    shapes = tree_util.leaves(layout.model_shapes)
+    specs = tree_util.leaves(layout.model_specs, is_leaf=is_spec)
     n = layout.n
-    out = []
-    for x, s in zip(tree_util.leaves(layout.model_shapes["blocks"][i]), specs):
-        numel = math.prod(block_shape(x.shape, s, layout.mesh))
-        out.append(ShapeDtype((piece_size(numel, n) * n,), x.dtype))
-    return out
+    return [[ShapeDtype((piece_size(math.prod(block_shape(shapes[i].shape, specs[i], layout.mesh)), n) * n,),
+                        shapes[i].dtype) for i in idx] for idx in (groups[1:] or groups)]
 
 
 def _nbytes(leaves: list) -> int:
