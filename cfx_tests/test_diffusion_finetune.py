@@ -100,7 +100,7 @@ def test_bad_data_and_flags_exit_with_the_reason(pipe_dir, tmp_path, capsys):
     base = ["--pipeline", str(pipe_dir), "--out", str(tmp_path / "o"), "--no-progress"]
     cases = [(["--data", str(mixed)], "mixes image sizes: '0.png' is 16x16 and '1.png' is 24x16; give --resolution"),
              (["--data", str(uncaptioned)], "has no caption"),
-             (["--data", str(mixed), "--mesh", "data=2,model=2"], "data ranks only"),
+             (["--data", str(mixed), "--mesh", "data=2,seq=2"], "data ranks and tensor-parallel model ranks"),
              (["--data", str(mixed), "--offload", "host"], "add --zero 3"),
              (["--data", str(tmp_path / "bare"), "--batch-size", "3", "--mesh", "data=2"], "has no caption"),
              (["--data", str(mixed), "--resolution", "16", "--resume"], "holds no train state")]

@@ -1,7 +1,8 @@
 """The denoising step under a ``cfx.parallel.Plan`` (``cfx.diffusion.Denoiser``): data parallelism,
-ZeRO 1-3, offload and remat per block train the UNet as one device does (3 SGD-momentum steps,
-params at the ``assert_close`` defaults), bf16 stays close to fp32, ZeRO-3 gathers the UNet block by
-block, and the axes a UNet has no use for are refused before any rank runs."""
+ZeRO 1-3, offload, remat per block and tensor parallelism (heads, feed-forward units and resnet
+channels over ``model``) train the UNet as one device does (3 SGD-momentum steps, params at the
+``assert_close`` defaults), bf16 stays close to fp32, ZeRO-3 gathers the UNet block by block, and
+the axes a UNet has no use for are refused before any rank runs."""
 from __future__ import annotations
 
 import pytest
@@ -54,7 +55,8 @@ def _planned(text: str, model, tx, params, batches):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("text", ["data=2", "data=2 zero=1", "data=2 zero=3",
-                                  "data=2 zero=3 offload=host remat=blocks", "data=2 zero=2 remat=dots"])
+                                  "data=2 zero=3 offload=host remat=blocks", "data=2 zero=2 remat=dots",
+                                  "model=2", "data=2,model=2 zero=3 remat=blocks"])
 def test_plans_train_the_unet_as_one_device(text):
     model, tx = _model(), cfx.optim.sgd(0.05, momentum=0.9)
     params = model.init(cfx.random.key(3))
@@ -97,8 +99,8 @@ def test_zero3_gathers_block_by_block():
 
 
 @pytest.mark.parametrize("text, says", [
-    ("model=2", "Drop model="), ("seq=2", "drop seq="), ("pipe=2", "drop the pipe axis"),
-    ("data=2 remat=auto:1GiB", "remat=blocks")])
+    ("model=3", "do not split 3 ways"), ("seq=2", "drop seq="), ("pipe=2", "drop the pipe axis"),
+    ("data=2 remat=auto:1GiB", "remat=blocks"), ("model=2 sp=megatron", "Drop sp=")])
 def test_axes_a_unet_cannot_use_are_refused(text, says):
     with pytest.raises(ValueError, match=says):
         cfx.parallel.Plan.parse(text).check(_model())

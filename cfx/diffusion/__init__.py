@@ -10,7 +10,8 @@ of ``schedulers`` (``add_noise``, ``target``, ``ddpm_step``, ``ddim_step``, Eule
 equal diffusers' DDPM / DDIM / Euler schedulers step for step. ``denoising_loss`` is the training
 objective (diffusers' ``train_text_to_image.py`` loss) and ``draw`` its timesteps and noise from a key;
 ``Denoiser(unet, schedule)`` is that objective as a model ``cfx.parallel.Plan`` trains (ZeRO, offload,
-remat per block, bf16), and ``python -m cfx.diffusion.train`` its command line.
+remat per block, bf16, tensor parallelism over ``model``); ``python -m cfx.diffusion.train`` and ``python -m cfx.diffusion.dreambooth``
+are its command lines.
 ``load_pipeline(dir)`` / ``save_pipeline(dir, pipeline)`` read and write diffusers' pipeline layout
 (``unet/``, ``vae/``, ``text_encoder/``, ``scheduler/``); ``sample_images`` draws images (DDIM
 with classifier-free guidance, as ``StableDiffusionPipeline``), and ``python -m cfx.diffusion.sample``

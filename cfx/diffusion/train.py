@@ -2,8 +2,9 @@
 
 Fine-tunes a Stable Diffusion pipeline's UNet on captioned images (``metadata.jsonl``, or a ``.txt``
 caption beside each image; ``--resolution N`` resizes and center-crops them) with AdamW under a
-``cfx.parallel.Plan``: ``--mesh data=2`` ranks, ``--zero 0-3``, ``--offload host|nvme|auto`` (with
-ZeRO-3), ``--remat blocks|dots`` per resnet / transformer, ``--precision bf16``; attention runs
+``cfx.parallel.Plan``: ``--mesh data=2`` ranks (``data=2,model=2``: tensor parallel too),
+``--zero 0-3``, ``--offload host|nvme|auto`` (with ZeRO-3), ``--remat blocks|dots`` per resnet /
+transformer, ``--precision bf16``; attention runs
 through ``cfx.nn.attention`` (flash kernels). The VAE and text encoder stay frozen and encode the
 data once. A progress bar shows the loss; ``--out`` receives the pipeline (diffusers' layout) at the
 end and, with ``--save-every N``, every N steps with the train state, which ``--resume`` continues.
@@ -26,7 +27,9 @@ def arguments(description: str, *, prog: str) -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=1e-2)
     p.add_argument("--resolution", type=int, default=None,
                    help="resize (shorter side) and center-crop every image to N x N pixels")
-    p.add_argument("--mesh", default="data=1", help="data=N: ranks (threads here, processes under torchrun)")
+    p.add_argument("--mesh", default="data=1",
+                   help="data=N[,model=M]: ranks (threads here, processes under torchrun); model splits each "
+                        "resnet's channels and each transformer's heads (Megatron)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     p.add_argument("--offload", choices=["none", "host", "nvme", "auto"], default="none",
                    help="with --zero 3: where the params' pieces and the optimizer state live")
@@ -43,9 +46,10 @@ def arguments(description: str, *, prog: str) -> argparse.ArgumentParser:
 def plan_of(a: argparse.Namespace) -> Any:
     """The ``cfx.parallel.Plan`` the flags name (ValueError naming the flag otherwise)."""
     from cfx._src.plan.plan import Plan
-    if not a.mesh.startswith("data=") or "," in a.mesh:
-        raise ValueError(f"--mesh {a.mesh!r}: a UNet trains over data ranks only (--mesh data=N); shard its state "
-                         "with --zero 3 (and --offload).")
+    axes = [part.partition("=")[0].strip() for part in a.mesh.split(",")]
+    if not axes or any(x not in ("data", "model") for x in axes):
+        raise ValueError(f"--mesh {a.mesh!r}: a UNet trains over data ranks and tensor-parallel model ranks "
+                         "(--mesh data=N or data=N,model=M); shard its state with --zero 3 (and --offload).")
     if a.offload != "none" and a.zero != 3:
         raise ValueError(f"--offload {a.offload} moves ZeRO-3's pieces; add --zero 3.")
     if a.batch_size < 1 or a.steps < 1:

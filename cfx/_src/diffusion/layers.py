@@ -46,12 +46,14 @@ class ResnetBlock2D:
 
     def _parts(self) -> dict:
         cin, cout = self.in_channels, self.out_channels
+        # conv1's output channels are the block's hidden units ("mlp": Megatron's rules split them,
+        # conv1 by columns and conv2 by rows, as an MLP's fc and proj)
         parts = {"norm1": GroupNorm(self.groups, cin, self.eps, axis_name="conv_in"),
-                 "conv1": Conv2d(cin, cout, 3, padding=1),
-                 "norm2": GroupNorm(self.groups, cout, self.eps),
-                 "conv2": Conv2d(cout, cout, 3, padding=1, axes_names=("conv_out", "conv_hidden"))}
+                 "conv1": Conv2d(cin, cout, 3, padding=1, axes_names=("mlp", "conv_in")),
+                 "norm2": GroupNorm(self.groups, cout, self.eps, axis_name="mlp"),
+                 "conv2": Conv2d(cout, cout, 3, padding=1, axes_names=("conv_out", "mlp"))}
         if self.temb_channels is not None:
-            parts["time_emb_proj"] = Linear(self.temb_channels, cout, axes_names=("temb", "conv_out"))
+            parts["time_emb_proj"] = Linear(self.temb_channels, cout, axes_names=("temb", "mlp"))
         if cin != cout:
             parts["conv_shortcut"] = Conv2d(cin, cout, 1)
         return parts

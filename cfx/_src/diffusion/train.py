@@ -10,7 +10,8 @@ noise from a ``cfx.random`` key, so a step is a pure function of its key.
 UNet's params, init and axes; ``loss(params, latents, text_states, t, noise[, weights])``; a batch
 of those tensors whose rows split over ``data`` (the noise and timesteps are drawn outside the step,
 so every plan computes the same numbers); and the UNet's resnets and transformers as its
-``blocks``, so ZeRO-3 gathers and remat wrap them one by one.
+``blocks``, so ZeRO-3 gathers and remat wrap them one by one and ``tensor_parallel`` splits them
+over a model axis.
 """
 from __future__ import annotations
 
@@ -66,6 +67,11 @@ class Denoiser(Composite):
 
     def map_blocks(self, f: Any) -> "Denoiser":
         return Denoiser(self.unet.map_blocks(f), self.schedule)
+
+    def tensor_parallel(self, axis: str) -> "Denoiser":
+        """Every resnet and transformer Megatron-split over ``axis`` (``diffusion.parallel``)."""
+        from cfx._src.diffusion.parallel import tensor_parallel_block
+        return self.map_blocks(lambda b: tensor_parallel_block(b, axis))
 
     def apply(self, params: Any, sample: torch.Tensor, timestep: Any, text_states: torch.Tensor) -> torch.Tensor:
         return self.unet.apply(params, sample, timestep, text_states)

@@ -37,14 +37,17 @@ class CrossAttention(Composite):
             "to_out": Linear(inner, self.query_dim, axes_names=("heads", "embed"))})
 
     def apply(self, p: dict, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        return self._sublayers["to_out"].apply(p["to_out"], self.heads_out(p, x, context))  # (B, T, query_dim)
+
+    def heads_out(self, p: dict, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """The heads' outputs before ``to_out``: ``(B, T, heads * head_dim)``."""
         L = self._sublayers
         c = x if self.context_dim is None else context
         B, T, _ = x.shape
         q = L["to_q"].apply(p["to_q"], x).view(B, T, self.heads, self.head_dim)  # (B, T, H, D)
         k = L["to_k"].apply(p["to_k"], c).view(B, c.shape[1], self.heads, self.head_dim)  # (B, S, H, D)
         v = L["to_v"].apply(p["to_v"], c).view(B, c.shape[1], self.heads, self.head_dim)
-        o = attention(q, k, v, causal=False, impl=self.impl).reshape(B, T, self.heads * self.head_dim)
-        return L["to_out"].apply(p["to_out"], o)  # (B, T, query_dim)
+        return attention(q, k, v, causal=False, impl=self.impl).reshape(B, T, self.heads * self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,9 @@ class GEGLUFeedForward(Composite):
 
     def __post_init__(self):
         inner = 4 * self.dim
-        keep_sublayers(self, {"proj": Linear(self.dim, 2 * inner, axes_names=("embed", "mlp")),
+        # proj's columns are [value | gate]: a contiguous split would not pair them, so "geglu" stays
+        # whole under Megatron's rules (each rank computes its columns of both halves)
+        keep_sublayers(self, {"proj": Linear(self.dim, 2 * inner, axes_names=("embed", "geglu")),
                               "out": Linear(inner, self.dim, axes_names=("mlp", "embed"))})
 
     def apply(self, p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +121,11 @@ class Transformer2D(Composite):
             "proj_out": proj("embed", "conv_out")})
 
     def apply(self, p: dict, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.apply_with(p, x, context, lambda block, pb, h, c: block.apply(pb, h, c))
+
+    def apply_with(self, p: dict, x: torch.Tensor, context: torch.Tensor, run_block) -> torch.Tensor:
+        """``apply`` with each ``BasicTransformerBlock`` run by ``run_block(block, params, h, context)``
+        (a tensor-parallel one, ``diffusion.parallel``)."""
         L = self._sublayers
         B, C, H, W = x.shape
         h = L["norm"].apply(p["norm"], x)
@@ -125,7 +135,7 @@ class Transformer2D(Composite):
         if self.use_linear_projection:
             h = L["proj_in"].apply(p["proj_in"], h)
         for block, pb in zip(L["transformer_blocks"], p["transformer_blocks"]):
-            h = block.apply(pb, h, context)
+            h = run_block(block, pb, h, context)
         if self.use_linear_projection:
             h = L["proj_out"].apply(p["proj_out"], h)
         h = h.reshape(B, H, W, C).permute(0, 3, 1, 2).contiguous()  # (B, C, H, W)

@@ -133,7 +133,16 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
     split along the sequence over ``axis`` (contiguously, ``P(None, axis)``); the embeddings and
     head are replicated (``vocab`` must stay off) and run on each rank's positions; the loss is
     the mean over every rank's tokens. Gradients of the leaves replicated over ``axis`` are each
-    rank's positions' share: sum them with ``cfx.parallel.sequence_grads``."""
+    rank's positions' share: sum them with ``cfx.parallel.sequence_grads``.
+
+    A model whose blocks are not ``TransformerBlock`` s provides its own split as
+    ``model.tensor_parallel(axis)`` (``cfx.diffusion.Denoiser``: the UNet's resnets and transformers)."""
+    own = getattr(model, "tensor_parallel", None)
+    if callable(own):  # a model whose blocks are not TransformerBlocks splits itself (cfx.diffusion.Denoiser)
+        if sequence:
+            raise ValueError(f"tensor_parallel(sequence=True): {type(model).__name__} has no sequence to split "
+                             "(Megatron-SP); use sequence=False.")
+        return own(axis)
     vocab = not sequence if vocab is None else vocab
     if sequence and vocab:
         raise ValueError("tensor_parallel(sequence=True): the head runs on each rank's share of the positions with "

@@ -143,12 +143,15 @@ def check_model(plan, model) -> None:
 
 def _check_own_batch_model(plan, model, where: str) -> None:
     """A model with a batch of its own takes ZeRO, offload, remat per block and precision over
-    ``data``; the model axis and remat=auto are written for token models."""
+    ``data``, and a model axis where it splits itself (``tensor_parallel``); remat=auto and
+    Megatron-SP are written for token models."""
     name = type(model).__name__
-    if plan.has("model"):
+    if plan.has("model") and not callable(getattr(model, "tensor_parallel", None)):
         raise ValueError(f"{where}: the model axis splits a token model's heads, MLPs and vocabulary (Megatron); "
                          f"{name} has no such split. Drop model= and shard its state with data= and zero=3 "
                          "(and offload=) instead.")
+    if plan.sp == "megatron":
+        raise ValueError(f"{where}: sp=megatron splits a token sequence; {name} has none. Drop sp=.")
     if plan.remat == "auto":
         raise ValueError(f"{where}: remat=auto solves its schedule on a token model's chain of blocks; {name}'s "
                          "blocks are no chain (skip connections). Use remat=blocks or remat=dots.")
