@@ -1,0 +1,114 @@
+"""From a traced step to the ILP and back: each op's strategies costed on a mesh, the edges'
+resharding priced by ``cfx.reshard``'s cheapest collectives, the solver's choice read out.
+
+Costs are seconds under a ``CostModel``: an op's FLOPs over its split and the rank's throughput,
+plus the all-reduce of a partial output; an edge's collectives as ``latency + bytes / bandwidth``
+per step (alpha-beta per mesh axis). Memory per rank: a param's spec keeps it, its gradient and
+AdamW's two moments (4x its block); a forward op's output is counted as saved for backward (the
+upper bound remat lowers). A param's gradient must end in the param's own spec (an edge from the
+op that makes it back to the param), so data parallelism pays its gradient all-reduce and ZeRO-like
+splits their reduce-scatter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numpy as np
+
+from cfx._src.autoshard.graph import Graph
+from cfx._src.autoshard.ilp import Problem, Solution, solve
+from cfx._src.autoshard.strategies import Strategy, entries, strategies
+from cfx._src.mesh.mesh import AbstractMesh
+from cfx._src.mesh.spec import P
+from cfx._src.reshard import plan as reshard_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    flops_per_s: float = 1e11         # one rank's matmul throughput
+    bandwidth: float = 1e10           # bytes per second per rank on every axis
+    latency: float = 1e-5             # seconds per collective step
+
+
+@dataclasses.dataclass(frozen=True)
+class Solved:
+    solution: Solution
+    specs: dict[str, P]               # each param's spec, by pytree path
+    choices: list[Strategy]           # per op
+    problem: Problem
+
+
+def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostModel(),
+          budget: float = math.inf) -> tuple[Problem, list[list[Strategy]]]:
+    """The ILP of ``graph`` on a mesh of ``mesh_shape`` (module doc) and each op's strategies."""
+    mesh = AbstractMesh(mesh_shape)
+    nodes = list(graph.module.graph.nodes)
+    out_node = nodes[-1]
+    index = {n: i for i, n in enumerate(nodes)}
+    ops = [i for i, n in enumerate(nodes) if n is not out_node]
+    where = {i: k for k, i in enumerate(ops)}
+    strats = [strategies(nodes[i], mesh_shape) for i in ops]
+    params = set(graph.params)
+
+    @functools.lru_cache(maxsize=None)
+    def move(src: P, dst: P, shape: tuple, itemsize: int, partial: tuple = ()) -> float:
+        if src == dst and not partial:
+            return 0.0
+        try:
+            steps = reshard_plan(src, dst, shape, mesh, itemsize=itemsize, partial=partial).steps
+        except ValueError:
+            return math.inf
+        return sum(cost.latency + s.nbytes / cost.bandwidth for s in steps if s.nbytes)
+
+    costs, memory = [], []
+    for k, i in enumerate(ops):
+        op = graph.ops[i]
+        size = _itemsize(graph, i)
+        c, m = [], []
+        for s in strats[k]:
+            shards = math.prod(mesh_shape[a] for d in entries(s.out, len(op.shape or ())) for a in d)
+            t = op.flops / (s.div * cost.flops_per_s)
+            if s.partial:
+                t += move(s.out, s.out, op.shape, size, tuple(s.partial))
+            c.append(t)
+            block = op.bytes / shards
+            m.append(4 * block if i in params else (block if op.phase == "forward" else 0.0))
+        costs.append(c)
+        memory.append(m)
+    edges = []
+    for k, i in enumerate(ops):
+        node = nodes[i]
+        for pos, src in enumerate(node.all_input_nodes):
+            u = where[index[src]]
+            shape, size = graph.ops[index[src]].shape, _itemsize(graph, index[src])
+            if shape is None:
+                continue
+            R = np.array([[move(a.out, b.ins[pos], shape, size) if b.ins and b.ins[pos] is not None else 0.0
+                           for b in strats[k]] for a in strats[u]])
+            edges.append((u, k, _finite(R)))
+    for g, p in zip(graph.outputs[1:], graph.params):  # each gradient ends in its param's spec
+        shape, size = graph.ops[g].shape, _itemsize(graph, g)
+        R = np.array([[move(a.out, b.out, shape, size) for b in strats[where[p]]] for a in strats[where[g]]])
+        edges.append((where[g], where[p], _finite(R)))
+    return Problem.make(costs, memory, edges, budget), strats
+
+
+def search(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostModel(),
+           budget: float = math.inf) -> Solved:
+    """The cheapest strategy per op within ``budget`` bytes per rank, and each param's spec."""
+    problem, strats = build(graph, mesh_shape, cost=cost, budget=budget)
+    sol = solve(problem)
+    choices = [s[c] for s, c in zip(strats, sol.choice)]
+    specs = {graph.ops[i].path.removeprefix("params."): choices[i].out for i in graph.params}
+    return Solved(sol, specs, choices, problem)
+
+
+def _itemsize(graph: Graph, i: int) -> int:
+    dtype = graph.ops[i].dtype
+    return dtype.itemsize if dtype is not None else 4
+
+
+def _finite(R: np.ndarray) -> np.ndarray:
+    """Impossible moves priced far above any plan (the ILP needs finite coefficients)."""
+    return np.where(np.isfinite(R), R, 1e9)
