@@ -15,7 +15,8 @@ from cfx import P
 from cfx._src.autoshard.graph import trace
 from cfx._src.autoshard.ilp import NoPlanFits
 from cfx._src.autoshard.search import search
-from cfx._src.autoshard.strategies import entries, specs_of
+from cfx._src.autoshard.specs import entries, specs_of
+from cfx._src.mesh.mesh import AbstractMesh
 
 MESH = {"data": 2, "model": 2}
 
@@ -65,3 +66,24 @@ def test_an_op_without_strategies_runs_replicated_with_a_warning():
     assert any("no sharding strategies for aten.cumsum.default" in str(w.message) for w in caught)
     cumsum = [i for i, o in enumerate(g.ops) if o.target == "aten.cumsum.default"][0]
     assert solved.choices[cumsum].out == P()
+
+
+@pytest.mark.timeout(120)
+def test_gpt2_is_searched_whole_and_beats_or_equals_megatron_under_the_cost_model():
+    import cfx
+    model = cfx.models.gpt2("tiny", n_layer=1, vocab_size=128, n_positions=32, n_embd=64, n_head=4)
+    params = model.init(cfx.random.key(0))
+    tokens = torch.randint(0, 128, (8, 33))
+    g = trace(lambda p, x, y: model.loss(p, x, y), params, tokens[:, :-1], tokens[:, 1:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every op of GPT-2's step has strategies
+        free = search(g, MESH)
+    megatron = {path: s for path, s in zip(
+        [p for p, _ in cfx.tree.flatten_with_path(params)[0]],
+        cfx.tree.leaves(cfx.Rules(cfx.parallel.MEGATRON_RULES).specs(model.axes(), mesh=AbstractMesh(MESH)),
+                        is_leaf=lambda x: isinstance(x, P)))}
+    pinned = search(g, MESH, fixed=megatron)
+    assert {k: pinned.specs[k] for k in megatron} == megatron
+    assert free.solution.objective <= pinned.solution.objective + 1e-12
+    with pytest.raises(ValueError, match="cannot take"):
+        search(g, MESH, fixed={"wte.w": P(None, None, "data")})

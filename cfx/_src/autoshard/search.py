@@ -18,7 +18,8 @@ import numpy as np
 
 from cfx._src.autoshard.graph import Graph
 from cfx._src.autoshard.ilp import Problem, Solution, solve
-from cfx._src.autoshard.strategies import Strategy, entries, strategies
+from cfx._src.autoshard.specs import Strategy, entries
+from cfx._src.autoshard.strategies import strategies
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
 from cfx._src.reshard import plan as reshard_plan
@@ -40,8 +41,9 @@ class Solved:
 
 
 def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostModel(),
-          budget: float = math.inf) -> tuple[Problem, list[list[Strategy]]]:
-    """The ILP of ``graph`` on a mesh of ``mesh_shape`` (module doc) and each op's strategies."""
+          budget: float = math.inf, fixed: dict[str, P] | None = None) -> tuple[Problem, list[list[Strategy]]]:
+    """The ILP of ``graph`` on a mesh of ``mesh_shape`` (module doc) and each op's strategies;
+    ``fixed`` pins params (by pytree path) to a spec (e.g. Megatron's, to price that plan)."""
     mesh = AbstractMesh(mesh_shape)
     nodes = list(graph.module.graph.nodes)
     out_node = nodes[-1]
@@ -50,6 +52,14 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
     where = {i: k for k, i in enumerate(ops)}
     strats = [strategies(nodes[i], mesh_shape) for i in ops]
     params = set(graph.params)
+    for path, want in (fixed or {}).items():
+        i = next((i for i in graph.params if graph.ops[i].path == f"params.{path}"), None)
+        if i is None:
+            raise ValueError(f"cfx.autoshard: fixed names {path!r}, which is not a param of the step.")
+        strats[where[i]] = [s for s in strats[where[i]] if s.out == want]
+        if not strats[where[i]]:
+            raise ValueError(f"cfx.autoshard: param {path!r} of shape {graph.ops[i].shape} cannot take {want!r} on a "
+                             f"mesh of {mesh_shape} (an axis does not divide its dimension).")
 
     @functools.lru_cache(maxsize=None)
     def move(src: P, dst: P, shape: tuple, itemsize: int, partial: tuple = ()) -> float:
@@ -82,6 +92,10 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
         for pos, src in enumerate(node.all_input_nodes):
             u = where[index[src]]
             shape, size = graph.ops[index[src]].shape, _itemsize(graph, index[src])
+            if strats[k][0].source is not None:  # a getitem follows its op's strategy
+                R = np.array([[0.0 if b.source == a else 1e9 for b in strats[k]] for a in range(len(strats[u]))])
+                edges.append((u, k, R))
+                continue
             if shape is None:
                 continue
             R = np.array([[move(a.out, b.ins[pos], shape, size) if b.ins and b.ins[pos] is not None else 0.0
@@ -95,9 +109,10 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
 
 
 def search(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostModel(),
-           budget: float = math.inf) -> Solved:
-    """The cheapest strategy per op within ``budget`` bytes per rank, and each param's spec."""
-    problem, strats = build(graph, mesh_shape, cost=cost, budget=budget)
+           budget: float = math.inf, fixed: dict[str, P] | None = None) -> Solved:
+    """The cheapest strategy per op within ``budget`` bytes per rank, and each param's spec
+    (``fixed``: some params' specs given, the rest searched)."""
+    problem, strats = build(graph, mesh_shape, cost=cost, budget=budget, fixed=fixed)
     sol = solve(problem)
     choices = [s[c] for s, c in zip(strats, sol.choice)]
     specs = {graph.ops[i].path.removeprefix("params."): choices[i].out for i in graph.params}

@@ -1,10 +1,5 @@
-"""Sharding strategies per aten op over a named mesh (GSPMD / Alpa's intra-operator space).
-
-A tensor's *spec* is a ``P`` naming, per dimension, the mesh axes splitting it (in the mesh's
-order), each axis used at most once and only where the axes divide the dimension (``specs_of``). A ``Strategy`` of an op is the spec of
-its output, the spec each tensor input must arrive in, the factor its FLOPs are divided by, and
-the mesh axes its output is a partial sum over (a contraction split along its reduced dimension,
-reduced by an all-reduce the strategy pays for):
+"""Sharding strategies per aten op over a named mesh (GSPMD / Alpa's intra-operator space; specs
+and ``Strategy`` are ``specs.py``'s):
 
 * inputs (params, batch tensors): any spec of their shape;
 * ``mm`` / ``addmm``: each mesh axis splits M (rows), N (columns), K (the contraction, partial
@@ -15,19 +10,22 @@ reduced by an all-reduce the strategy pays for):
   moves with the first dimension of its group of merged or split dimensions; ``expand``: the
   expanded dimensions stay whole;
 * ``sum`` over dimensions: a split reduced dimension makes the output partial;
+* ``getitem`` of an op returning several tensors: the output its op's strategy gives, one
+  strategy per strategy of that op (``Strategy.source``);
+* a transformer's layers' ops: ``strategies_nn``;
 * anything else: replicated (every input whole, the op on every rank), with a warning naming the op.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import operator
 import warnings
-from typing import Any, Sequence
 
 import torch
 
+from cfx._src.autoshard.specs import Strategy, entries, shape_of, spec, specs_of
+from cfx._src.autoshard.strategies_nn import layer_strategies
 from cfx._src.mesh.spec import P
 
 aten = torch.ops.aten
@@ -42,48 +40,9 @@ VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
 
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    out: P                          # the output's spec
-    ins: tuple[P | None, ...]       # the spec each input must arrive in (None: not a tensor)
-    div: int = 1                    # the op's FLOPs are split this many ways
-    partial: tuple[str, ...] = ()   # mesh axes the output is a partial sum over (all-reduced)
-
-
-def specs_of(shape: Sequence[int], mesh_shape: dict[str, int]) -> list[P]:
-    """Every spec of ``shape``: each axis on at most one dimension, the axes of a dimension dividing it."""
-    out = []
-    for places in itertools.product(range(-1, len(shape)), repeat=len(mesh_shape)):
-        dims: list[tuple[str, ...]] = [() for _ in shape]
-        for a, d in zip(mesh_shape, places):
-            if d >= 0:
-                dims[d] += (a,)
-        if all(shape[d] % math.prod(mesh_shape[a] for a in axes) == 0 for d, axes in enumerate(dims)):
-            out.append(spec(dims))
-    return out
-
-
-def spec(dims: Sequence[tuple[str, ...]]) -> P:
-    """The ``P`` of per-dimension axes (trailing whole dimensions dropped, as ``P`` writes them)."""
-    out = [(d[0] if len(d) == 1 else d) if d else None for d in dims]
-    while out and out[-1] is None:
-        out.pop()
-    return P(*out)
-
-
-def entries(s: P, ndim: int) -> list[tuple[str, ...]]:
-    """The axes splitting each of ``ndim`` dimensions (``()`` for a whole one)."""
-    return [tuple(s.axes_of(d)) for d in range(ndim)]
-
-
-def _shape(x: Any) -> tuple[int, ...] | None:
-    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
 def strategies(node: torch.fx.Node, mesh_shape: dict[str, int]) -> list[Strategy]:
     """The strategies of ``node`` (module doc); at least one (replicated)."""
-    shape = _shape(node)
+    shape = shape_of(node)
     tensors = list(node.all_input_nodes)
     if node.op == "placeholder":
         return [Strategy(s, ()) for s in specs_of(shape, mesh_shape)] if shape is not None else [Strategy(P(), ())]
@@ -92,24 +51,28 @@ def strategies(node: torch.fx.Node, mesh_shape: dict[str, int]) -> list[Strategy
     if target in (aten.mm.default, aten.addmm.default):
         found = _matmul(node, mesh_shape)
     elif target in ELEMENTWISE and shape is not None:
-        found = [Strategy(s, tuple(_aligned(s, shape, _shape(t)) for t in tensors)) for s in specs_of(shape, mesh_shape)]
-        found = [f for f in found if None not in f.ins or all(_shape(t) is None for t in tensors)]
+        found = [Strategy(s, tuple(_aligned(s, shape, shape_of(t)) for t in tensors)) for s in specs_of(shape, mesh_shape)]
+        found = [f for f in found if None not in f.ins or all(shape_of(t) is None for t in tensors)]
     elif target in TRANSPOSES:
         found = _transpose(node, shape, mesh_shape)
     elif target in VIEWS:
         found = _view(node, shape, mesh_shape)
     elif target is aten.expand.default:
-        src = _shape(tensors[0])
+        src = shape_of(tensors[0])
         lead = len(shape) - len(src)
         found = [Strategy(s, (_aligned(s, shape, src),)) for s in specs_of(shape, mesh_shape)
                  if all(not a or (d >= lead and src[d - lead] == shape[d]) for d, a in enumerate(entries(s, len(shape))))]
     elif target in (aten.sum.dim_IntList, aten.sum.default, aten.mean.default, aten.mean.dim):
         found = _sum(node, mesh_shape)
+    elif target is operator.getitem:
+        found = _getitem(node, mesh_shape)
+    else:
+        found = layer_strategies(node, mesh_shape)
     if not found:
         if node.op == "call_function" and target is not operator.getitem and shape is not None:
             warnings.warn(f"cfx.autoshard: no sharding strategies for {target} ({node.name}); it runs replicated.",
                           stacklevel=2)
-        found = [Strategy(P(), tuple(P() if _shape(t) is not None else None for t in tensors))]
+        found = [Strategy(P(), tuple(P() if shape_of(t) is not None else None for t in tensors))]
     return found
 
 
@@ -125,7 +88,7 @@ def _aligned(out: P, shape: tuple, src: tuple | None) -> P | None:
 def _matmul(node, mesh_shape) -> list[Strategy]:
     bias = node.target is aten.addmm.default
     a, b = node.args[1:3] if bias else node.args[:2]
-    (M, K), (_, N) = _shape(a), _shape(b)
+    (M, K), (_, N) = shape_of(a), shape_of(b)
     out = []
     size = {"M": M, "N": N, "K": K}
     for roles in itertools.product((None, "M", "N", "K"), repeat=len(mesh_shape)):
@@ -135,7 +98,7 @@ def _matmul(node, mesh_shape) -> list[Strategy]:
         m, n, k = pick["M"], pick["N"], pick["K"]
         ins = (spec([m, k]), spec([k, n]))
         if bias:
-            ins = (spec([n]) if len(_shape(node.args[0])) == 1 else spec([(), n]),) + ins
+            ins = (spec([n]) if len(shape_of(node.args[0])) == 1 else spec([(), n]),) + ins
         out.append(Strategy(spec([m, n]), ins, div=math.prod(mesh_shape[a] for a in m + n + k), partial=k))
     return out
 
@@ -184,7 +147,7 @@ def _groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]] | None:
 
 
 def _view(node, shape, mesh_shape) -> list[Strategy]:
-    src = _shape(node.all_input_nodes[0])
+    src = shape_of(node.all_input_nodes[0])
     groups = _groups(src, shape)
     if groups is None:
         return []
@@ -207,7 +170,7 @@ def _view(node, shape, mesh_shape) -> list[Strategy]:
 
 
 def _sum(node, mesh_shape) -> list[Strategy]:
-    src = _shape(node.args[0])
+    src = shape_of(node.args[0])
     whole = node.target in (aten.sum.default, aten.mean.default) or not node.args[1]
     dims = set(range(len(src))) if whole else {d % len(src) for d in node.args[1]}
     keep = not whole and len(node.args) > 2 and node.args[2]
@@ -218,3 +181,13 @@ def _sum(node, mesh_shape) -> list[Strategy]:
         kept = [() if d in dims else e[d] for d in range(len(src)) if keep or d not in dims]
         out.append(Strategy(spec(kept), (s,), div=math.prod(mesh_shape[a] for d in e for a in d), partial=partial))
     return out
+
+
+def _getitem(node, mesh_shape) -> list[Strategy]:
+    parent, i = node.args
+    found = []
+    for j, st in enumerate(strategies(parent, mesh_shape)):
+        outs = st.outs or (st.out,)
+        partial = dict(st.reduces).get(i, ())
+        found.append(Strategy(outs[i] if i < len(outs) else P(), (None,), partial=partial, source=j))
+    return found

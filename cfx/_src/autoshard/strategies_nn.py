@@ -1,0 +1,118 @@
+"""Strategies of the ops a transformer's layers lower to (``strategies`` covers the generic ones):
+
+* ``native_layer_norm`` (and its backward): any split of the dimensions before the normalised
+  ones; the weight and bias whole, their gradients partial over the axes splitting the rows;
+* attention (SDPA's flash ops, forward and backward): ``(B, H, T, D)`` split over the batch and
+  heads only (a sequence split is ``cfx.parallel``'s ring or Ulysses, not a layout);
+* ``embedding``: the ids' layout carries to the rows; the table whole, split along the embedding
+  width (the output follows), or along the vocabulary (each rank's rows, a partial sum); its
+  backward is partial over the axes splitting the ids;
+* ``log_softmax`` / ``nll_loss`` (and their backwards): the class dimension whole, the rows split;
+  the loss a partial sum over the row axes;
+* ``slice``: the sliced dimension whole.
+"""
+from __future__ import annotations
+
+import torch
+
+from cfx._src.autoshard.specs import Strategy, entries, shape_of, spec, specs_of
+from cfx._src.mesh.spec import P
+
+aten = torch.ops.aten
+SDPA = (aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default)
+SDPA_BACKWARD = (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                 aten._scaled_dot_product_flash_attention_backward.default)
+
+
+def layer_strategies(node: torch.fx.Node, mesh_shape: dict[str, int]) -> list[Strategy]:
+    t, tensors = node.target, list(node.all_input_nodes)
+    if t is aten.native_layer_norm.default:
+        x = shape_of(node.args[0])
+        k = len(node.args[1])
+        return [Strategy(s, (s,) + tuple(P() for _ in tensors[1:]), div=_n(s, x, mesh_shape),
+                         outs=(s, s, s)) for s in _leading(x, k, mesh_shape)]
+    if t is aten.native_layer_norm_backward.default:
+        x = shape_of(node.args[1])
+        k = len(node.args[2])
+        out = []
+        for s in _leading(x, k, mesh_shape):
+            rows = tuple(a for d in entries(s, len(x) - k) for a in d)
+            ins = tuple(s if shape_of(n) is not None and len(shape_of(n)) == len(x) else P() for n in tensors)
+            out.append(Strategy(s, ins, div=_n(s, x, mesh_shape), outs=(s, P(), P()),
+                                reduces=((1, rows), (2, rows)) if rows else ()))
+        return out
+    if t in SDPA or t in SDPA_BACKWARD:
+        q = shape_of(tensors[0] if t in SDPA else node.args[1])
+        out = []
+        for s in _leading(q, 2, mesh_shape):  # (B, H) split; T and D whole
+            lse = spec(entries(s, 3))
+            ins = tuple(s if len(shape_of(n)) == 4 else lse for n in tensors)
+            outs = (s, lse) if t in SDPA else (s, s, s)
+            out.append(Strategy(s, ins, div=_n(s, q, mesh_shape), outs=outs))
+        return out
+    if t is aten.embedding.default:
+        return _embedding(node, mesh_shape)
+    if t is aten.embedding_dense_backward.default:
+        grad = shape_of(node.args[0])
+        out = []
+        for s in specs_of(grad, mesh_shape):
+            e = entries(s, len(grad))
+            rows = tuple(a for d in e[:-1] for a in d)
+            out.append(Strategy(spec([(), e[-1]]), (s, spec(e[:-1])), partial=rows))
+        return out
+    if t in (aten._log_softmax.default, aten._softmax.default):
+        x, dim = shape_of(node.args[0]), node.args[1] % len(shape_of(node.args[0]))
+        return [Strategy(s, (s,)) for s in specs_of(x, mesh_shape) if not entries(s, len(x))[dim]]
+    if t in (aten._log_softmax_backward_data.default, aten._softmax_backward_data.default):
+        x, dim = shape_of(node.args[0]), node.args[2] % len(shape_of(node.args[0]))
+        return [Strategy(s, (s, s)) for s in specs_of(x, mesh_shape) if not entries(s, len(x))[dim]]
+    if t is aten.nll_loss_forward.default:
+        x = shape_of(node.args[0])
+        out = []
+        for s in _leading(x, 1, mesh_shape):
+            rows = tuple(a for d in entries(s, len(x))[:-1] for a in d)
+            ins = tuple(s if n is node.args[0] else spec(entries(s, len(x))[:-1]) if shape_of(n) == x[:-1] else P()
+                        for n in tensors)
+            out.append(Strategy(P(), ins, outs=(P(), P()), reduces=((0, rows), (1, rows)) if rows else ()))
+        return out
+    if t is aten.nll_loss_backward.default:
+        x = shape_of(node.args[1])
+        out = []
+        for s in _leading(x, 1, mesh_shape):
+            rows = spec(entries(s, len(x))[:-1])
+            ins = tuple(s if shape_of(n) == x else rows if shape_of(n) == x[:-1] else P() for n in tensors)
+            out.append(Strategy(s, ins))
+        return out
+    if t in (aten.slice.Tensor, aten.slice_backward.default):
+        x = shape_of(node)
+        dim = (node.args[1] if t is aten.slice.Tensor else node.args[2]) % len(x)
+        return [Strategy(s, (s,)) for s in specs_of(x, mesh_shape) if not entries(s, len(x))[dim]]
+    return []
+
+
+def _n(s: P, shape: tuple, mesh_shape: dict[str, int]) -> int:
+    n = 1
+    for d in entries(s, len(shape)):
+        for a in d:
+            n *= mesh_shape[a]
+    return n
+
+
+def _leading(shape: tuple, k: int, mesh_shape: dict[str, int]) -> list[P]:
+    """Specs of ``shape`` splitting only the dimensions before its last ``k``."""
+    return [s for s in specs_of(shape, mesh_shape) if not any(entries(s, len(shape))[len(shape) - k:])]
+
+
+def _embedding(node, mesh_shape) -> list[Strategy]:
+    (V, C), ids = shape_of(node.args[0]), shape_of(node.args[1])
+    out = []
+    for s in specs_of(ids, mesh_shape):
+        used = {a for d in entries(s, len(ids)) for a in d}
+        free = [a for a in mesh_shape if a not in used]
+        out.append(Strategy(spec(entries(s, len(ids))), (P(), s), div=_n(s, ids, mesh_shape)))
+        for a in free:
+            if C % mesh_shape[a] == 0:  # the width split: each rank its columns of every row
+                out.append(Strategy(spec(entries(s, len(ids)) + [(a,)]), (P(None, a), s), div=_n(s, ids, mesh_shape)))
+            if V % mesh_shape[a] == 0:  # the vocabulary split: each rank its rows, the lookups summed
+                out.append(Strategy(spec(entries(s, len(ids))), (P(a), s), div=_n(s, ids, mesh_shape), partial=(a,)))
+    return out
