@@ -21,8 +21,8 @@ TINY = dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+@pytest.mark.parametrize("prediction, dtype", [("epsilon", torch.float32), ("v_prediction", torch.float64)],
+                         ids=["epsilon-fp32", "v_prediction-fp64"])  # each target and each dtype once
 def test_five_adamw_steps_equal_diffusers_with_torch_adamw(prediction, dtype):
     torch.manual_seed(0)
     ref = diffusers.UNet2DConditionModel(**TINY).to(dtype)

@@ -115,3 +115,11 @@ def test_categorical_frequencies_follow_softmax():
         freq = torch.bincount(draws[:, row], minlength=4).double() / len(draws)
         expected = torch.softmax(logits[row].double(), dim=0)
         assert (freq - expected).abs().max() < 0.03  # binomial sd <= 0.008 at n = 4000
+
+
+def test_keys_under_eval_shape_have_shapes_without_running_the_cipher():
+    # a shape-only trace (every model init under eval_shape) splits and folds keys by shape alone
+    out = cfx.eval_shape(lambda k: (cfx.random.split(k, 5), cfx.random.fold_in(k, 3),
+                                    cfx.random.normal(cfx.random.split(k)[1], (4, 3))), cfx.random.key(0))
+    assert [tuple(x.shape) for x in out] == [(5, 2), (2,), (4, 3)]
+    assert [x.dtype for x in out] == [torch.int64, torch.int64, torch.float32]

@@ -64,6 +64,8 @@ def split(key: Key, num: int = 2) -> Key:
     _check_key(key, "split")
     if key.dim() != 1:
         raise ValueError(f"cfx.random.split: expected a single key of shape (2,), got {tuple(key.shape)}.")
+    if is_fake(key):  # a shape-only trace (eval_shape of an init): keys without values, and no cipher to run
+        return torch.empty((num, 2), dtype=torch.int64)
     counters = torch.arange(2 * num, dtype=torch.int64)
     y0, y1 = threefry2x32(key, counters[:num], counters[num:])
     return torch.stack([y0, y1], dim=-1)
@@ -72,6 +74,8 @@ def split(key: Key, num: int = 2) -> Key:
 def fold_in(key: Key, data: int) -> Key:
     """A new key derived from ``key`` and the integer ``data`` (a step or rank number)."""
     _check_key(key, "fold_in")
+    if is_fake(key):  # as in split
+        return torch.empty(tuple(key.shape), dtype=torch.int64)
     data = int(data) % (1 << 64)
     x0 = torch.tensor((data >> 32) ^ _FOLD_TAG, dtype=torch.int64)
     x1 = torch.tensor(data & _MASK, dtype=torch.int64)
