@@ -3,7 +3,7 @@ resharding priced by ``cfx.reshard``'s cheapest collectives, the solver's choice
 
 Costs are seconds under a ``CostModel``: an op's FLOPs over its split and the rank's throughput,
 plus the all-reduce of a partial output; an edge's collectives as ``latency + bytes / bandwidth``
-per step (alpha-beta per mesh axis). Memory per rank: a param's spec keeps it, its gradient and
+per step (alpha-beta per mesh axis, ``cost.py``). Memory per rank: a param's spec keeps it, its gradient and
 AdamW's two moments (4x its block); a forward op's output is counted as saved for backward (the
 upper bound remat lowers). A param's gradient must end in the param's own spec (an edge from the
 op that makes it back to the param), so data parallelism pays its gradient all-reduce and ZeRO-like
@@ -16,6 +16,7 @@ import functools
 import math
 import numpy as np
 
+from cfx._src.autoshard.cost import CostModel
 from cfx._src.autoshard.graph import Graph
 from cfx._src.autoshard.ilp import Problem, Solution, solve
 from cfx._src.autoshard.specs import Strategy, entries
@@ -23,13 +24,6 @@ from cfx._src.autoshard.strategies import strategies
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
 from cfx._src.reshard import plan as reshard_plan
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    flops_per_s: float = 1e11         # one rank's matmul throughput
-    bandwidth: float = 1e10           # bytes per second per rank on every axis
-    latency: float = 1e-5             # seconds per collective step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +63,7 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
             steps = reshard_plan(src, dst, shape, mesh, itemsize=itemsize, partial=partial).steps
         except ValueError:
             return math.inf
-        return sum(cost.latency + s.nbytes / cost.bandwidth for s in steps if s.nbytes)
+        return sum(cost.step(s.axis, s.nbytes) for s in steps if s.nbytes)
 
     costs, memory = [], []
     for k, i in enumerate(ops):
@@ -78,7 +72,7 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
         c, m = [], []
         for s in strats[k]:
             shards = math.prod(mesh_shape[a] for d in entries(s.out, len(op.shape or ())) for a in d)
-            t = op.flops / (s.div * cost.flops_per_s)
+            t = cost.compute(op.flops, s.div)
             if s.partial:
                 t += move(s.out, s.out, op.shape, size, tuple(s.partial))
             c.append(t)
