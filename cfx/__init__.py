@@ -7,6 +7,7 @@ from cfx import (amp, checkpoint, checkpoint_policies, diffusion, gemini, lax, m
                  quant, random, testing, tree)
 from cfx._src.arrays import device_get, device_put, reshard
 from cfx._src.autochunk.api import autochunk
+from cfx._src.autoshard.api import autoshard
 from cfx._src.init_sharded import init_sharded
 from cfx._src.jit.api import jit
 from cfx._src.lax.stats import CommStats, comm_stats
@@ -37,7 +38,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ActivationStats", "CollectiveMismatch", "CollectiveTimeout", "CommStats", "Mesh", "P", "ReshardPlan", "Rules", "ShapeDtype", "ShardedArray", "activation_stats", "amp",
-    "autochunk", "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put",
+    "autochunk", "autoshard", "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put",
     "diffusion", "eval_shape",
     "gemini", "generate", "grad", "init_sharded", "jit", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
     "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap", "zero",

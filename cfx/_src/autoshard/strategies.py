@@ -13,7 +13,8 @@ and ``Strategy`` are ``specs.py``'s):
 * ``getitem`` of an op returning several tensors: the output its op's strategy gives, one
   strategy per strategy of that op (``Strategy.source``);
 * a transformer's layers' ops: ``strategies_nn``;
-* anything else: replicated (every input whole, the op on every rank), with a warning naming the op.
+* anything else: replicated (every input whole, the op on every rank), with a warning naming the op
+  (none for an op of no tensor inputs, e.g. ``arange``: a constant every rank makes whole).
 """
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ ELEMENTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tenso
                aten.tanh.default, aten.neg.default, aten.detach.default, aten.clone.default, aten.alias.default,
                aten.pow.Tensor_Scalar, aten.ones_like.default, aten.zeros_like.default, aten.le.Scalar,
                aten.where.self, aten.sigmoid.default, aten.exp.default, aten.copy.default, aten.mul.Scalar,
-               aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.rsqrt.default, aten.sqrt.default}
+               aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.rsqrt.default, aten.sqrt.default,
+               aten.silu_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default,
+               aten.reciprocal.default, aten.cos.default, aten.sin.default, aten.pow.Scalar, aten.pow.Tensor_Tensor,
+               aten._to_copy.default, aten.erf.default, aten.masked_fill.Scalar, aten.eq.Scalar, aten.ne.Scalar,
+               aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.abs.default, aten.log.default, aten.fill.Scalar}
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
@@ -69,7 +74,7 @@ def strategies(node: torch.fx.Node, mesh_shape: dict[str, int]) -> list[Strategy
     else:
         found = layer_strategies(node, mesh_shape)
     if not found:
-        if node.op == "call_function" and target is not operator.getitem and shape is not None:
+        if node.op == "call_function" and target is not operator.getitem and shape is not None and tensors:
             warnings.warn(f"cfx.autoshard: no sharding strategies for {target} ({node.name}); it runs replicated.",
                           stacklevel=2)
         found = [Strategy(P(), tuple(P() if shape_of(t) is not None else None for t in tensors))]

@@ -9,7 +9,8 @@
   backward is partial over the axes splitting the ids;
 * ``log_softmax`` / ``nll_loss`` (and their backwards): the class dimension whole, the rows split;
   the loss a partial sum over the row axes;
-* ``slice``: the sliced dimension whole.
+* ``slice`` / ``select`` / ``split`` / ``cat`` (and their backwards): the dimension they cut or
+  join whole; ``unsqueeze`` / ``squeeze``: the other dimensions' splits carried over.
 """
 from __future__ import annotations
 
@@ -73,7 +74,11 @@ def layer_strategies(node: torch.fx.Node, mesh_shape: dict[str, int]) -> list[St
             rows = tuple(a for d in entries(s, len(x))[:-1] for a in d)
             ins = tuple(s if n is node.args[0] else spec(entries(s, len(x))[:-1]) if shape_of(n) == x[:-1] else P()
                         for n in tensors)
-            out.append(Strategy(P(), ins, outs=(P(), P()), reduces=((0, rows), (1, rows)) if rows else ()))
+            if node.args[3] == 0:  # reduction="none": a loss per row, laid out like the rows
+                out.append(Strategy(spec(entries(s, len(x))[:-1]), ins, outs=(spec(entries(s, len(x))[:-1]), P()),
+                                    reduces=((1, rows),) if rows else ()))
+            else:  # a mean or sum over the rows: partial sums (lowering divides by the global weight)
+                out.append(Strategy(P(), ins, outs=(P(), P()), reduces=((0, rows), (1, rows)) if rows else ()))
         return out
     if t is aten.nll_loss_backward.default:
         x = shape_of(node.args[1])
@@ -87,6 +92,40 @@ def layer_strategies(node: torch.fx.Node, mesh_shape: dict[str, int]) -> list[St
         x = shape_of(node)
         dim = (node.args[1] if t is aten.slice.Tensor else node.args[2]) % len(x)
         return [Strategy(s, (s,)) for s in specs_of(x, mesh_shape) if not entries(s, len(x))[dim]]
+    if t is aten.select_backward.default:  # (grad, input_sizes, dim, index): grad lacks the dimension
+        x = shape_of(node)
+        dim = node.args[2] % len(x)
+        return [Strategy(s, (spec(entries(s, len(x))[:dim] + entries(s, len(x))[dim + 1:]),))
+                for s in specs_of(x, mesh_shape) if not entries(s, len(x))[dim]]
+    if t is aten.select.int:
+        x = shape_of(node.args[0])
+        dim = node.args[1] % len(x)
+        return [Strategy(spec(entries(s, len(x))[:dim] + entries(s, len(x))[dim + 1:]), (s,))
+                for s in specs_of(x, mesh_shape) if not entries(s, len(x))[dim]]
+    if t is aten.split.Tensor:
+        x = shape_of(node.args[0])
+        dim = (node.args[2] if len(node.args) > 2 else 0) % len(x)
+        n = len(node.meta["val"])
+        return [Strategy(s, (s,), outs=(s,) * n) for s in specs_of(x, mesh_shape) if not entries(s, len(x))[dim]]
+    if t is aten.cat.default:
+        x = shape_of(node)
+        dim = (node.args[1] if len(node.args) > 1 else 0) % len(x)
+        return [Strategy(s, tuple(s for _ in tensors)) for s in specs_of(x, mesh_shape)
+                if not entries(s, len(x))[dim] and all(shape_of(n) is not None and len(shape_of(n)) == len(x)
+                                                       for n in tensors)]
+    if t in (aten.unsqueeze.default, aten.squeeze.dim):
+        x, y = shape_of(node.args[0]), shape_of(node)
+        dim = node.args[1] % len(y if t is aten.unsqueeze.default else x)
+        out = []
+        for s in specs_of(x, mesh_shape):
+            e = entries(s, len(x))
+            if t is aten.unsqueeze.default:
+                out.append(Strategy(spec(e[:dim] + [()] + e[dim:]), (s,)))
+            elif x[dim] != 1:  # squeezing a dimension that is not 1 returns the input
+                out.append(Strategy(s, (s,)))
+            elif not e[dim]:
+                out.append(Strategy(spec(e[:dim] + e[dim + 1:]), (s,)))
+        return out
     return []
 
 
