@@ -1,7 +1,7 @@
 """The lowered plan computes what one device computes: GPT-2, Llama and BERT's loss and every
 gradient (fp32, ``assert_close`` defaults) for the plan the search picks, and for any assignment
 of strategies drawn at random (hypothesis) -- every layout change between them, every partial
-sum, every size argument rewritten to a block; plus the checks ``cfx.autoshard`` makes on a call."""
+sum, every size argument rewritten to a block."""
 from __future__ import annotations
 
 import functools
@@ -81,14 +81,3 @@ def test_the_searched_plan_computes_the_single_device_step(name):
             torch.testing.assert_close(got, want)
         assert {k: g.spec for k, g in zip(report.specs, cfx.tree.leaves(grads))} == report.specs
         assert str(report).startswith("cfx.autoshard on mesh {'data': 2, 'model': 2}")
-
-
-@pytest.mark.timeout(120)
-def test_a_call_with_other_shapes_than_the_example_is_refused():
-    model, params, (x, y), _, _ = case("gpt2")
-    with cfx.Mesh({"model": 4}) as mesh:
-        step, _ = cfx.autoshard(model.loss, mesh, (params, x, y))
-        with pytest.raises(ValueError, match=r"batch\[0\] is \(8, 4\).*searched for \(8, 8\)"):
-            step(params, x[:, :4], y[:, :4])
-        with pytest.raises(ValueError, match="example_args must be a tuple"):
-            cfx.autoshard(model.loss, mesh, [params, x, y])

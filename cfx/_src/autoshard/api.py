@@ -22,7 +22,8 @@ from cfx._src import tree as tree_util
 from cfx._src.autoshard.cost import CostModel
 from cfx._src.autoshard.graph import Graph, trace
 from cfx._src.autoshard.lower import lower
-from cfx._src.autoshard.report import Reference, Report, collectives, gathered
+from cfx._src.autoshard.ilp import NoPlanFits
+from cfx._src.autoshard.report import Reference, Report, collectives, gathered, human_bytes
 from cfx._src.autoshard.search import search
 from cfx._src.autoshard.specs import entries
 from cfx._src.mesh.spec import P
@@ -73,7 +74,15 @@ def autoshard(step: Callable[..., torch.Tensor], mesh, example_args: tuple, *, m
     mesh_shape = dict(mesh.shape)
     start = time.perf_counter()
     graph = trace(step, *example_args)
-    solved = search(graph, mesh_shape, cost=cost, budget=budget, fixed=fixed)
+    try:
+        solved = search(graph, mesh_shape, cost=cost, budget=budget, fixed=fixed)
+    except NoPlanFits as e:
+        least = sum(float(m.min()) for m in e.problem.memory) if getattr(e, "problem", None) else None
+        raise NoPlanFits(
+            f"cfx.autoshard on mesh {mesh_shape}: no strategy assignment fits {human_bytes(budget)} per rank"
+            + (f"; the least any op-by-op choice needs is {human_bytes(least)}" if least is not None else "")
+            + " (params with their gradients and AdamW moments, and saved activations). Raise memory_budget, "
+              "add ranks, or shrink the batch: this search does not recompute or offload activations.") from None
     solve_s = time.perf_counter() - start
     ref = None
     if reference is not None:
@@ -105,5 +114,6 @@ def _notes(graph: Graph, choices: list, mesh_shape: dict[str, int]) -> list[str]
 
 
 autoshard.CostModel = CostModel
+autoshard.NoPlanFits = NoPlanFits
 autoshard.Report = Report
 autoshard.AutoStep = AutoStep

@@ -16,6 +16,7 @@ import math
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import flop_registry
 
@@ -69,10 +70,12 @@ def trace(step: Callable[..., torch.Tensor], params: Any, *batch: Any) -> Graph:
         loss, grads = value_and_grad(lambda q: step(q, *b))(p)
         return (loss, *tree_util.leaves(grads))
 
-    def example(x):
-        return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta") if not isinstance(x, torch.Tensor) \
-            else x.detach()
-    gm = make_fx(flat, tracing_mode="fake")(*(example(x) for _, x in p_items + b_items))
+    # fake CPU tensors (no storage): the ops traced are the ones the CPU would run (a meta
+    # tensor would take other kernels' paths, e.g. attention's math fallback)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        examples = [mode.from_tensor(x.detach()) if isinstance(x, torch.Tensor)
+                    else torch.empty(tuple(x.shape), dtype=x.dtype) for _, x in p_items + b_items]
+        gm = make_fx(flat, tracing_mode="real")(*examples)
     return _profile(gm, [p for p, _ in p_items], [p for p, _ in b_items])
 
 

@@ -70,6 +70,7 @@ class _Interpreter:
     def run(self, leaves: list, graph: Graph, p_specs: Any) -> tuple:
         uses = _last_uses(self.nodes)
         feed = iter(leaves)
+        self.device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
         for i, n in enumerate(self.nodes):
             if n.op == "placeholder":
                 self.value[i], self.layout[i] = next(feed), self.choices[i].out
@@ -101,6 +102,8 @@ class _Interpreter:
             ins = {a: self._moved(a, spec) if spec is not None else self.value[self.index[a]]
                    for a, spec in zip(n.all_input_nodes, s.ins or (None,) * len(n.all_input_nodes))}
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), ins.__getitem__)
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+                kwargs = {**kwargs, "device": self.device}  # traced on shapes: made on the rank's device
             if n.target in _SIZE_ARG:
                 args = list(args)
                 args[_SIZE_ARG[n.target]] = _block_shape(n.meta["val"].shape, s.out, self.mesh)

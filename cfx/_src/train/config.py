@@ -40,6 +40,8 @@ class TrainConfig:
     microbatches: int = 4          # micro-batches per step with a pipe axis
     chunks: int = 2                # virtual stages per rank for --schedule interleaved
     sp: str | None = None          # ring | ulysses over a seq axis, megatron over model (None: ring with seq)
+    auto: bool = False             # search the plan over --mesh with cfx.autoshard
+    auto_budget: str | None = None # memory per rank for --auto's search (params, grads, moments, activations)
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
     json: str | None = None        # write the summary as JSON here
@@ -99,6 +101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--sp", choices=["ring", "ulysses", "megatron"], default=d.sp,
                    help="sequence parallelism: ring (the default with a seq axis in --mesh) or ulysses attention "
                         "over seq, or megatron (Megatron-SP) over the model axis")
+    p.add_argument("--auto", action="store_true",
+                   help="let cfx.autoshard search how every op splits over --mesh (fastest plan under its cost "
+                        "model; prints the plan and how it compares with Megatron's)")
+    p.add_argument("--auto-budget", default=d.auto_budget,
+                   help="memory per rank the --auto plan must fit, e.g. 2GiB (params, grads, AdamW moments, saved "
+                        "activations)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")
@@ -134,6 +142,24 @@ def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
         (("sp",), not cfg.mesh, "needs a mesh: --mesh seq=N (ring, ulysses) or --mesh model=N (megatron)"),
         (("save_every",), not cfg.save, "needs --save PATH (where to write the checkpoints)"),
     ]
+    if cfg.auto:
+        if not cfg.mesh:
+            raise ValueError("--auto searches a plan over a mesh: add --mesh, e.g. --mesh data=2,model=2.")
+        if axes - {"data", "model"}:
+            raise ValueError(f"--auto lays ops out over data and model axes; {sorted(axes - {'data', 'model'})} "
+                             "in --mesh are schedules (pipeline, sequence parallelism): use them without --auto.")
+        decided = [n for n in ("zero", "offload", "offload_budget", "remat", "remat_budget", "sp", "nvme_dir")
+                   if n in set_]
+        if decided:
+            raise ValueError(f"--{decided[0].replace('_', '-')} is decided by --auto's search (params split over "
+                             "data are ZeRO-3's layout); drop it, or drop --auto.")
+        if cfg.precision != "fp32":
+            raise ValueError("--auto searches an fp32 step; drop --precision or drop --auto.")
+        if cfg.save and not cfg.save.endswith(".safetensors") or cfg.resume and not cfg.resume.endswith(
+                ".safetensors"):
+            raise ValueError("--auto saves and resumes one .safetensors file (gathered): give --save / --resume "
+                             "PATH.safetensors.")
+    rules.append((("auto_budget",), not cfg.auto, "applies to --auto only"))
     for names, ignored, why in rules:
         for name in names:
             if ignored and name in set_:

@@ -91,6 +91,17 @@ def plan_of(cfg: TrainConfig) -> Plan:
                 sp=cfg.sp, **pipe)
 
 
+def auto_program(cfg: TrainConfig, model, tx, mesh):
+    """``--auto``: ``cfx.autoshard``'s plan for this model, batch and mesh, compared with Megatron's."""
+    from cfx._src.autoshard.train import AutoProgram, megatron_reference
+    program = AutoProgram(model, tx, mesh, batch=cfg.batch, seq=cfg.seq, memory_budget=cfg.auto_budget,
+                          grad_clip=cfg.grad_clip, reference=megatron_reference(model, mesh),
+                          reference_name="Megatron's plan")
+    if 0 in mesh.local_ranks:
+        tqdm.write(str(program.report))
+    return program
+
+
 def decay_mask(model) -> Any:
     """Weight decay on matrices only (leaves with two logical axes; not biases, norms), as a
     function of the params so it fits the model's tree and a Plan's stacked layout alike."""
@@ -169,6 +180,8 @@ def launched_config(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -
 def strategy(cfg: TrainConfig) -> str:
     """Everything that decides how the run trains, defaults included (the summary's row)."""
     parts = [f"mesh {cfg.mesh or 'none (one device)'}", f"precision {cfg.precision}"]
+    if cfg.auto:
+        return "; ".join(parts + ["auto (cfx.autoshard)" + (f", budget {cfg.auto_budget}" if cfg.auto_budget else "")])
     if cfg.mesh:
         parts.append(f"zero {cfg.zero}")
         parts.append(f"offload {cfg.offload}" + (f" (budget {cfg.offload_budget or 'what is free'})"
@@ -202,8 +215,8 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]
     plan = plan_of(cfg) if cfg.mesh else None
-    if plan is None:
-        params = model.init(k_init)
+    if plan is None or cfg.auto:
+        params = model.init(k_init) if plan is None else eval_shape(model.init, k_init)
     else:  # shapes only: the parameter count and a checkpoint's layout
         plan.check(model)  # every flag combination trains or is refused here, before any rank starts
         plan.check_batch(cfg.batch, cfg.seq)
@@ -227,7 +240,11 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         saved = lambda state: {"params": state[0], "opt_state": state[1]}  # noqa: E731
     else:
         mesh = stack.enter_context(plan.make_mesh())
-        program = plan.step(model, tx, mesh=mesh, grad_clip=cfg.grad_clip, nvme_dir=cfg.nvme_dir)
+        if cfg.auto:  # the searched plan (cfx.autoshard), shown before the first step
+            program = auto_program(cfg, model, tx, mesh)
+            plan = None  # its checkpoints are single files
+        else:
+            program = plan.step(model, tx, mesh=mesh, grad_clip=cfg.grad_clip, nvme_dir=cfg.nvme_dir)
         # params and optimizer state live as ShardedArrays: each process builds only its blocks
         state = program.init(k_init)
         if cfg.resume and os.path.isdir(cfg.resume):  # a sharded checkpoint: each process reads its blocks
