@@ -15,7 +15,7 @@ MESH = {"data": 2, "model": 2}
 
 @pytest.fixture(scope="module")
 def gpt2():
-    model = cfx.models.gpt2("tiny", n_layer=2, vocab_size=64, n_positions=32, n_embd=64, n_head=4)
+    model = cfx.models.gpt2("tiny", n_layer=1, vocab_size=64, n_positions=32, n_embd=64, n_head=4)
     params = model.init(cfx.random.key(0))
     tokens = cfx.random.randint(cfx.random.key(1), (8, 33), 0, 64)
     batch = (tokens[:, :-1], tokens[:, 1:])

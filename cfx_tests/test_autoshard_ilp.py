@@ -49,6 +49,14 @@ def test_an_edge_cost_can_outweigh_a_cheaper_node_strategy():
     assert solve(p).choice == (0, 1) and solve(p).objective == 2.0
 
 
+def test_a_fractional_relaxation_is_branched_on():
+    # three nodes in a cycle, each edge paying 1 when its ends agree: the LP relaxation is all
+    # halves at 0, the integer optimum 1 (two of three must agree)
+    agree = np.eye(2)
+    p = Problem.make([[0.0, 0.0]] * 3, edges=[(0, 1, agree), (1, 2, agree), (0, 2, agree)])
+    assert solve(p).objective == brute_force(p).objective == 1.0
+
+
 def test_bad_problems_name_the_node():
     with pytest.raises(ValueError, match="edge 0 -> 1 has a \\(1, 1\\) resharding matrix; expected \\(1, 2\\)"):
         Problem.make([[0.0], [1.0, 2.0]], edges=[(0, 1, [[5.0]])])
@@ -56,3 +64,27 @@ def test_bad_problems_name_the_node():
         Problem.make([[]])
     with pytest.raises(NoPlanFits, match="the smallest needs 3 bytes"):
         solve(Problem.make([[0.0, 1.0], [0.0]], [[2.0, 1.0], [2.0]], budget=2.5))
+
+
+@pytest.mark.timeout(120)
+def test_a_rounded_plan_within_the_gap_of_the_relaxation_is_within_it_of_the_optimum(monkeypatch):
+    # where the LP relaxation is fractional, solve(gap=) rounds it and improves op by op: the plan it
+    # keeps is within the gap of brute force's optimum and within the budget (the shortcut must run)
+    from cfx._src.autoshard import ilp
+    from cfx.bench.autoshard import random_problem
+    rounded = []
+    real = ilp._improved
+    monkeypatch.setattr(ilp, "_improved", lambda p, c, **kw: rounded.append(1) or real(p, c, **kw))
+    rng = np.random.default_rng(7)
+    for _ in range(80):
+        p = random_problem(rng)
+        try:
+            want = brute_force(p)
+        except NoPlanFits:
+            with pytest.raises(NoPlanFits):
+                solve(p, gap=0.01)
+            continue
+        got = solve(p, gap=0.01)
+        assert got.memory <= p.budget
+        assert want.objective <= got.objective <= want.objective * 1.01 + 1e-9
+    assert rounded, "no problem took the rounding path"

@@ -83,11 +83,13 @@ def autoshard(step: Callable[..., torch.Tensor], mesh, example_args: tuple, *, m
             + (f"; the least any op-by-op choice needs is {human_bytes(least)}" if least is not None else "")
             + " (params with their gradients and AdamW moments, and saved activations). Raise memory_budget, "
               "add ranks, or shrink the batch: this search does not recompute or offload activations.") from None
-    solve_s = time.perf_counter() - start
     ref = None
     if reference is not None:
         priced = search(graph, mesh_shape, cost=cost, fixed=reference)
         ref = Reference(reference_name, priced.solution.objective, priced.solution.memory)
+        if priced.solution.objective < solved.solution.objective and priced.solution.memory <= budget:
+            solved = priced  # the search stops within 1% of its optimum: a better known plan wins
+    solve_s = time.perf_counter() - start
     choices = solved.choices
     param_bytes = {}
     for i in graph.params:

@@ -23,7 +23,8 @@ cores, one intra-op thread each where ranks outnumber cores -- so a rank's throu
 it runs beside its peers: ``flops_per_s = 2 matmul^3 / seconds``. Each timing spans a few products
 back to back: a single one can finish before a peer waiting for the same core has started (then
 every rank would see a whole core, e.g. 90 GFLOP/s where four ranks on two cores really get 25).
-Median of three timings, slowest rank.
+Median of three timings, slowest rank. Memory-bound ops (elementwise, norms, softmax): every rank
+adds two 4 MiB vectors at once, ``memory_bandwidth`` = output bytes per second.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ OPS = ("all_gather", "psum", "psum_scatter", "all_to_all")
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB)  # bytes a rank holds before a move
 _ITEMSIZE = 4  # fp32
 _WIDTH = 64    # an all_to_all block is (rows, n * _WIDTH): the moved columns are chunks of 64 floats
+_ELEMENTWISE = 1 << 20  # floats per operand of the timed add (4 MiB)
 _MM_BATCH = 4  # products per timing: one few-ms product can end before a peer sharing its core starts
 
 
@@ -63,10 +65,16 @@ class Timings:
     steps: dict[str, tuple[Point, ...]]   # per mesh axis of more than one rank
     matmul: int                           # rows of the square matmul
     matmul_s: float                       # slowest rank's median seconds per matmul
+    elementwise_bytes: int = 0            # output bytes of the timed elementwise add
+    elementwise_s: float = 0.0            # ... and its slowest rank's median seconds
 
     @property
     def flops_per_s(self) -> float:
         return 2 * self.matmul ** 3 / self.matmul_s
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return self.elementwise_bytes / self.elementwise_s if self.elementwise_s else CostModel.memory_bandwidth
 
 
 def fit(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -169,14 +177,24 @@ def measure(mesh, *, sizes: Sequence[int] = SIZES,
             for _ in range(_MM_BATCH):
                 torch.mm(a, b)
             mm.append((time.perf_counter() - t0) / _MM_BATCH)
-        mine = torch.tensor([statistics.median(t) for t in times] + [statistics.median(mm)], dtype=torch.float64)
+        x, y = torch.randn(_ELEMENTWISE), torch.randn(_ELEMENTWISE)  # memory-bound: an add of 4 MiB blocks
+        out = torch.add(x, y)
+        ew = []
+        for _ in range(3):
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(_MM_BATCH):
+                torch.add(x, y, out=out)
+            ew.append((time.perf_counter() - t0) / _MM_BATCH)
+        mine = torch.tensor([statistics.median(t) for t in times] + [statistics.median(mm), statistics.median(ew)],
+                            dtype=torch.float64)
         return pmax(mine, tuple(mesh.axis_names))  # the slowest rank's, the same on every rank
 
     out = shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(torch.zeros(1))
     seconds = device_get(out).tolist()
     points = {a: tuple(Point(op, s, step.nbytes, t) for (ax, op, s, step, _), t in zip(moves, seconds) if ax == a)
               for a in axes}
-    return Timings(points, matmul, seconds[-1])
+    return Timings(points, matmul, seconds[-2], _ELEMENTWISE * _ITEMSIZE, seconds[-1])
 
 
 def calibrate(mesh, *, sizes: Sequence[int] = SIZES,
@@ -206,5 +224,6 @@ def from_timings(timings: Timings) -> CostModel:
         latency["*"], bandwidth["*"] = latency[slow], bandwidth[slow]
     else:
         latency, bandwidth = CostModel.latency, CostModel.bandwidth
-    return CostModel(flops_per_s=timings.flops_per_s, bandwidth=bandwidth, latency=latency)
+    return CostModel(flops_per_s=timings.flops_per_s, bandwidth=bandwidth, latency=latency,
+                     memory_bandwidth=timings.memory_bandwidth)
 

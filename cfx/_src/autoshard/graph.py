@@ -49,6 +49,11 @@ class Graph:
     def flops(self, phase: str | None = None) -> int:
         return sum(op.flops for op in self.ops if phase in (None, op.phase))
 
+    def itemsize(self, i: int) -> int:
+        """Bytes per element of op ``i``'s output (4 for a non-tensor)."""
+        dtype = self.ops[i].dtype
+        return dtype.itemsize if dtype is not None else 4
+
     def consumers(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.ops]
         for op in self.ops:

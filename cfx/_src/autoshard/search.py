@@ -2,12 +2,14 @@
 resharding priced by ``cfx.reshard``'s cheapest collectives, the solver's choice read out.
 
 Costs are seconds under a ``CostModel``: an op's FLOPs over its split and the rank's throughput,
-plus the all-reduce of a partial output; an edge's collectives as ``latency + bytes / bandwidth``
-per step (alpha-beta per mesh axis, ``cost.py``). Memory per rank: a param's spec keeps it, its gradient and
-AdamW's two moments (4x its block); a forward op's output is counted as saved for backward (the
-upper bound remat lowers). A param's gradient must end in the param's own spec (an edge from the
-op that makes it back to the param), so data parallelism pays its gradient all-reduce and ZeRO-like
-splits their reduce-scatter.
+the bytes it writes on a rank over the memory bandwidth (unless it is a view), plus the
+all-reduce of a partial output; an edge's collectives as ``latency + bytes / bandwidth``
+per step (alpha-beta per mesh axis, ``cost.py``). Memory per rank: a param's spec keeps it, its
+gradient and AdamW's two moments (4x its block); a batch input's block and a forward op's output
+are counted as held for backward (the upper bound remat lowers). A param's gradient must end in the
+param's own spec (an edge from the op that makes it back to the param), so data parallelism pays
+its gradient all-reduce and ZeRO-like splits their reduce-scatter. ``search`` solves the problem
+``coarsen.py`` reduces this one to, exactly, and expands its choice to every op.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import numpy as np
 
 from cfx._src.autoshard.cost import CostModel
 from cfx._src.autoshard.graph import Graph
-from cfx._src.autoshard.ilp import Problem, Solution, solve
+from cfx._src.autoshard.coarsen import coarsen as coarsened
+from cfx._src.autoshard.ilp import INFEASIBLE, NoPlanFits, Problem, Solution, infeasible, solve
 from cfx._src.autoshard.specs import Strategy, entries
-from cfx._src.autoshard.strategies import strategies
+from cfx._src.autoshard.strategies import ALIASING, strategies
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
 from cfx._src.reshard import plan as reshard_plan
@@ -68,16 +71,18 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
     costs, memory = [], []
     for k, i in enumerate(ops):
         op = graph.ops[i]
-        size = _itemsize(graph, i)
+        size = graph.itemsize(i)
         c, m = [], []
         for s in strats[k]:
             shards = math.prod(mesh_shape[a] for d in entries(s.out, len(op.shape or ())) for a in d)
             t = cost.compute(op.flops, s.div)
+            if nodes[i].op == "call_function" and nodes[i].target not in ALIASING:
+                t += cost.memory(op.bytes / shards)
             if s.partial:
                 t += move(s.out, s.out, op.shape, size, tuple(s.partial))
             c.append(t)
             block = op.bytes / shards
-            m.append(4 * block if i in params else (block if op.phase == "forward" else 0.0))
+            m.append(4 * block if i in params else (block if op.phase in ("forward", "input") else 0.0))
         costs.append(c)
         memory.append(m)
     edges = []
@@ -85,9 +90,9 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
         node = nodes[i]
         for pos, src in enumerate(node.all_input_nodes):
             u = where[index[src]]
-            shape, size = graph.ops[index[src]].shape, _itemsize(graph, index[src])
+            shape, size = graph.ops[index[src]].shape, graph.itemsize(index[src])
             if strats[k][0].source is not None:  # a getitem follows its op's strategy
-                R = np.array([[0.0 if b.source == a else 1e9 for b in strats[k]] for a in range(len(strats[u]))])
+                R = np.array([[0.0 if b.source == a else INFEASIBLE for b in strats[k]] for a in range(len(strats[u]))])
                 edges.append((u, k, R))
                 continue
             if shape is None:
@@ -96,28 +101,36 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
                            for b in strats[k]] for a in strats[u]])
             edges.append((u, k, _finite(R)))
     for g, p in zip(graph.outputs[1:], graph.params):  # each gradient ends in its param's spec
-        shape, size = graph.ops[g].shape, _itemsize(graph, g)
+        shape, size = graph.ops[g].shape, graph.itemsize(g)
         R = np.array([[move(a.out, b.out, shape, size) for b in strats[where[p]]] for a in strats[where[g]]])
         edges.append((where[g], where[p], _finite(R)))
     return Problem.make(costs, memory, edges, budget), strats
 
 
 def search(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostModel(),
-           budget: float = math.inf, fixed: dict[str, P] | None = None) -> Solved:
+           budget: float = math.inf, fixed: dict[str, P] | None = None, coarsen: bool = True,
+           gap: float | None = 1e-2) -> Solved:
     """The cheapest strategy per op within ``budget`` bytes per rank, and each param's spec
-    (``fixed``: some params' specs given, the rest searched)."""
+    (``fixed``: some params' specs given, the rest searched). ``coarsen``: solve the problem
+    ``coarsen.py`` reduces it to (the same optimum, far faster); False solves ``build``'s whole.
+    ``gap``: the plan is proven within this fraction of the optimum under the cost model
+    (``ilp.solve``; None: branch and bound to HiGHS's default 1e-4)."""
     problem, strats = build(graph, mesh_shape, cost=cost, budget=budget, fixed=fixed)
-    sol = solve(problem)
+    if coarsen:
+        coarse = coarsened(problem)
+        try:
+            choice = coarse.expand(solve(coarse.problem, gap=gap).choice)
+        except NoPlanFits:
+            raise infeasible(problem) from None
+        sol = Solution(choice, problem.objective(choice), problem.bytes(choice))
+    else:
+        sol = solve(problem, gap=gap)
     choices = [s[c] for s, c in zip(strats, sol.choice)]
     specs = {graph.ops[i].path.removeprefix("params."): choices[i].out for i in graph.params}
     return Solved(sol, specs, choices, problem)
 
 
-def _itemsize(graph: Graph, i: int) -> int:
-    dtype = graph.ops[i].dtype
-    return dtype.itemsize if dtype is not None else 4
-
 
 def _finite(R: np.ndarray) -> np.ndarray:
     """Impossible moves priced far above any plan (the ILP needs finite coefficients)."""
-    return np.where(np.isfinite(R), R, 1e9)
+    return np.where(np.isfinite(R), R, INFEASIBLE)

@@ -43,6 +43,10 @@ ELEMENTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tenso
                aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.abs.default, aten.log.default, aten.fill.Scalar}
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+# ops that return a view of their input (no bytes written: the search charges them no memory time)
+ALIASING = VIEWS | TRANSPOSES | {aten.expand.default, aten.detach.default, aten.alias.default, aten.unsqueeze.default,
+                                 aten.squeeze.dim, aten.select.int, aten.slice.Tensor, aten.split.Tensor,
+                                 operator.getitem}
 
 
 def strategies(node: torch.fx.Node, mesh_shape: dict[str, int]) -> list[Strategy]:
