@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=10, deadline=None,
+settings.register_profile("ci", max_examples=6, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

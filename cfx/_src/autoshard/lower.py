@@ -21,6 +21,7 @@ device, up to the order of float sums.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Callable
@@ -31,6 +32,7 @@ from cfx._src import tree as tree_util
 from cfx._src.autoshard.graph import Graph
 from cfx._src.autoshard.specs import Strategy, entries
 from cfx._src.lax import comm
+from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
 from cfx._src.reshard import plan as reshard_plan, run_steps
 from cfx._src.shard_map import shard_map
@@ -83,15 +85,13 @@ class _Interpreter:
         grads = [self._moved(g, self.choices[p].out) for g, p in zip(out[1:], graph.params)]
         return loss, tree_util.unflatten(tree_util.structure(p_specs, is_leaf=lambda x: isinstance(x, P)), grads)
 
-    def _moved(self, node, dst: P, partial: tuple = ()) -> torch.Tensor:
+    def _moved(self, node, dst: P) -> torch.Tensor:
         """``node``'s block in layout ``dst``."""
         i = self.index[node]
         x, src = self.value[i], self.layout[i]
-        if src == dst and not partial:
+        if src == dst:
             return x
-        shape = tuple(node.meta["val"].shape)
-        steps = reshard_plan(src, dst, shape, self.mesh, itemsize=x.element_size(), partial=partial).steps
-        return run_steps(x, steps)
+        return run_steps(x, _steps(src, dst, tuple(node.meta["val"].shape), self.mesh, x.element_size(), ()))
 
     def _call(self, i: int, n) -> None:
         s = self.choices[i]
@@ -102,8 +102,8 @@ class _Interpreter:
             ins = {a: self._moved(a, spec) if spec is not None else self.value[self.index[a]]
                    for a, spec in zip(n.all_input_nodes, s.ins or (None,) * len(n.all_input_nodes))}
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), ins.__getitem__)
-            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
-                kwargs = {**kwargs, "device": self.device}  # traced on shapes: made on the rank's device
+            if kwargs.get("device") is not None:  # traced on fake tensors: made on the rank's device
+                kwargs = {**kwargs, "device": self.device}
             if n.target in _SIZE_ARG:
                 args = list(args)
                 args[_SIZE_ARG[n.target]] = _block_shape(n.meta["val"].shape, s.out, self.mesh)
@@ -117,12 +117,22 @@ class _Interpreter:
                 return  # the rule summed the partial products before adding the bias
         self.layout[i] = s.out
         if s.partial and isinstance(self.value[i], torch.Tensor):
-            self.value[i] = self._psum(self.value[i], s.out, s.partial)
+            self.value[i] = _summed(self.value[i], s.out, s.partial, self.mesh)
 
-    def _psum(self, x: torch.Tensor, spec: P, axes: tuple) -> torch.Tensor:
-        steps = reshard_plan(spec, spec, _global_shape(x.shape, spec, self.mesh), self.mesh,
-                             itemsize=x.element_size(), partial=tuple(axes)).steps
-        return run_steps(x, steps)
+
+def _steps(src: P, dst: P, shape: tuple, mesh, itemsize: int, partial: tuple) -> tuple:
+    """``reshard``'s planned steps (searched once per layout change, not per rank and step)."""
+    return _planned(src, dst, shape, tuple(mesh.shape.items()), itemsize, partial)
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned(src: P, dst: P, shape: tuple, mesh_shape: tuple, itemsize: int, partial: tuple) -> tuple:
+    return reshard_plan(src, dst, shape, AbstractMesh(dict(mesh_shape)), itemsize=itemsize, partial=partial).steps
+
+
+def _summed(x: torch.Tensor, spec: P, axes: tuple, mesh) -> torch.Tensor:
+    """Partial sums over ``axes`` of a block laid out by ``spec``, reduced."""
+    return run_steps(x, _steps(spec, spec, _global_shape(x.shape, spec, mesh), mesh, x.element_size(), tuple(axes)))
 
 
 def _last_uses(nodes: list) -> dict[int, list[int]]:
@@ -168,10 +178,7 @@ def _addmm(n, s: Strategy, args, kwargs, mesh):
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if not s.partial:
         return n.target(*args, **kwargs)
-    prod = torch.mm(a, b)
-    steps = reshard_plan(s.out, s.out, _global_shape(prod.shape, s.out, mesh), mesh, itemsize=prod.element_size(),
-                         partial=tuple(s.partial)).steps
-    return beta * bias + alpha * run_steps(prod, steps)
+    return beta * bias + alpha * _summed(torch.mm(a, b), s.out, s.partial, mesh)
 
 
 def _nll_loss(n, s: Strategy, args, kwargs, mesh):
