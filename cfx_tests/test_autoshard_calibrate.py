@@ -77,7 +77,7 @@ def test_bad_arguments_name_the_fix():
 @pytest.fixture(scope="module")
 def model_2x2() -> CostModel:
     with cfx.Mesh({"data": 2, "model": 2}) as mesh:
-        return calibrate(mesh)
+        return cfx.autoshard.calibrate(mesh)  # the public name
 
 
 @pytest.mark.timeout(30)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from cfx._src import tree as tree_util
+from cfx._src.autoshard.calibrate import calibrate
 from cfx._src.autoshard.cost import CostModel
 from cfx._src.autoshard.graph import Graph, trace
 from cfx._src.autoshard.lower import lower
@@ -27,6 +28,7 @@ from cfx._src.autoshard.report import Reference, Report, collectives, gathered, 
 from cfx._src.autoshard.search import search
 from cfx._src.autoshard.specs import entries
 from cfx._src.mesh.spec import P
+from cfx._src.plan.layout import put_tree
 from cfx._src.remat.plan import parse_bytes
 
 
@@ -56,8 +58,7 @@ class AutoStep:
 
     def put(self, params: Any) -> Any:
         """``params`` laid out in the plan's specs (ShardedArrays), each rank keeping its block."""
-        from cfx._src.arrays import device_put
-        return tree_util.map(lambda x, s: device_put(x, self.mesh, s), params, self.param_specs)
+        return put_tree(params, self.param_specs, self.mesh)
 
 
 def autoshard(step: Callable[..., torch.Tensor], mesh, example_args: tuple, *, memory_budget: int | str | None = None,
@@ -116,6 +117,7 @@ def _notes(graph: Graph, choices: list, mesh_shape: dict[str, int]) -> list[str]
 
 
 autoshard.CostModel = CostModel
+autoshard.calibrate = calibrate
 autoshard.NoPlanFits = NoPlanFits
 autoshard.Report = Report
 autoshard.AutoStep = AutoStep
