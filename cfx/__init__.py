@@ -5,11 +5,11 @@ function transformations over named device meshes.
 """
 from cfx import (amp, checkpoint, checkpoint_policies, diffusion, gemini, lax, memory, models, nn, optim, parallel,
                  quant, random, testing, tree)
-from cfx._src.arrays import device_get, device_put, reshard
+from cfx._src.spmd.arrays import device_get, device_put, reshard
 from cfx._src.autochunk.api import autochunk
 from cfx._src.autoshard.api import autoshard
-from cfx._src.init_sharded import init_sharded
-from cfx._src.jit.api import jit
+from cfx._src.spmd.init_sharded import init_sharded
+from cfx._src.transforms.jit import jit
 from cfx._src.lax.stats import CommStats, comm_stats
 from cfx._src.mesh.ledger import CollectiveMismatch, CollectiveTimeout
 from cfx._src.mesh.mesh import Mesh
@@ -18,11 +18,11 @@ from cfx._src.parallel.rules import Rules
 from cfx._src.pipeline.api import pipeline
 from cfx._src.remat import remat
 from cfx._src.remat.engine import ActivationStats, activation_stats, checkpoint_name
-from cfx._src.reshard import Plan as ReshardPlan, reshard_plan
-from cfx._src.shapes import ShapeDtype, eval_shape
-from cfx._src.shard_map import shard_map
-from cfx._src.sharded import ShardedArray
-from cfx._src.transforms import grad, jvp, value_and_grad, vmap
+from cfx._src.spmd.resharding import Plan as ReshardPlan, reshard_plan
+from cfx._src.transforms.shapes import ShapeDtype, eval_shape
+from cfx._src.spmd.shard_map import shard_map
+from cfx._src.spmd.sharded import ShardedArray
+from cfx._src.transforms.autodiff import grad, jvp, value_and_grad, vmap
 from cfx._src.zero.api import zero
 
 __version__ = "0.1.0"

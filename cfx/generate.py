@@ -1,4 +1,4 @@
-"""``cfx.generate(model, params, prompt, max_new_tokens=...)`` (see ``cfx._src.generate``) and its
+"""``cfx.generate(model, params, prompt, max_new_tokens=...)`` (see ``cfx._src.generate.decode``) and its
 command line, which streams text as it is decoded::
 
     python -m cfx.generate --checkpoint DIR --prompt "def main(" --max-new-tokens 64
@@ -22,7 +22,7 @@ import sys
 import types
 from typing import Any, Sequence
 
-from cfx._src.generate import generate
+from cfx._src.generate.decode import generate
 from cfx._src.nn.kv_cache import KVCache
 
 __all__ = ["KVCache", "generate", "main"]
@@ -160,7 +160,7 @@ def _load_train_dir(path: str) -> tuple[Any, Any, Any]:
     """A directory ``python -m cfx.train --mesh ... --save DIR`` wrote (any plan: its params are
     stored in the model's own coordinates), read as whole tensors."""
     import cfx
-    from cfx._src.checkpoint_sharded import Stored
+    from cfx._src.checkpoint.sharded import Stored
     with Stored(path) as stored:
         model = _train_model(path, stored.metadata)
         items, treedef = cfx.tree.flatten_with_path(cfx.eval_shape(model.init, cfx.random.key(0)))

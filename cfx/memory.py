@@ -1,5 +1,5 @@
 """Memory accounting per rank and tier (device / host / nvme): ``with cfx.memory.track() as mem:``."""
-from cfx._src.memory import (
+from cfx._src.mesh.memory import (
     TIERS,
     MemoryTracker,
     OpWatcher,

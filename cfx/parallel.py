@@ -2,7 +2,7 @@
 ``ring_attention`` over a sequence axis (with ``zigzag_indices``), ``dap`` (Dynamic Axial
 Parallelism for the Evoformer), and ``Plan``: the whole strategy (pipe x data x model, ZeRO,
 remat, schedule) as one object."""
-from cfx._src.parallel.dap import DAPEvoformer, dap
+from cfx._src.models.evoformer_dap import DAPEvoformer, dap
 from cfx._src.parallel.megatron import MEGATRON_RULES, TensorParallelBlock, tensor_parallel
 from cfx._src.parallel.ring import ring_attention, zigzag_indices
 from cfx._src.parallel.sequence import SequenceSplit, sequence_grads, sequence_parallel

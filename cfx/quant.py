@@ -6,7 +6,7 @@ dequantises one layer's weight at a time::
     qparams = cfx.quant.quantize(params, "int8")
     logits = model.apply(qparams, tokens)
 """
-from cfx._src.quant import QuantizedWeight, dequantize, is_quantized, quantize
+from cfx._src.precision.quant import QuantizedWeight, dequantize, is_quantized, quantize
 from cfx_kernels.int8_matmul import int8_matmul, quantize_weight
 
 __all__ = ["QuantizedWeight", "dequantize", "int8_matmul", "is_quantized", "quantize",

@@ -1,5 +1,5 @@
 """Explicit splittable keys and samplers: ``key``, ``split``, ``fold_in``, ``normal``, ..."""
-from cfx._src.random import (
+from cfx._src.core.random import (
     Key,
     bernoulli,
     categorical,

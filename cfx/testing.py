@@ -17,10 +17,10 @@ from typing import Any, Callable, Sequence
 import torch
 from hypothesis import strategies as st
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
-from cfx._src.shard_map import shard_map
-from cfx._src.arrays import device_get
+from cfx._src.spmd.shard_map import shard_map
+from cfx._src.spmd.arrays import device_get
 
 AXIS_NAMES = ("data", "model", "pipe")
 PLAN_AXES = ("pipe", "data", "seq", "model")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from cfx._src.runtime import keep_host_memory
+from cfx._src.core.runtime import keep_host_memory
 from cfx._src.train.config import TrainConfig, parse_args
 from cfx._src.train.loop import make_train_step, train
 
@@ -16,7 +16,7 @@ __all__ = ["TrainConfig", "main", "make_train_step", "parse_args", "train"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
-    keep_host_memory()  # reuse freed pages across steps (see cfx._src.runtime)
+    keep_host_memory()  # reuse freed pages across steps (see cfx._src.core.runtime)
     try:
         train(cfg)
     except ValueError as e:

@@ -1,5 +1,5 @@
 """Pytree utilities: ``cfx.tree.map``, ``leaves``, ``flatten_with_path`` (dotted paths), ..."""
-from cfx._src.tree import (
+from cfx._src.core.tree import (
     PyTree,
     PyTreeDef,
     assert_tree_close,

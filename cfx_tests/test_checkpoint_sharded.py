@@ -123,7 +123,7 @@ KILLED = textwrap.dedent("""
     import os, signal, sys, torch
     import safetensors.torch
     import cfx
-    from cfx._src import checkpoint_sharded
+    from cfx._src.checkpoint import sharded as checkpoint_sharded
     from cfx_tests.test_checkpoint_sharded import save_sharded, state
     def half_then_die(tensors, path, metadata=None):  # killed half way through writing a shard
         with open(path, "wb") as f:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import cfx
-from cfx._src import data
+from cfx._src.train import data
 
 
 def test_stdlib_corpus_is_deterministic_python_source():

@@ -17,14 +17,14 @@ from diffusers.models.downsampling import Downsample2D as DDownsample2D  # noqa:
 from diffusers.models.resnet import ResnetBlock2D as DResnetBlock2D  # noqa: E402
 from diffusers.models.upsampling import Upsample2D as DUpsample2D  # noqa: E402
 
-from cfx._src import random  # noqa: E402
-from cfx._src import tree as tree_util  # noqa: E402
+from cfx._src.core import random  # noqa: E402
+from cfx._src.core import tree as tree_util  # noqa: E402
 from cfx._src.diffusion import layers as L  # noqa: E402
 from cfx._src.diffusion import vae as vae_lib  # noqa: E402
 from cfx._src.diffusion.vae import (AutoencoderKL, AutoencoderKLConfig, from_diffusers,  # noqa: E402
                                     to_diffusers_state_dict)
 from cfx._src.models.common import is_axes_leaf  # noqa: E402
-from cfx._src.shapes import eval_shape  # noqa: E402
+from cfx._src.transforms.shapes import eval_shape  # noqa: E402
 
 TINY = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8, latent_channels=4,
             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, sample_size=32)

@@ -193,7 +193,7 @@ def test_a_compiled_graph_has_its_code_before_its_first_call(backend):
 
     from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
-    from cfx._src.jit.api import _Entry, _Recorder
+    from cfx._src.transforms.jit import _Entry, _Recorder
 
     def pending():
         return {id(o) for o in gc.get_objects()  # type(): a dead weak proxy must not be dereferenced

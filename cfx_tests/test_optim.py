@@ -368,7 +368,7 @@ def test_adamw_stays_differentiable_for_params_that_require_grad():
 
 
 def test_donated_adam_writes_in_place_and_gives_the_same_numbers():
-    from cfx._src import donation
+    from cfx._src.core import donation
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)}
     grads = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)}
@@ -390,7 +390,7 @@ def test_donated_adam_writes_in_place_and_gives_the_same_numbers():
 def run_applied(tx, params, grads_seq, *, donate):
     """``apply_gradients`` step after step: with ``donate``, params, state and grads donated (the
     fused sweep writes into the params' buffers); else the inputs must stay untouched."""
-    from cfx._src import donation
+    from cfx._src.core import donation
     params, state = clone(params), tx.init(params)
     for grads in grads_seq:
         grads = clone(grads)
@@ -437,7 +437,7 @@ def test_apply_gradients_matches_torch_donated_or_not(seed, shapes_, lr, b1, b2,
 def test_apply_gradients_sweeps_straight_into_donated_params():
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cfx._src import donation
+    from cfx._src.core import donation
 
     class Ops(TorchDispatchMode):
         def __init__(self):

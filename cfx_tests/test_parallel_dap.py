@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 
 import cfx
 from cfx import P
-from cfx._src.parallel.dap import comm_bytes
+from cfx._src.models.evoformer_dap import comm_bytes
 from cfx.parallel import tree_psum
 from cfx_tests.budget import examples
 

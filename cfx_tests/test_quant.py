@@ -5,7 +5,7 @@ import torch
 import cfx
 import cfx.quant
 from cfx import models
-from cfx._src.quant import floating_dtype
+from cfx._src.precision.quant import floating_dtype
 
 # GPT-2 small, random init (std 0.02), 2 x 64 random tokens: measured max |logit error| 0.067
 # with logits up to 2.9 (std 0.55), relative RMS error 2.2%, top-1 agreement 94.5% (random-init

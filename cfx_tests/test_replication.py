@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 import cfx
 from cfx import P
-from cfx._src import replication
+from cfx._src.spmd import replication
 
 
 @pytest.mark.timeout(60)

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, strategies as st
 
 import cfx
-from cfx._src import tree as tree_util
-from cfx._src import tree_traced
+from cfx._src.core import tree as tree_util
+from cfx._src.core import tree_traced
 from cfx._src.zero.params import ZeroParams
 
 

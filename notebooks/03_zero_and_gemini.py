@@ -69,7 +69,7 @@ with cfx.memory.track() as mem:
         measured[stage] = int(held[0])
 rows = [(s, measured[s], int(formula[s]), f"{measured[s] / formula[s]:.6f}") for s in range(4)]
 print(f"Psi = {psi:,} parameters, N = {N}")
-print(cfx._src.table.format_table(rows, ["stage", "measured B/rank", "ZeRO formula", "ratio"]))
+print(cfx._src.core.text.format_table(rows, ["stage", "measured B/rank", "ZeRO formula", "ratio"]))
 
 fig, ax = plt.subplots(figsize=(5, 3))
 ax.bar([s - 0.2 for s in range(4)], [measured[s] / 2**20 for s in range(4)], width=0.4, label="measured")

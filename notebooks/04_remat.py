@@ -51,7 +51,7 @@ for name, policy in [("everything_saveable", cp.everything_saveable), ("dots_sav
         loss, grads = cfx.value_and_grad(m.loss)(params, tokens, targets)
     cfx.tree.assert_tree_close(grads, ref_grads)
     rows.append((name, stats.bytes(tier="device") / 2**20, stats.bytes(tier="recomputed") / 2**20))
-print(cfx._src.table.format_table(rows, ["policy", "kept MiB", "recomputed MiB"]))
+print(cfx._src.core.text.format_table(rows, ["policy", "kept MiB", "recomputed MiB"]))
 
 # %% [markdown]
 # ## The solver's plan

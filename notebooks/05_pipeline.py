@@ -75,7 +75,7 @@ ax.set_xlabel("micro-batches m")
 ax.set_ylabel("bubble (idle / compute)")
 ax.legend(fontsize=8)
 plt.show()
-print(cfx._src.table.format_table(rows, ["schedule", "m", "simulated", "textbook"]))
+print(cfx._src.core.text.format_table(rows, ["schedule", "m", "simulated", "textbook"]))
 
 # %% [markdown]
 # ## The validator

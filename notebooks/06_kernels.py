@@ -84,7 +84,7 @@ w8, scale = quantize_weight(randn(64, 32))
 xq = randn(4, 64)
 rows.append(("int8_matmul", max_err(int8_matmul(xq, w8, scale, impl="triton"),
                                     int8_matmul(xq, w8, scale, impl="reference")), "-"))
-print(cfx._src.table.format_table(rows, ["kernel", "forward max |diff|", "backward max |diff|"]))
+print(cfx._src.core.text.format_table(rows, ["kernel", "forward max |diff|", "backward max |diff|"]))
 
 # %% [markdown]
 # ## GPT-2 in int8 (weight-only)
@@ -105,7 +105,7 @@ with torch.no_grad():
 
 
 def nbytes(tree):  # int8 weights and their scales count as leaves
-    return cfx.tree.tree_bytes(cfx._src.quant.quantized_as_leaves(tree))
+    return cfx.tree.tree_bytes(cfx._src.precision.quant.quantized_as_leaves(tree))
 
 
 agree = (logits.argmax(-1) == qlogits.argmax(-1)).float().mean().item()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cfx._src.runtime import keep_host_memory
+from cfx._src.core.runtime import keep_host_memory
 from cfx.bench import autoshard, checkpoint, diffusion, evoformer, gemini, generate, kernels, memory, overhead, pipeline, plans, remat, sequence, spmd, zero
 
 BENCHES = {"autoshard": autoshard.run, "checkpoint": checkpoint.run, "diffusion": diffusion.run, "evoformer": evoformer.run, "gemini": gemini.run, "generate": generate.run, "kernels": kernels.run, "memory": memory.run, "overhead": overhead.run, "pipeline": pipeline.run, "plans": plans.run, "remat": remat.run, "sequence": sequence.run, "spmd": spmd.run, "zero": zero.run}

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from cfx._src.table import format_table
+from cfx._src.core.text import format_table
 
 
 @dataclasses.dataclass

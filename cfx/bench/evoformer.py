@@ -24,7 +24,7 @@ import torch
 
 import cfx
 from cfx import P
-from cfx._src.parallel.dap import comm_bytes
+from cfx._src.models.evoformer_dap import comm_bytes
 from cfx._src.plan.config import format_bytes
 from cfx.bench.common import Row, interleaved_medians, report
 

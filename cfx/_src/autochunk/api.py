@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.autochunk.search import Choice, search
 from cfx._src.remat.plan import parse_bytes
 

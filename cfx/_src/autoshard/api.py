@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.autoshard.calibrate import calibrate
 from cfx._src.autoshard.cost import CostModel
 from cfx._src.autoshard.graph import Graph, trace

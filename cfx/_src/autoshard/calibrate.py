@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cfx._src import reshard
+from cfx._src.spmd import resharding as reshard
 from cfx._src.autoshard.cost import CostModel
 from cfx._src.lax import comm
 from cfx._src.lax.collectives import pmax
@@ -137,8 +137,8 @@ def _move(op: str, axis: str, block: int, mesh) -> tuple[reshard.Step, tuple[int
 def measure(mesh, *, sizes: Sequence[int] = SIZES,
             ops: Sequence[str] = OPS, repeats: int = 7, matmul: int = 512, progress: bool = False) -> Timings:
     """The timings ``calibrate`` fits (module doc), the same on every rank."""
-    from cfx._src.arrays import device_get
-    from cfx._src.shard_map import shard_map
+    from cfx._src.spmd.arrays import device_get
+    from cfx._src.spmd.shard_map import shard_map
     sizes = sorted(set(int(s) for s in sizes))
     _check(mesh, sizes, ops, repeats, matmul)
     axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]

@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import flop_registry
 
-from cfx._src import tree as tree_util
-from cfx._src.transforms import value_and_grad
+from cfx._src.core import tree as tree_util
+from cfx._src.transforms.autodiff import value_and_grad
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,14 +28,14 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.autoshard.graph import Graph
 from cfx._src.autoshard.specs import Strategy, entries
 from cfx._src.lax import comm
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
-from cfx._src.reshard import plan as reshard_plan, run_steps
-from cfx._src.shard_map import shard_map
+from cfx._src.spmd.resharding import plan as reshard_plan, run_steps
+from cfx._src.spmd.shard_map import shard_map
 
 aten = torch.ops.aten
 _SIZE_ARG = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,

@@ -12,8 +12,8 @@ from cfx._src.autoshard.graph import Graph
 from cfx._src.autoshard.specs import Strategy, entries
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
-from cfx._src.reshard import plan as reshard_plan
-from cfx._src.table import format_table
+from cfx._src.spmd.resharding import plan as reshard_plan
+from cfx._src.core.text import format_table
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from cfx._src.autoshard.specs import Strategy, entries
 from cfx._src.autoshard.strategies import ALIASING, strategies
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
-from cfx._src.reshard import plan as reshard_plan
+from cfx._src.spmd.resharding import plan as reshard_plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.autoshard.api import autoshard
 from cfx._src.autoshard.cost import CostModel
-from cfx._src.init_sharded import init_sharded
+from cfx._src.spmd.init_sharded import init_sharded
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.optim.base import apply_gradients, chain
@@ -21,9 +21,9 @@ from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.reduction import sharded
 from cfx._src.parallel.state import state_specs
 from cfx._src.plan.layout import put_tree
-from cfx._src.random import key
-from cfx._src.shapes import ShapeDtype, eval_shape
-from cfx._src.shard_map import shard_map
+from cfx._src.core.random import key
+from cfx._src.transforms.shapes import ShapeDtype, eval_shape
+from cfx._src.spmd.shard_map import shard_map
 
 
 class TrainState(NamedTuple):
@@ -73,11 +73,11 @@ class AutoProgram:
         return TrainState(params, opt_state), {"loss": loss}
 
     def loss(self, state: TrainState, *batch: torch.Tensor) -> float:
-        from cfx._src.arrays import device_get
+        from cfx._src.spmd.arrays import device_get
         return float(device_get(self.step_auto(state.params, *batch)[0]))
 
     def params(self, state: TrainState) -> Any:
-        from cfx._src.arrays import device_get
+        from cfx._src.spmd.arrays import device_get
         return device_get(state.params)
 
     def sample(self, state: TrainState, prompt: bytes, *, steps: int, key: torch.Tensor, context: int) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import random
+from cfx._src.core import random
 from cfx._src.diffusion.data import EXTENSIONS, load_images, write_png
 from cfx._src.diffusion.finetune import Encoded, batch_at, encode, rows_of
 from cfx._src.diffusion.pipeline import Pipeline

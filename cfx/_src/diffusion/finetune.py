@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import random
-from cfx._src import tree as tree_util
+from cfx._src.core import random
+from cfx._src.core import tree as tree_util
 from cfx._src.diffusion.pipeline import Pipeline, save_pipeline
 from cfx._src.diffusion.train import Denoiser, draw
-from cfx._src.quant import floating_dtype
+from cfx._src.precision.quant import floating_dtype
 
 STATE_DIR = "train_state"  # the resumable state inside an output directory
 

@@ -73,7 +73,7 @@ def save_pipeline(directory: str | os.PathLike, p: Pipeline) -> None:
     """``p`` in diffusers' layout (module doc), each weights file written atomically."""
     from safetensors.torch import save_file
 
-    from cfx._src.checkpoint_io import cpu_unshared, write_atomic
+    from cfx._src.checkpoint.io import cpu_unshared, write_atomic
     d = os.fspath(directory)
     parts = {
         "unet": ({"_class_name": "UNet2DConditionModel", **dataclasses.asdict(p.unet.config)},
@@ -152,7 +152,7 @@ def _weights(d: str, part: str, stem: str) -> dict:
 
 
 def _dump(path: str, obj: Any) -> None:
-    from cfx._src.checkpoint_io import write_atomic
+    from cfx._src.checkpoint.io import write_atomic
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:

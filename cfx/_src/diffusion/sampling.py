@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import random
+from cfx._src.core import random
 from cfx._src.diffusion.schedulers import ddim_step, ddim_timesteps, guidance
 
 

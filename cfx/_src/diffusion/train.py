@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from cfx._src import random
+from cfx._src.core import random
 from cfx._src.diffusion.composite import Composite
 from cfx._src.diffusion.schedulers import Schedule, add_noise, target
 from cfx._src.nn.sublayers import keep_sublayers

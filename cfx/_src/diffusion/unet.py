@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from cfx._src import random
+from cfx._src.core import random
 from cfx._src.diffusion.composite import Composite, map_units
 from cfx._src.diffusion.layers import Downsample2D, ResnetBlock2D, Upsample2D
 from cfx._src.diffusion.transformer2d import Transformer2D
@@ -42,8 +42,8 @@ from cfx._src.nn.conv import Conv2d
 from cfx._src.nn.linear import Linear
 from cfx._src.nn.norm import GroupNorm
 from cfx._src.nn.sublayers import keep_sublayers
-from cfx._src.quant import floating_dtype
-from cfx._src.shapes import eval_shape
+from cfx._src.precision.quant import floating_dtype
+from cfx._src.transforms.shapes import eval_shape
 
 
 # -- time ---------------------------------------------------------------------------------------------

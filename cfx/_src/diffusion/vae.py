@@ -26,14 +26,14 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from cfx._src import random
+from cfx._src.core import random
 from cfx._src.diffusion.layers import Downsample2D, ResnetBlock2D, SpatialAttention, Upsample2D
 from cfx._src.models.common import check_params, config_from_preset
 from cfx._src.models.hf_state import StateDictReader, copy
 from cfx._src.nn.conv import Conv2d
 from cfx._src.nn.linear import split_keys
 from cfx._src.nn.norm import GroupNorm
-from cfx._src.shapes import eval_shape
+from cfx._src.transforms.shapes import eval_shape
 
 AUTOENCODER_KL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8,

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from cfx._src import memory
+from cfx._src.mesh import memory
 from cfx._src.gemini.packing import ChunkLayout, ChunkSearch, SlotPlace, search_chunk_size
 from cfx._src.gemini.states import TensorState, transition
 

@@ -26,7 +26,7 @@ import torch
 
 from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, WarmupRecord
 from cfx._src.gemini.warmup import Recorder
-from cfx._src.shapes import is_abstract
+from cfx._src.transforms.shapes import is_abstract
 
 
 class Placer:

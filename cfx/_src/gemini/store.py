@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cfx._src import memory
+from cfx._src.mesh import memory
 
 
 class ChecksumMismatch(OSError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from cfx._src import memory
+from cfx._src.mesh import memory
 from cfx._src.gemini.policy import WarmupRecord
 from cfx._src.mesh.context import current_or_none
 

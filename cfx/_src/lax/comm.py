@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from cfx._src import context, donation, memory
+from cfx._src.core import context, donation
+from cfx._src.mesh import memory
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.mesh.ledger import Call
 
@@ -111,7 +112,7 @@ def _copy_back(outs: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> No
 
 def all_reduce(x: torch.Tensor, ax: Axes, op: str = "sum") -> torch.Tensor:
     """The reduction of ``x`` over ``ax``: a fresh tensor, or ``x`` itself, reduced in place, when
-    its caller donated it (``cfx._src.donation``)."""
+    its caller donated it (``cfx._src.core.donation``)."""
     if torch.compiler.is_dynamo_compiling():
         return x.clone() if ax.size == 1 else _all_reduce_op(x, ax.key, op)
     if donation.is_donated(x) and x.is_contiguous() and not x.requires_grad:

@@ -6,7 +6,7 @@ import dataclasses
 import threading
 
 from cfx._src.lax import comm
-from cfx._src.table import format_table
+from cfx._src.core.text import format_table
 
 
 @dataclasses.dataclass(frozen=True)

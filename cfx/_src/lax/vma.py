@@ -29,7 +29,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from cfx._src import context
+from cfx._src.core import context
 from cfx._src.lax import comm
 
 EMPTY: frozenset = frozenset()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import context
+from cfx._src.core import context
 from cfx._src.mesh import ledger
 
 

@@ -117,7 +117,7 @@ class Mesh:
         has active (``comm_stats``, ``activation_stats``, ``cfx.memory`` trackers) is active in
         the ranks too (with ``cfx.memory.track(ops=True)``, op outputs are booked per rank).
         """
-        from cfx._src import memory
+        from cfx._src.mesh import memory
         from cfx._src.mesh import context as ctx_lib
         caller = contextvars.copy_context()
 

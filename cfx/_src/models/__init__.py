@@ -1,1 +1,1 @@
-"""Decoder language models over ``cfx.nn`` layers (see ``cfx.models``)."""
+"""Model families over ``cfx.nn`` layers: GPT-2, Llama, OPT, BERT, the Evoformer with its DAP, and Hugging Face interop (see ``cfx.models``)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cfx._src import random
+from cfx._src.core import random
 from cfx._src.lax import collectives as lax
 from cfx._src.models.common import (DecoderLM, _check_int_2d, check_inputs, check_params, check_targets,
                                      config_from_preset, cross_entropy, dropout_keys)
@@ -26,7 +26,7 @@ from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.mlp import activation
 from cfx._src.nn.norm import LayerNorm
 from cfx._src.nn.sublayers import keep_sublayers
-from cfx._src.shapes import is_abstract
+from cfx._src.transforms.shapes import is_abstract
 
 BERT_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(n_layer=2, n_head=4, hidden_size=128, intermediate_size=512),

@@ -7,13 +7,13 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import random
-from cfx._src import tree as tree_util
+from cfx._src.core import random
+from cfx._src.core import tree as tree_util
 from cfx._src.lax.collectives import pvary
 from cfx._src.parallel.sequence import mean_over_sequence
-from cfx._src.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_embed
-from cfx._src.quant import is_quantized, quantized_as_leaves
-from cfx._src.shapes import is_abstract
+from cfx._src.nn.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embed
+from cfx._src.precision.quant import is_quantized, quantized_as_leaves
+from cfx._src.transforms.shapes import is_abstract
 from cfx_kernels.cross_entropy import cross_entropy as _cross_entropy
 
 IGNORE_INDEX = -100

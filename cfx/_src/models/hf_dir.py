@@ -15,9 +15,9 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from cfx._src import tree as tree_util
-from cfx._src.arrays import device_get
-from cfx._src.checkpoint_io import write_atomic
+from cfx._src.core import tree as tree_util
+from cfx._src.spmd.arrays import device_get
+from cfx._src.checkpoint.io import write_atomic
 from cfx._src.mesh.spec import P
 from cfx._src.models import hf
 
@@ -66,7 +66,7 @@ def from_pretrained(directory: str | os.PathLike, *, mesh=None, specs: Any = P()
     _, params = hf.from_hf(LazyStateDict(directory), model)
     if mesh is None:
         return model, params
-    from cfx._src.shard_map import shard_map
+    from cfx._src.spmd.shard_map import shard_map
     return model, shard_map(lambda t: t, mesh=mesh, in_specs=(specs,), out_specs=specs)(params)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from cfx._src import random as jr
+from cfx._src.core import random as jr
 
 
 @torch.no_grad()

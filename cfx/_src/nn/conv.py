@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cfx._src.nn.linear import init_normal
-from cfx._src.quant import QuantizedWeight
+from cfx._src.precision.quant import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from cfx._src import random
+from cfx._src.core import random
 
 
 def dropout(x: torch.Tensor, rate: float, key: torch.Tensor | None) -> torch.Tensor:

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from cfx._src import random
-from cfx._src.quant import QuantizedWeight
+from cfx._src.core import random
+from cfx._src.precision.quant import QuantizedWeight
 from cfx_kernels.int8_matmul import int8_matmul
 
 

@@ -12,7 +12,7 @@ with ``bc = 1 - b ** t``, as multi-tensor (``torch._foreach_*``) kernels over al
 handful of launches per step however many leaves there are. Where the caller donated params and
 moments (an eager ``cfx.jit(..., donate_argnums=...)`` step through ``optim.apply_gradients``),
 torch's one-pass Adam kernels do the whole sweep in place instead (``_one_pass``). Inputs are
-written only where their caller donated them (``cfx._src.donation``): donated moments are
+written only where their caller donated them (``cfx._src.core.donation``): donated moments are
 updated in place, and donated gradients hold the denominator and then the update, so a donated
 step allocates nothing the size of the model; the numbers are the same either way. (A
 cache-blocked CPU variant was measured slower inside a real GPT-2 train step, where fresh
@@ -24,9 +24,9 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from cfx._src import donation
+from cfx._src.core import donation
 from cfx._src.optim import _util
-from cfx._src.shapes import is_abstract
+from cfx._src.transforms.shapes import is_abstract
 
 
 class AdamOut(NamedTuple):
@@ -92,7 +92,7 @@ def _one_pass(gs, mus, nus, ps, count, *, b1, b2, eps, l2, decay, flags, lr) -> 
 
 def can_sweep_into(params: Sequence[torch.Tensor] | None, mus: Sequence[torch.Tensor], lr: Any,
                    count: torch.Tensor) -> bool:
-    """Whether the sweep may write into ``params``: every one donated (``cfx._src.donation``) and
+    """Whether the sweep may write into ``params``: every one donated (``cfx._src.core.donation``) and
     of its moment's dtype, and the step size a number (the bias correction is then read once)."""
     return (params is not None and isinstance(lr, (int, float)) and not is_abstract(count)
             and donation.all_donated(params) and all(p.dtype == m.dtype for p, m in zip(params, mus)))

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.optim import reduction
 
 PyTree = Any

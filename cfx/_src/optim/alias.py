@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.optim import _util
 from cfx._src.optim._adam import adam_sweep, adamw_chunks, can_sweep_into, flat_chunk_kernel_applies
 from cfx._src.optim.base import GradientTransformation, apply_updates, chain, identity

@@ -16,8 +16,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from cfx._src import donation
-from cfx._src import tree as tree_util
+from cfx._src.core import donation
+from cfx._src.core import tree as tree_util
 from cfx._src.optim import _util, reduction
 
 PyTree = Any
@@ -110,7 +110,7 @@ def apply_gradients(tx: GradientTransformation, grads: PyTree, state: PyTree,
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """New params ``p + u`` leafwise, with ``u`` cast to ``p``'s dtype (added in place into
-    params whose buffers the caller donated, see ``cfx._src.donation``)."""
+    params whose buffers the caller donated, see ``cfx._src.core.donation``)."""
     ps, treedef = tree_util.flatten(params)
     us = _util.leaves_like("cfx.optim.apply_updates (params vs updates)", updates, treedef, params)
     if not ps:

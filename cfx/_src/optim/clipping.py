@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.optim import _util
 from cfx._src.optim.base import GradientTransformation, global_norm, init_empty_state
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.optim import _util, reduction
 from cfx._src.optim.base import GradientTransformation
 

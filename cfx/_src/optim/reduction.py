@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cfx._src import context
+from cfx._src.core import context
 
 
 @dataclasses.dataclass(frozen=True)

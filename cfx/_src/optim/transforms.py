@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.optim import _util
 from cfx._src.optim._adam import adam_sweep
 from cfx._src.optim.base import GradientTransformation, init_empty_state

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from cfx._src import random
+from cfx._src.core import random
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
-from cfx._src.quant import QuantizedWeight
+from cfx._src.precision.quant import QuantizedWeight
 from cfx_kernels.int8_matmul import int8_matmul
 
 MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}

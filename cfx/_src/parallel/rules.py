@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
 
 

@@ -119,7 +119,7 @@ def sequence_grads(grads: Any, specs: Any, axis: str) -> Any:
     it is a share: the leaves ``specs`` (a ``P`` or a pytree prefix of them) replicate over
     ``axis`` (all of them under ``sequence_parallel``; the norms, biases of row-parallel layers
     and embeddings under ``tensor_parallel(sequence=True)``). One flat all-reduce."""
-    from cfx._src import tree as tree_util
+    from cfx._src.core import tree as tree_util
     from cfx._src.mesh.spec import P, is_spec
     from cfx._src.parallel.state import tree_psum
     items, treedef = tree_util.flatten(grads)

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from cfx._src import donation
-from cfx._src import tree as tree_util
+from cfx._src.core import donation
+from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.spec import P, is_spec
 

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
-from cfx._src import memory
-from cfx._src import tree as tree_util
+from cfx._src.mesh import memory
+from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.models.common import IGNORE_INDEX, check_params
@@ -61,7 +61,7 @@ from cfx._src.pipeline.backward import SplitBackward
 from cfx._src.pipeline.partition import ModelParts, StagePlan, model_parts, partition
 from cfx._src.pipeline.schedule import Schedule
 from cfx._src.pipeline.validate import validate
-from cfx._src.shapes import is_abstract
+from cfx._src.transforms.shapes import is_abstract
 from cfx._src.zero.params import ShardedLeaf
 
 WHERE = "cfx.pipeline"

@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cfx._src import random
-from cfx._src import tree as tree_util
+from cfx._src.core import random
+from cfx._src.core import tree as tree_util
 from cfx._src.models.parts import ModelParts, parts_of
 
 

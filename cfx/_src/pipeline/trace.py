@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from cfx._src import context
+from cfx._src.core import context
 from cfx._src.pipeline.schedule import COMPUTE, Action, Schedule
 from cfx._src.pipeline.simulate import Timeline
 

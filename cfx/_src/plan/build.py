@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from cfx._src import amp
-from cfx._src import tree as tree_util
+from cfx._src.precision import amp
+from cfx._src.core import tree as tree_util
 from cfx._src.gemini.policy import auto as auto_policy, host as host_policy
 from cfx._src.mesh.context import Group, RankContext, installed
 from cfx._src.mesh.spec import P
@@ -26,7 +26,7 @@ from cfx._src.pipeline import schedule as schedules
 from cfx._src.plan.layout import Layout, stored_order
 from cfx._src.remat import policies as cp
 from cfx._src.remat import remat
-from cfx._src.shapes import eval_shape
+from cfx._src.transforms.shapes import eval_shape
 from cfx._src.zero.gathered import gathered
 from cfx._src.zero.optimizer import ZeroTransformation
 from cfx._src.zero.placed import Placement

@@ -28,8 +28,8 @@ from typing import Any, Iterator
 
 import torch
 
-from cfx._src import tree as tree_util
-from cfx._src.layout import block_shape
+from cfx._src.core import tree as tree_util
+from cfx._src.mesh.layout import block_shape
 from cfx._src.mesh.spec import is_spec
 from cfx._src.zero.flat import piece_size
 from cfx._src.zero.optimizer import ZeroState

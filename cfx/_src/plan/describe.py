@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from cfx._src import tree as tree_util
-from cfx._src.layout import block_shape
+from cfx._src.core import tree as tree_util
+from cfx._src.mesh.layout import block_shape
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import is_spec
 from cfx._src.optim.alias import adamw
@@ -22,8 +22,8 @@ from cfx._src.plan.layout import Layout
 from cfx._src.plan.program import Program
 from cfx._src.plan.rehearse import rehearse
 from cfx._src.plan.build import check_model, eval_on_rank, gathered_model, make_optimizer, make_placement
-from cfx._src.shapes import ShapeDtype
-from cfx._src.table import format_table
+from cfx._src.transforms.shapes import ShapeDtype
+from cfx._src.core.text import format_table
 from cfx._src.zero.flat import piece_size
 from cfx._src.zero.offload import gather_groups
 

@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 
-from cfx._src import random
-from cfx._src import tree as tree_util
-from cfx._src.arrays import device_get
-from cfx._src.init_sharded import init_sharded
+from cfx._src.core import random
+from cfx._src.core import tree as tree_util
+from cfx._src.spmd.arrays import device_get
+from cfx._src.spmd.init_sharded import init_sharded
 from cfx._src.lax import collectives as lax
-from cfx._src.layout import block_shape
+from cfx._src.mesh.layout import block_shape
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.parallel.rules import Rules
-from cfx._src.shapes import ShapeDtype, eval_shape
-from cfx._src.shard_map import shard_map
+from cfx._src.transforms.shapes import ShapeDtype, eval_shape
+from cfx._src.spmd.shard_map import shard_map
 from cfx._src.zero.flat import piece_size
 from cfx._src.zero.params import ZeroParams, gather_params, global_pieces, shard_params
 from cfx._src.zero.params import param_specs as zero_param_specs

@@ -40,10 +40,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cfx._src import amp, donation, memory
-from cfx._src import tree as tree_util
+from cfx._src.precision import amp
+from cfx._src.core import donation
+from cfx._src.mesh import memory
+from cfx._src.core import tree as tree_util
 from cfx._src.gemini.mapped import mapped_copy
-from cfx._src.jit.api import jit as cfx_jit
+from cfx._src.transforms.jit import jit as cfx_jit
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.context import current_or_none
 from cfx._src.mesh.spec import P
@@ -61,9 +63,9 @@ from cfx._src.plan.build import (check_jit, check_mesh, check_model, free_device
 from cfx._src.plan.layout import Layout, put_tree
 from cfx._src.plan.saving import StateFiles
 from cfx._src.remat import remat
-from cfx._src.shard_map import shard_map
-from cfx._src.sharded import ShardedArray
-from cfx._src.transforms import value_and_grad
+from cfx._src.spmd.shard_map import shard_map
+from cfx._src.spmd.sharded import ShardedArray
+from cfx._src.transforms.autodiff import value_and_grad
 from cfx._src.zero.gathered import gathered
 from cfx._src.zero.offload import probe_nvme_dir
 from cfx._src.zero.params import ZeroParams

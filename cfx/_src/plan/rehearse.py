@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cfx._src import memory
-from cfx._src import tree as tree_util
+from cfx._src.mesh import memory
+from cfx._src.core import tree as tree_util
 from cfx._src.lax.stats import CommRecord, comm_stats
-from cfx._src.layout import block_shape
+from cfx._src.mesh.layout import block_shape
 from cfx._src.mesh.context import Group, RankContext, installed
 from cfx._src.mesh.spec import is_spec
 from cfx._src.plan.program import TrainState

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from cfx._src import checkpoint_sharded
-from cfx._src import tree as tree_util
+from cfx._src.checkpoint import sharded as checkpoint_sharded
+from cfx._src.core import tree as tree_util
 from cfx._src.plan.coords import ModelCoords, Region
-from cfx._src.shapes import eval_shape
+from cfx._src.transforms.shapes import eval_shape
 
 
 class StateFiles:

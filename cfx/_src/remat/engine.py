@@ -27,9 +27,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cfx._src import context, tree as tree_util
+from cfx._src.core import context, tree as tree_util
 from cfx._src.remat import policies as pol
-from cfx._src.table import format_table
+from cfx._src.core.text import format_table
 
 _names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> checkpoint name
 _DOTS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum,

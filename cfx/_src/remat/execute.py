@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.remat import engine
 from cfx._src.remat.solver import B, DISCARD, F_ALL, F_CK, F_N, Schedule
 from cfx._src.zero.params import is_sharded_leaf

@@ -26,7 +26,7 @@ from cfx._src.remat import solver
 from cfx._src.remat.chain import Chain
 from cfx._src.remat.execute import run_chain
 from cfx._src.remat.profile import StageProfile, profile_chain
-from cfx._src.table import format_table
+from cfx._src.core.text import format_table
 
 
 def _mib(n: float) -> str:

@@ -14,14 +14,14 @@ import torch
 from tqdm.auto import tqdm
 
 from cfx import amp, checkpoint, models, optim
-from cfx._src import data as data_lib
-from cfx._src import random as jr
-from cfx._src import tree as tree_util
-from cfx._src.arrays import device_get
+from cfx._src.train import data as data_lib
+from cfx._src.core import random as jr
+from cfx._src.core import tree as tree_util
+from cfx._src.spmd.arrays import device_get
 from cfx._src.models.common import is_axes_leaf
 from cfx._src.remat import remat
-from cfx._src.shapes import ShapeDtype, eval_shape
-from cfx._src.table import format_table
+from cfx._src.transforms.shapes import ShapeDtype, eval_shape
+from cfx._src.core.text import format_table
 from cfx._src.train.config import TrainConfig, check_flags
 from cfx._src.models.sample import sample_bytes
 from cfx._src.plan.config import AXES

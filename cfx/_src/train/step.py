@@ -1,7 +1,7 @@
 """The loss the training steps differentiate: compute-dtype params, fp32 loss, loss scaling."""
 from __future__ import annotations
 
-from cfx._src.transforms import value_and_grad
+from cfx._src.transforms.autodiff import value_and_grad
 
 
 def scaled_loss_grad(model, policy):

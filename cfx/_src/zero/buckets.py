@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
-from cfx._src.transforms import value_and_grad
+from cfx._src.transforms.autodiff import value_and_grad
 
 
 class _BucketScatter(torch.autograd.Function):

@@ -31,7 +31,8 @@ import os
 
 import torch
 
-from cfx._src import memory, tree as tree_util
+from cfx._src.mesh import memory
+from cfx._src.core import tree as tree_util
 from cfx._src.gemini.placer import Placer
 from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, WarmupRecord
 from cfx._src.gemini.states import TensorState as S, transition

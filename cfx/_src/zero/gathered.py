@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from cfx._src import memory
-from cfx._src import tree as tree_util
+from cfx._src.mesh import memory
+from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.lax import comm
 from cfx._src.mesh.context import in_backward

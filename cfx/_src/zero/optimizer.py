@@ -45,13 +45,14 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from cfx._src import donation, memory
-from cfx._src import tree as tree_util
+from cfx._src.core import donation
+from cfx._src.mesh import memory
+from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.optim import reduction
 from cfx._src.mesh.spec import is_spec
-from cfx._src.transforms import value_and_grad as _value_and_grad
+from cfx._src.transforms.autodiff import value_and_grad as _value_and_grad
 from cfx._src.zero.flat import GroupLayout, make_groups, piece_size
 from cfx._src.zero.gathered import grads_captured
 from cfx._src.zero.params import ZeroParams, check_axis_size

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from cfx._src import memory
-from cfx._src import tree as tree_util
+from cfx._src.mesh import memory
+from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.zero.flat import piece_of, piece_size
@@ -97,8 +97,8 @@ def init_params(init, *args: Any, mesh, axis: str = "data", param_specs: Any = N
     ShardedArrays (spec ``P((*leaf_axes, axis))``, see ``param_specs``), the blocks each process
     would get from ``shard_params`` inside ``shard_map`` -- without any process holding more than
     its pieces plus one leaf (``cfx.init_sharded``)."""
-    from cfx._src.init_sharded import init_sharded
-    from cfx._src.shapes import eval_shape
+    from cfx._src.spmd.init_sharded import init_sharded
+    from cfx._src.transforms.shapes import eval_shape
     specs = _param_specs(param_specs, eval_shape(init, *args), axis=axis, mesh=mesh)
     leaf_specs = tree_util.leaves(param_specs, is_leaf=is_spec) if param_specs is not None else None
     n = mesh.shape[axis]

@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import memory
-from cfx._src import tree as tree_util
+from cfx._src.mesh import memory
+from cfx._src.core import tree as tree_util
 from cfx._src.gemini.placer import Placer
 from cfx._src.gemini.store import DeviceStore
 from cfx._src.zero.chunking import check_budget, pack_groups

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cfx._src import context
+from cfx._src.core import context
 from cfx._src.lax import comm
 
 WHERE = "cfx.zero.gathered"

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from cfx._src import checkpoint_sharded as sharded
-from cfx._src.checkpoint_io import cpu_unshared, crc32, write_atomic
-from cfx._src import tree as tree_util
+from cfx._src.checkpoint import sharded
+from cfx._src.checkpoint.io import cpu_unshared, crc32, write_atomic
+from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
-from cfx._src.sharded import ShardedArray
+from cfx._src.spmd.sharded import ShardedArray
 
 _ROOT = "<root>"
 _META_KEY = "cfx"

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx_kernels.int8_matmul import quantize_weight
 
 MODES = ("int8",)

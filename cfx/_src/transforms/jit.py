@@ -50,9 +50,9 @@ from torch._dynamo import convert_frame
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module, _use_lazy_graph_module
 
-from cfx._src import context, donation
-from cfx._src import tree as tree_util
-from cfx._src.jit import signature, tracing
+from cfx._src.core import context, donation
+from cfx._src.core import tree as tree_util
+from cfx._src.transforms import jit_signature as signature, jit_tracing as tracing
 from cfx._src.lax import comm
 from cfx._src.mesh import context as ctx_lib
 

@@ -37,14 +37,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cfx._src import donation, layout, replication
-from cfx._src import tree as tree_util
+from cfx._src.core import donation
+from cfx._src.mesh import layout
+from cfx._src.spmd import replication
+from cfx._src.core import tree as tree_util
 from cfx._src.lax import vma
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.mesh.spec import P, is_spec
-from cfx._src.reshard import plan as reshard_plan, run_steps, same_layout
-from cfx._src.sharded import Cell, ShardedArray, same_layout_mesh
-from cfx._src.spec_tree import broadcast_specs
+from cfx._src.spmd.resharding import plan as reshard_plan, run_steps, same_layout
+from cfx._src.spmd.sharded import Cell, ShardedArray, same_layout_mesh
+from cfx._src.spmd.spec_tree import broadcast_specs
 
 
 class _Input:

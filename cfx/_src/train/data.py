@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from cfx._src import random as jr
+from cfx._src.core import random as jr
 
 VOCAB_SIZE = 256  # byte-level
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from cfx._src import layout
-from cfx._src import tree as tree_util
+from cfx._src.mesh import layout
+from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
-from cfx._src.shard_map import shard_map
-from cfx._src.sharded import ShardedArray
+from cfx._src.spmd.shard_map import shard_map
+from cfx._src.spmd.sharded import ShardedArray
 
 
 def _identity(x):

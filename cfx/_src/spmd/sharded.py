@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from cfx._src import layout
+from cfx._src.mesh import layout
 from cfx._src.mesh.spec import P
-from cfx._src.shapes import ArrayShape
+from cfx._src.transforms.shapes import ArrayShape
 
 
 class Cell:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 
 _NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "full": torch.float32,

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from cfx._src import context
+from cfx._src.core import context
 
 # Empty in a compiled region (context.Var): there the compiler owns every buffer, and cfx.jit's
 # donate_argnums writes the outputs into the donated inputs itself.

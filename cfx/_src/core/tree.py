@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 import optree
 import torch
 
-from cfx._src import tree_traced
+from cfx._src.core import tree_traced
 
 _compiling = torch.compiler.is_dynamo_compiling
 

@@ -11,12 +11,13 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import layout, lazy
-from cfx._src import tree as tree_util
+from cfx._src.mesh import layout
+from cfx._src.spmd import lazy
+from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
-from cfx._src.shapes import eval_shape
-from cfx._src.sharded import ShardedArray
-from cfx._src.spec_tree import broadcast_specs
+from cfx._src.transforms.shapes import eval_shape
+from cfx._src.spmd.sharded import ShardedArray
+from cfx._src.spmd.spec_tree import broadcast_specs
 
 
 def init_sharded(init: Callable[..., Any], *args: Any, mesh, specs: Any = P()) -> Any:

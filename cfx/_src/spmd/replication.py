@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
 
 SAMPLE = 64  # elements of each output leaf compared across its replicas by default
@@ -222,5 +222,5 @@ def check_values_dist(items: list[tuple[str, Any, P]], mesh, mode, all_gather) -
 
 
 def out_items(out_specs: Any, flat: list, treedef, mesh) -> list[tuple[str, Any, P]]:
-    from cfx._src.spec_tree import broadcast_specs
+    from cfx._src.spmd.spec_tree import broadcast_specs
     return broadcast_specs(out_specs, tree_util.unflatten(treedef, flat), "out_specs", mesh)

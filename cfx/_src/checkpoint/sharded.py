@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from cfx._src import memory
-from cfx._src.checkpoint_io import cpu_unshared, crc32, fsync_dir, write_atomic
-from cfx._src import tree as tree_util
-from cfx._src.layout import is_primary
+from cfx._src.mesh import memory
+from cfx._src.checkpoint.io import cpu_unshared, crc32, fsync_dir, write_atomic
+from cfx._src.core import tree as tree_util
+from cfx._src.mesh.layout import is_primary
 from cfx._src.mesh.spec import P, is_spec
-from cfx._src.sharded import ShardedArray
+from cfx._src.spmd.sharded import ShardedArray
 
 FORMAT = "cfx-sharded/1"
 INDEX = "index.json"
@@ -198,7 +198,7 @@ def _load_leaf(stored: Stored, path: str, ref: Any, mesh, spec: P) -> Any:
         mesh, spec = ref.mesh, ref.spec
     if mesh is None:
         return stored.region(path, (0,) * len(shape), shape)
-    from cfx._src.layout import block_shape, check_spec
+    from cfx._src.mesh.layout import block_shape, check_spec
     check_spec(path, shape, spec, mesh, "cfx.checkpoint.load")
     size = block_shape(shape, spec, mesh)
     blocks = {}
@@ -283,7 +283,7 @@ def _specs_for(like: Any, n: int, specs: Any, mesh) -> list[P]:
     """Each leaf's spec: ``specs`` broadcast over ``like`` as ``shard_map`` does (a prefix)."""
     if mesh is None or is_spec(specs):
         return [specs if is_spec(specs) else P()] * n
-    from cfx._src.spec_tree import broadcast_specs
+    from cfx._src.spmd.spec_tree import broadcast_specs
     return [s for _, _, s in broadcast_specs(specs, like, "like", mesh, where="cfx.checkpoint.load")]
 
 

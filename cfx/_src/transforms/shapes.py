@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 
 
 class ArrayShape:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src import random as jr
+from cfx._src.core import random as jr
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.kv_cache import KVCache
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 
 
 def _is_array_leaf(x: Any) -> bool:

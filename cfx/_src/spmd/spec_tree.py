@@ -10,7 +10,7 @@ from typing import Any
 
 import optree
 
-from cfx._src import tree as tree_util
+from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P, is_spec
 
 

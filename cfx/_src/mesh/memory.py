@@ -34,9 +34,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cfx._src import context
+from cfx._src.core import context
 from cfx._src.mesh.context import current_or_none
-from cfx._src.table import format_table
+from cfx._src.core.text import format_table
 
 TIERS = ("device", "host", "nvme")
 _active: context.Var[tuple] = context.Var("cfx_memory_trackers", ())

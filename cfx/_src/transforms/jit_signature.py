@@ -12,8 +12,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from cfx._src import tree as tree_util
-from cfx._src.donation import DonatedTensor
+from cfx._src.core import tree as tree_util
+from cfx._src.core.donation import DonatedTensor
 
 
 def argnums(name: str, what: str, nums: int | Sequence[int]) -> tuple[int, ...]:
