@@ -14,18 +14,18 @@ convert weights to and from ``transformers``' ``GPT2LMHeadModel`` / ``LlamaForCa
 write and read Hugging Face model directories (config.json + safetensors, one file or sharded).
 """
 from cfx._src.models.bert import BERT_PRESETS, Bert, BertConfig, bert
-from cfx._src.models.common import cross_entropy
+from cfx._src.nn.loss import cross_entropy
 from cfx._src.models.evoformer import EVOFORMER_PRESETS, Evoformer, EvoformerBlock, EvoformerConfig, evoformer
 from cfx._src.models.gpt2 import GPT2, GPT2_PRESETS, GPT2Config, gpt2
 from cfx._src.models.hf import from_hf, hf_config, model_from_hf_config, to_hf
 from cfx._src.models.hf_dir import from_pretrained, save_pretrained
 from cfx._src.models.llama import LLAMA_PRESETS, Llama, LlamaConfig, llama
 from cfx._src.models.opt import OPT, OPT_PRESETS, OPTConfig, opt
-from cfx._src.models.parts import ModelParts
+from cfx._src.models.parts import ChainModel, Hooks as ModelHooks, Model, ModelParts
 
 __all__ = [
     "BERT_PRESETS", "Bert", "BertConfig", "EVOFORMER_PRESETS", "Evoformer", "EvoformerBlock", "EvoformerConfig", "GPT2", "GPT2Config", "GPT2_PRESETS", "LLAMA_PRESETS", "Llama", "LlamaConfig",
-    "ModelParts", "OPT", "OPTConfig", "OPT_PRESETS", "cross_entropy",
+    "ChainModel", "Model", "ModelHooks", "ModelParts", "OPT", "OPTConfig", "OPT_PRESETS", "cross_entropy",
     "bert", "evoformer", "from_hf", "from_pretrained", "gpt2", "hf_config", "llama", "model_from_hf_config", "opt",
     "save_pretrained", "to_hf",
 ]

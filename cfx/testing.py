@@ -22,6 +22,9 @@ from cfx._src.mesh.spec import P
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.spmd.arrays import device_get
 
+__all__ = ["AXIS_NAMES", "PLAN_AXES", "assert_matches_reference", "divisible_shapes", "meshes", "plans", "pytrees",
+           "specs_for"]
+
 AXIS_NAMES = ("data", "model", "pipe")
 PLAN_AXES = ("pipe", "data", "seq", "model")
 
@@ -141,4 +144,4 @@ def assert_matches_reference(per_rank_fn: Callable[..., Any], reference_fn: Call
     """
     sharded = device_get(shard_map(per_rank_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args))
     expected = reference_fn(*args)
-    tree_util.assert_tree_close(sharded, expected, rtol=rtol, atol=atol)
+    tree_util.assert_close(sharded, expected, rtol=rtol, atol=atol)

@@ -98,7 +98,7 @@ def test_the_evoformer_runs_in_half_its_activation_memory_and_computes_the_same(
 
 def test_a_budget_nothing_reaches_names_the_estimate_and_new_shapes_plan_again():
     args = (torch.randn(8, 6, 4), *(torch.randn(4, 4) for _ in range(3)), torch.randn(6, 6))
-    with pytest.raises(ValueError, match="no chunking fits memory_budget=64: .* the estimated peak is"):
+    with pytest.raises(ValueError, match="no chunking fits memory_budget=64 B: .* the estimated peak is"):
         cfx.autochunk(attention, args, memory_budget=64)
     with pytest.raises(ValueError, match="memory_budget must be positive"):
         cfx.autochunk(attention, args, memory_budget=0)

@@ -12,7 +12,7 @@ diffusers = pytest.importorskip("diffusers")
 
 import cfx  # noqa: E402
 from cfx._src.diffusion import unet as U  # noqa: E402
-from cfx._src.models.common import is_axes_leaf  # noqa: E402
+from cfx._src.core.tree import is_axes_leaf  # noqa: E402
 
 TINY = dict(sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),

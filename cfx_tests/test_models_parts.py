@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import cfx
 from cfx import P
-from cfx._src.pipeline.api import pipeline
+from cfx import pipeline
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 
 import cfx
 from cfx import P
-from cfx._src.pipeline.api import pipeline
+from cfx import pipeline
 from cfx.parallel import MEGATRON_RULES, state_specs, tensor_parallel, tree_pmean
 
 B, T, V = 8, 16, 256

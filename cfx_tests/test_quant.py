@@ -77,8 +77,9 @@ def test_paths_name_the_int8_and_scale_leaves():
 def test_llama_untied_head_is_quantized_and_embedding_is_not():
     model = models.llama("tiny", tie_embeddings=False)
     params = model.init(cfx.random.key(0))
-    qparams = cfx.quant.quantize(params, "int8")
+    qparams = cfx.quant.quantize(params, "int8", axes=model.axes())  # the axes tell the table apart
     assert cfx.quant.is_quantized(qparams["lm_head"]["w"])
+    assert cfx.quant.is_quantized(qparams["blocks"][0]["mlp"]["gate"]["w"])
     assert not cfx.quant.is_quantized(qparams["embed"]["w"])
     tokens = torch.randint(0, model.config.vocab_size, (2, 16),
                            generator=torch.Generator().manual_seed(1))
@@ -90,13 +91,38 @@ def test_llama_untied_head_is_quantized_and_embedding_is_not():
 
 def test_min_size_and_skip_leave_small_or_named_layers_alone():
     params = {"small": {"w": torch.ones(8, 8), "b": torch.zeros(8)},
-              "big": {"w": torch.ones(64, 64)}, "embed": {"w": torch.ones(64, 64)},
+              "big": {"w": torch.ones(64, 64), "b": torch.zeros(64)}, "other": {"w": torch.ones(64, 64), "b": torch.zeros(64)},
               "norm": {"scale": torch.ones(64)}}
-    q = cfx.quant.quantize(params, "int8", min_size=1000)
+    q = cfx.quant.quantize(params, "int8", min_size=1000, skip=("other",))
     assert cfx.quant.is_quantized(q["big"]["w"])
-    assert q["small"]["w"] is params["small"]["w"] and q["embed"]["w"] is params["embed"]["w"]
-    q = cfx.quant.quantize(params, "int8", min_size=0, skip=())
-    assert all(cfx.quant.is_quantized(q[k]["w"]) for k in ("small", "big", "embed"))
+    assert q["small"]["w"] is params["small"]["w"] and q["other"]["w"] is params["other"]["w"]
+    q = cfx.quant.quantize(params, "int8", min_size=0)
+    assert all(cfx.quant.is_quantized(q[k]["w"]) for k in ("small", "big", "other"))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "opt", "bert"])
+def test_the_axes_keep_every_lookup_table_and_quantize_every_linear(family):
+    # no family's key names: a table is a weight whose first logical axis is "vocab" or "positions"
+    model = getattr(models, family)("tiny")
+    params = model.init(cfx.random.key(0))
+    q = cfx.quant.quantize(params, "int8", axes=model.axes(), min_size=0)
+    kept = {path for path, x in cfx.tree.flatten_with_path(q, is_leaf=cfx.quant.is_quantized)[0]
+            if not cfx.quant.is_quantized(x) and x.dim() == 2}
+    axes = dict(cfx.tree.flatten_with_path(model.axes(), is_leaf=cfx.tree.is_axes_leaf)[0])
+    assert kept and all(axes[p][0] in ("vocab", "positions") for p in kept), kept
+    assert len(linear_weights(q)) >= 4 * len(model.blocks)  # q, k, v, o at least, per block
+
+
+def test_without_axes_a_bias_free_weight_stays_and_bad_axes_are_named():
+    # {"w"} alone may be an embedding table: without the model's axes it is left in floating point
+    params = {"lin": {"w": torch.ones(64, 64), "b": torch.zeros(64)}, "table": {"w": torch.ones(64, 64)}}
+    q = cfx.quant.quantize(params, "int8", min_size=0)
+    assert cfx.quant.is_quantized(q["lin"]["w"]) and q["table"]["w"] is params["table"]["w"]
+    q = cfx.quant.quantize(params, "int8", min_size=0, axes={"lin": {"w": ("embed", "mlp"), "b": ("mlp",)},
+                                                             "table": {"w": ("embed", "mlp")}})
+    assert cfx.quant.is_quantized(q["table"]["w"])
+    with pytest.raises(ValueError, match=r"axes \(pass model.axes\(\)\)"):
+        cfx.quant.quantize(params, "int8", axes={"lin": {"w": ("embed", "mlp")}})
 
 
 def test_bad_mode_and_mismatched_params_raise():
@@ -157,7 +183,7 @@ def test_conv2d_with_an_int8_weight_is_conv2d_of_the_dequantised_weight(dtype):
 
 
 def test_min_size_and_kinds_pick_the_weights():
-    params = {"lin": {"w": torch.randn(64, 64)}, "conv": {"w": torch.randn(16, 16, 3, 3), "b": torch.zeros(16)},
+    params = {"lin": {"w": torch.randn(64, 64), "b": torch.zeros(64)}, "conv": {"w": torch.randn(16, 16, 3, 3), "b": torch.zeros(16)},
               "small_conv": {"w": torch.randn(4, 4, 1, 1)}, "conv1d": {"w": torch.randn(16, 16, 16)},
               "int_conv": {"w": torch.ones(16, 16, 3, 3, dtype=torch.int32)}}
     kept = lambda q: sorted(k for k in q if cfx.quant.is_quantized(q[k]["w"]))  # noqa: E731

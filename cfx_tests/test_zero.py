@@ -7,7 +7,7 @@ import torch
 
 import cfx
 from cfx import P
-from cfx._src.zero.api import zero
+from cfx import zero
 from cfx.parallel import MEGATRON_RULES, tensor_parallel
 
 STEPS, B, T, V = 10, 8, 16, 256
@@ -201,7 +201,7 @@ def test_value_and_grad_gives_the_single_device_gradient(stage):
         if stage == 2:  # this rank's row of each group's (n, S) packing of the reference
             r = cfx.lax.axis_index("data")
             leaves = cfx.tree.leaves(ref)
-            want = [lay.rows_from_leaves([leaves[i] for i in idx], dtype=dt)[r] for idx, lay, dt in ztx.plan(p).groups]
+            want = [lay.rows_from_leaves([leaves[i] for i in idx], dtype=dt)[r] for idx, lay, dt in ztx.layout(p).groups]
             for got, w in zip(g.shards, want):
                 torch.testing.assert_close(got, w)
             return ref
@@ -263,7 +263,7 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(stage):
             leaves[0].view(-1)[0] = float("inf")
         g = cfx.tree.unflatten(td, leaves)
         if stage == 2:  # as the stage-2 backward would deliver them: averaged shards
-            plan = ztx.plan(p)
+            plan = ztx.layout(p)
             g = zero.ShardGrads(tuple(cfx.lax.psum_scatter(lay.rows_from_leaves([cfx.tree.leaves(g)[i] for i in idx],
                                                                                  dtype=dt), "data", tiled=False) / 4
                                       for idx, lay, dt in plan.groups))

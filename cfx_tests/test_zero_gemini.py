@@ -8,7 +8,7 @@ import torch
 
 import cfx
 from cfx import P
-from cfx._src.zero.api import zero
+from cfx import zero
 from cfx_tests.test_zero import data, gathered_model, gpt2
 
 STEPS = 3

@@ -64,7 +64,7 @@ def int8_rows(config) -> list[Row]:
     params = cfx.diffusion.UNet2DCondition(config).init(cfx.random.key(0))
     half = cfx.tree.map(lambda x: x.half(), params)
     q = cfx.quant.quantize(half, "int8", min_size=0)
-    fp16, int8, fp32 = cfx.tree.tree_bytes(half), cfx.tree.tree_bytes(q), cfx.tree.tree_bytes(params)
+    fp16, int8, fp32 = cfx.tree.nbytes(half), cfx.tree.nbytes(q), cfx.tree.nbytes(params)
     return [Row("int8_unet_bytes_reduction (fp16 / int8 weights + fp16 rest)", fp16 / int8, "x", ">= 2.5",
                 fp16 / int8 >= 2.5),
             Row("  fp32 / int8 UNet bytes", fp32 / int8, "x")]

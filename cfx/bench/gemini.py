@@ -21,7 +21,7 @@ import torch
 
 import cfx
 from cfx import P
-from cfx._src.zero.api import zero
+from cfx import zero
 from cfx.bench.common import Row, report
 
 MiB = 1 << 20
@@ -63,7 +63,7 @@ def train(shape, vocab, T, batch, placement, *, n=N, steps=2):
         out = cfx.device_get(cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "data")), out_specs=P("data"))(
             params, tokens))
     peak, seconds, moved = out.max(0).values.tolist()
-    return peak, seconds, moved, cfx.tree.tree_size(params), searches[0]
+    return peak, seconds, moved, cfx.tree.size(params), searches[0]
 
 
 def run(*, quick: bool = False, json_path: str | None = None) -> dict:

@@ -149,7 +149,7 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         model = cfx.models.gpt2("tiny", **cfg["model"])
-        psi = cfx.tree.tree_size(cfx.eval_shape(model.init, cfx.random.key(0)))
+        psi = cfx.tree.size(cfx.eval_shape(model.init, cfx.random.key(0)))
         rows.append(Row(f"GPT-2 {cfg['model']['n_layer']}x{cfg['model']['n_embd']}, vocab "
                         f"{cfg['model']['vocab_size']}, N={N}: Psi", psi, "params"))
         runs = _launch(["state", "all", *flag], d, local=False)  # per rank: [zero3, dp]

@@ -31,7 +31,7 @@ from cfx import P
 from cfx._src.lax import comm
 from cfx._src.mesh import context as ctx_lib
 from cfx.parallel import Plan, TrainState
-from cfx._src.zero.api import zero
+from cfx import zero
 
 N = 4
 
@@ -81,7 +81,7 @@ class Strategy:
         tx = cfx.optim.adamw(1e-3)
         key = cfx.random.key(0)
         shapes = cfx.eval_shape(model.init, key)
-        self.psi = cfx.tree.tree_size(shapes)
+        self.psi = cfx.tree.size(shapes)
         if name == "zero3":
             ztx = zero(tx, stage=3, axis="data")
             net = _gathered(model)
@@ -154,7 +154,7 @@ def measure_state(name: str, quick: bool, backend: str) -> dict:
         root = {k: v for k, v in shapes.items() if k != "blocks"}
     return {"strategy": name, "backend": backend, "ranks": mesh.local_ranks, "psi": s.psi, "n": N,
             "tracked_peak": tracked, "rss_growth": rss_growth, "activations": act,
-            "root_bytes": cfx.tree.tree_bytes(root), "block_bytes": cfx.tree.tree_bytes(shapes["blocks"][0]),
+            "root_bytes": cfx.tree.nbytes(root), "block_bytes": cfx.tree.nbytes(shapes["blocks"][0]),
             "losses": losses}
 
 

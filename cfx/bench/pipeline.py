@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import cfx
 from cfx import P
-from cfx._src.pipeline.api import pipeline
+from cfx import pipeline
 from cfx.bench.common import Row, end_worker, lockstep_medians, report
 from cfx.bench.torch_gpt2 import TorchGPT2
 

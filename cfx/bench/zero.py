@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 import cfx
 from cfx import P
-from cfx._src.zero.api import zero
+from cfx import zero
 from cfx._src.zero.flat import piece_size
 from cfx.bench.common import Row, end_worker, lockstep_medians, report
 

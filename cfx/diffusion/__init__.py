@@ -17,7 +17,7 @@ are its command lines.
 with classifier-free guidance, as ``StableDiffusionPipeline``), and ``python -m cfx.diffusion.sample``
 is its command line (the module ``cfx.diffusion.sample``).
 """
-from cfx._src.diffusion import clip_text, schedulers, unet, vae
+from cfx.diffusion import clip_text, schedulers, unet, vae
 from cfx._src.diffusion.train import Denoiser, denoising_loss, draw
 from cfx._src.diffusion.clip_text import CLIPTextConfig, CLIPTextEncoder
 from cfx._src.diffusion.pipeline import Pipeline, load_pipeline, save_pipeline

@@ -36,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from cfx._src.core import tree as tree_util
 from cfx._src.autochunk.search import Choice, search
-from cfx._src.remat.plan import parse_bytes
+from cfx._src.core.text import format_bytes, parse_bytes
 
 
 @dataclasses.dataclass
@@ -85,10 +85,10 @@ class Chunked:
             c = list(self._compiled.values())[-1]
         else:
             raise ValueError("cfx.autochunk: nothing compiled yet; call it (or .compile) with arguments first.")
-        lines = [f"estimated peak activations: {_mib(c.unchunked_bytes)} unchunked -> {_mib(c.chunked_bytes)} "
-                 f"chunked (budget {_mib(self.budget)})"]
+        lines = [f"estimated peak activations: {format_bytes(c.unchunked_bytes)} unchunked -> {format_bytes(c.chunked_bytes)} "
+                 f"chunked (budget {format_bytes(self.budget)})"]
         lines += [f"  {ch.op:<24} {ch.output:<20} dim {ch.dim} of {ch.length} in {ch.chunks} chunks of {ch.size} "
-                  f"({ch.ops} ops) -> peak {_mib(ch.peak)}" for ch in c.choices]
+                  f"({ch.ops} ops) -> peak {format_bytes(ch.peak)}" for ch in c.choices]
         return "\n".join(lines)
 
 
@@ -140,10 +140,6 @@ def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[fx.GraphM
     return gm, structure["out"]
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
 class _bar:
     """A progress bar over the search's rounds, showing the estimated peak."""
 
@@ -152,7 +148,6 @@ class _bar:
         self.tqdm = tqdm(desc="autochunk", unit="region")
 
     def step(self, round_: int, peak: int) -> None:
-        from cfx._src.plan.config import format_bytes
         self.tqdm.update(1 if round_ else 0)
         self.tqdm.set_postfix(peak=format_bytes(peak), refresh=False)
 

@@ -20,6 +20,7 @@ from torch.fx import Node
 from cfx._src.autochunk.estimate import ALIASES, Item, Peak, items, nbytes, simulate
 from cfx._src.autochunk.flow import Chunk, Region, flow, shape_of
 from cfx._src.autochunk.rewrite import apply, transient
+from cfx._src.core.text import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,6 @@ def _op_name(node: Node) -> str:
 
 
 def _cannot(budget: int, peak: Peak, choices: list) -> str:
-    from cfx._src.plan.config import format_bytes
     biggest = ", ".join(f"{r.name} ({format_bytes(b)})" for r, b in peak.live[:3])
     return (f"cfx.autochunk: no chunking fits memory_budget={format_bytes(budget)}: after {len(choices)} chunked "
             f"region(s) the estimated peak is {format_bytes(peak.bytes)} at {peak.at.name if peak.at else '?'}, "

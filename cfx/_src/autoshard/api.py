@@ -24,12 +24,12 @@ from cfx._src.autoshard.cost import CostModel
 from cfx._src.autoshard.graph import Graph, trace
 from cfx._src.autoshard.lower import lower
 from cfx._src.autoshard.ilp import NoPlanFits
-from cfx._src.autoshard.report import Reference, Report, collectives, gathered, human_bytes
+from cfx._src.autoshard.report import Reference, Report, collectives, gathered
 from cfx._src.autoshard.search import search
 from cfx._src.autoshard.specs import entries
 from cfx._src.mesh.spec import P
 from cfx._src.plan.layout import put_tree
-from cfx._src.remat.plan import parse_bytes
+from cfx._src.core.text import format_bytes, parse_bytes
 
 
 class AutoStep:
@@ -80,8 +80,8 @@ def autoshard(step: Callable[..., torch.Tensor], mesh, example_args: tuple, *, m
     except NoPlanFits as e:
         least = sum(float(m.min()) for m in e.problem.memory) if getattr(e, "problem", None) else None
         raise NoPlanFits(
-            f"cfx.autoshard on mesh {mesh_shape}: no strategy assignment fits {human_bytes(budget)} per rank"
-            + (f"; the least any op-by-op choice needs is {human_bytes(least)}" if least is not None else "")
+            f"cfx.autoshard on mesh {mesh_shape}: no strategy assignment fits {format_bytes(budget)} per rank"
+            + (f"; the least any op-by-op choice needs is {format_bytes(least)}" if least is not None else "")
             + " (params with their gradients and AdamW moments, and saved activations). Raise memory_budget, "
               "add ranks, or shrink the batch: this search does not recompute or offload activations.") from None
     ref = None
@@ -114,10 +114,3 @@ def _notes(graph: Graph, choices: list, mesh_shape: dict[str, int]) -> list[str]
             out.append(f"{op.path} of shape {op.shape} has no dimension any mesh axis divides ({mesh_shape}); it is "
                        f"read whole on every rank. A batch divisible by {size} lets the plan split it.")
     return out
-
-
-autoshard.CostModel = CostModel
-autoshard.calibrate = calibrate
-autoshard.NoPlanFits = NoPlanFits
-autoshard.Report = Report
-autoshard.AutoStep = AutoStep

@@ -1,7 +1,7 @@
 """Measuring the cost model on a mesh: alpha-beta per mesh axis, and one rank's matmul throughput.
 
 What the search charges is what is timed. For every mesh axis of more than one rank, every move in
-``ops`` and every block size in ``sizes`` (the bytes a rank holds before the move), ``reshard.plan``
+``ops`` and every block size in ``sizes`` (the bytes a rank holds before the move), ``reshard.find_path``
 is asked for the one-step plan making that move -- the step itself and the per-rank bytes the search
 charges for it (``Step.nbytes``: ring figures, e.g. ``(n-1) * block`` for an all-gather, ``2 (n-1)/n *
 block`` for a psum). Every rank then runs that step with ``reshard.run_steps`` inside one
@@ -129,7 +129,7 @@ def _move(op: str, axis: str, block: int, mesh) -> tuple[reshard.Step, tuple[int
     else:  # all_to_all: rows split -> columns split
         cols = n * _WIDTH
         src, dst, shape, partial, local = P(axis), P(None, axis), (n * k // cols, cols), (), (k // cols, cols)
-    steps = reshard.plan(src, dst, shape, mesh, itemsize=_ITEMSIZE, partial=partial).steps
+    steps = reshard.find_path(src, dst, shape, mesh, itemsize=_ITEMSIZE, partial=partial).steps
     assert len(steps) == 1 and steps[0].op == op, steps
     return steps[0], local
 

@@ -34,7 +34,7 @@ from cfx._src.autoshard.specs import Strategy, entries
 from cfx._src.lax import comm
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
-from cfx._src.spmd.resharding import plan as reshard_plan, run_steps
+from cfx._src.spmd.resharding import find_path, run_steps
 from cfx._src.spmd.shard_map import shard_map
 
 aten = torch.ops.aten
@@ -127,7 +127,7 @@ def _steps(src: P, dst: P, shape: tuple, mesh, itemsize: int, partial: tuple) ->
 
 @functools.lru_cache(maxsize=4096)
 def _planned(src: P, dst: P, shape: tuple, mesh_shape: tuple, itemsize: int, partial: tuple) -> tuple:
-    return reshard_plan(src, dst, shape, AbstractMesh(dict(mesh_shape)), itemsize=itemsize, partial=partial).steps
+    return find_path(src, dst, shape, AbstractMesh(dict(mesh_shape)), itemsize=itemsize, partial=partial).steps
 
 
 def _summed(x: torch.Tensor, spec: P, axes: tuple, mesh) -> torch.Tensor:

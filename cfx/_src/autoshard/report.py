@@ -12,8 +12,8 @@ from cfx._src.autoshard.graph import Graph
 from cfx._src.autoshard.specs import Strategy, entries
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
-from cfx._src.spmd.resharding import plan as reshard_plan
-from cfx._src.core.text import format_table
+from cfx._src.spmd.resharding import find_path
+from cfx._src.core.text import format_bytes, format_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,18 +61,18 @@ class Report:
     def __str__(self) -> str:
         lines = [f"cfx.autoshard on mesh {self.mesh}: {self.ops} ops searched in {self.solve_s:.1f} s "
                  "(within 1% of the cost model's optimum)",
-                 f"  estimated step {self.estimated_s * 1e3:.3f} ms, {human_bytes(self.memory_bytes)} per rank"
-                 + (f" (budget {human_bytes(self.budget)})" if math.isfinite(self.budget) else "")]
+                 f"  estimated step {self.estimated_s * 1e3:.3f} ms, {format_bytes(self.memory_bytes)} per rank"
+                 + (f" (budget {format_bytes(self.budget)})" if math.isfinite(self.budget) else "")]
         if self.reference is not None:
             lines.append(f"  {self.reference.name}: {self.reference.estimated_s * 1e3:.3f} ms, "
-                         f"{human_bytes(self.reference.memory_bytes)} per rank -> the plan is {self.verdict}"
+                         f"{format_bytes(self.reference.memory_bytes)} per rank -> the plan is {self.verdict}"
                          + (f" by {100 * (1 - self.estimated_s / self.reference.estimated_s):.2g}%"
                             if self.verdict == "cheaper" else ""))
         lines.append(f"  batch specs: {', '.join(map(str, self.batch_specs))}")
         if self.gathered:
             lines.append(f"  stored split and gathered at use (ZeRO-3): {len(self.gathered)} params")
         lines.extend(f"  note: {n}" for n in self.notes)
-        rows = [(path, str(s), human_bytes(self.param_bytes[path])) for path, s in self.specs.items()]
+        rows = [(path, str(s), format_bytes(self.param_bytes[path])) for path, s in self.specs.items()]
         lines += ["", format_table(rows, ["param", "spec", "bytes per rank"]), ""]
         totals: dict[tuple, list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
         for c in self.collectives:
@@ -80,7 +80,7 @@ class Report:
                 totals[key][0] += 1
                 totals[key][1] += c.nbytes
                 totals[key][2] += c.seconds
-        rows = [(ph, op, ax, n, human_bytes(b), f"{t * 1e3:.3f}") for (ph, op, ax), (n, b, t) in sorted(totals.items())]
+        rows = [(ph, op, ax, n, format_bytes(b), f"{t * 1e3:.3f}") for (ph, op, ax), (n, b, t) in sorted(totals.items())]
         lines.append(format_table(rows, ["phase", "collective", "axis", "count", "bytes per rank", "ms"]))
         return "\n".join(lines)
 
@@ -95,7 +95,7 @@ def collectives(graph: Graph, choices: list[Strategy], mesh_shape: dict[str, int
     def add(before: str, phase: str, src: P, dst: P, shape, itemsize: int, partial=()) -> None:
         if src == dst and not partial:
             return
-        steps = [s for s in reshard_plan(src, dst, shape, mesh, itemsize=itemsize, partial=tuple(partial)).steps
+        steps = [s for s in find_path(src, dst, shape, mesh, itemsize=itemsize, partial=tuple(partial)).steps
                  if s.nbytes]
         out.extend(Collective(before, phase, s.op, s.axis, _step_name(s), s.nbytes, cost.step(s.axis, s.nbytes))
                    for s in steps)
@@ -137,11 +137,3 @@ def _step_name(s) -> str:
     if s.op == "psum":
         return f"psum({s.axis})"
     return f"{s.op}({s.axis}, dim {s.dim})"
-
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"

@@ -26,7 +26,7 @@ from cfx._src.autoshard.specs import Strategy, entries
 from cfx._src.autoshard.strategies import ALIASING, strategies
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
-from cfx._src.spmd.resharding import plan as reshard_plan
+from cfx._src.spmd.resharding import find_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ def build(graph: Graph, mesh_shape: dict[str, int], *, cost: CostModel = CostMod
         if src == dst and not partial:
             return 0.0
         try:
-            steps = reshard_plan(src, dst, shape, mesh, itemsize=itemsize, partial=partial).steps
+            steps = find_path(src, dst, shape, mesh, itemsize=itemsize, partial=partial).steps
         except ValueError:
             return math.inf
         return sum(cost.step(s.axis, s.nbytes) for s in steps if s.nbytes)

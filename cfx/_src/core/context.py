@@ -113,6 +113,36 @@ def reads_here(seen: frozenset, index_here: Callable[[tuple], int]) -> frozenset
     return frozenset(out)
 
 
+C = TypeVar("C", bound="Collector")
+
+
+class Collectors:
+    """The collectors of one kind active in this context, innermost last (``comm_stats``,
+    ``activation_stats``, ``memory.track``, ``pipeline.trace``): a ``Var`` holding a tuple, read
+    by the code that reports into them (nothing while torch.compile traces, see the module doc)."""
+
+    def __init__(self, name: str):
+        self.var: Var[tuple] = Var(name, ())
+
+    def active(self) -> tuple:
+        return self.var.get()
+
+
+class Collector:
+    """A ``with``-block collector: entering pushes it on its class's ``stack`` (a ``Collectors``)
+    for the block, so code reporting into that stack reaches it."""
+
+    stack: Collectors
+    _token: Any = None
+
+    def __enter__(self: C) -> C:
+        self._token = self.stack.var.set(self.stack.var.get() + (self,))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.var.reset(self._token)
+
+
 def semantic_set() -> list[str]:
     """What the code here runs inside (``semantic`` descriptions of the variables not at default)."""
     return [v.semantic for v in _SEMANTIC if v.var.get() is not v.default]

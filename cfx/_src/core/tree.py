@@ -155,23 +155,29 @@ def map_with_path(f: Callable[..., Any], tree: PyTree, *rest: PyTree,
                                          is_leaf=is_leaf, namespace=NAMESPACE)
 
 
+def is_axes_leaf(x: Any) -> bool:
+    """A leaf of an ``axes()`` tree: a tuple of logical axis names, one per tensor dim (``None``
+    for a dim no rule names), e.g. ``("embed", "mlp")``."""
+    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
+
+
 def _is_array(x: Any) -> bool:
     """Tensors and the array-like leaves that stand for them (ShardedArray: its global size;
     ShapeDtype)."""
     return isinstance(x, torch.Tensor) or (hasattr(x, "numel") and hasattr(x, "element_size"))
 
 
-def tree_size(tree: PyTree) -> int:
+def size(tree: PyTree) -> int:
     """Total number of elements over all tensor (or global array) leaves."""
     return sum(x.numel() for x in leaves(tree) if _is_array(x))
 
 
-def tree_bytes(tree: PyTree) -> int:
+def nbytes(tree: PyTree) -> int:
     """Total bytes over all tensor (or global array) leaves."""
     return sum(x.numel() * x.element_size() for x in leaves(tree) if _is_array(x))
 
 
-def tree_allclose(a: PyTree, b: PyTree, *, rtol: float | None = None, atol: float | None = None) -> bool:
+def allclose(a: PyTree, b: PyTree, *, rtol: float | None = None, atol: float | None = None) -> bool:
     """True when both trees have the same structure and every pair of leaves is close.
 
     Tolerances default to ``torch.testing.assert_close``'s for the leaves' dtype.
@@ -189,12 +195,16 @@ def tree_allclose(a: PyTree, b: PyTree, *, rtol: float | None = None, atol: floa
     return True
 
 
-def assert_tree_close(actual: PyTree, expected: PyTree, *, rtol: float | None = None,
-                      atol: float | None = None) -> None:
+def assert_close(actual: PyTree, expected: PyTree, *, rtol: float | None = None,
+                 atol: float | None = None) -> None:
     """``torch.testing.assert_close`` leafwise; the failure message names the leaf's path."""
-    check_same_structure("assert_tree_close", expected, actual)
+    check_same_structure("assert_close", expected, actual)
     for (path, x), y in zip(flatten_with_path(actual)[0], leaves(expected)):
         try:
             torch.testing.assert_close(x, y, rtol=rtol, atol=atol, check_device=False)
         except AssertionError as e:
             raise AssertionError(f"leaf {path or '<root>'!r}: {e}") from None
+
+
+# the names until 0.2 (``cfx.tree.tree_size`` stuttered)
+tree_size, tree_bytes, tree_allclose, assert_tree_close = size, nbytes, allclose, assert_close

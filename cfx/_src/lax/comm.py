@@ -18,7 +18,7 @@ from cfx._src.mesh import memory
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.mesh.ledger import Call
 
-_collectors: context.Var[tuple] = context.Var("cfx_comm_stats", ())
+_collectors = context.Collectors("cfx_comm_stats")
 
 
 class Axes:
@@ -60,7 +60,7 @@ class Axes:
 
     def record(self, op: str, *ts: torch.Tensor) -> None:
         """Count one collective moving ``ts`` with the active ``cfx.comm_stats`` collectors."""
-        collectors = _collectors.get()
+        collectors = _collectors.active()
         if not collectors:
             return
         numel, nbytes = sum(t.numel() for t in ts), sum(t.numel() * t.element_size() for t in ts)

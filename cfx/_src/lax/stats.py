@@ -5,8 +5,9 @@ import collections
 import dataclasses
 import threading
 
-from cfx._src.lax import comm
+from cfx._src.core import context
 from cfx._src.core.text import format_table
+from cfx._src.lax import comm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,17 +20,18 @@ class CommRecord:
     backward: bool     # issued by the autograd engine during a backward pass
 
 
-class CommStats:
+class CommStats(context.Collector):
     """Collects ``CommRecord``s while active (``with cfx.comm_stats() as stats: ...``).
 
     Covers collectives issued by shard_map bodies launched inside the ``with`` block (on every
     rank this process drives) and by code running inside a rank.
     """
 
+    stack = comm._collectors
+
     def __init__(self):
         self.records: list[CommRecord] = []
         self._lock = threading.Lock()
-        self._token = None
 
     def record(self, rank, op, axes, numel, nbytes, backward) -> None:
         with self._lock:
@@ -66,13 +68,6 @@ class CommStats:
 
     def table(self) -> str:
         return format_table(self.summary(), ["axes", "op", "phase", "calls/rank", "bytes/rank"])
-
-    def __enter__(self) -> "CommStats":
-        self._token = comm._collectors.set(comm._collectors.get() + (self,))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        comm._collectors.reset(self._token)
 
 
 def comm_stats() -> CommStats:

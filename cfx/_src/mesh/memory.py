@@ -39,7 +39,7 @@ from cfx._src.mesh.context import current_or_none
 from cfx._src.core.text import format_table
 
 TIERS = ("device", "host", "nvme")
-_active: context.Var[tuple] = context.Var("cfx_memory_trackers", ())
+_trackers = context.Collectors("cfx_memory_trackers")
 _ops_unwatched: context.Var[bool] = context.Var("cfx_memory_ops_unwatched", False)
 
 
@@ -56,7 +56,7 @@ def ops_unwatched():
 
 def is_tracking() -> bool:
     """True while a ``cfx.memory.track()`` tracker is active here (a cheap ContextVar read)."""
-    return bool(_active.get())
+    return bool(_trackers.active())
 
 
 def _check_tier(tier: str) -> None:
@@ -86,7 +86,7 @@ def record_alloc(nbytes: int, *, tier: str, kind: str, key: Any = None) -> Token
     _check_tier(tier)
     if nbytes < 0:
         raise ValueError(f"record_alloc: nbytes must be >= 0, got {nbytes}.")
-    trackers = _active.get()
+    trackers = _trackers.active()
     if not trackers:
         return None
     rank = _rank()
@@ -105,7 +105,7 @@ def record_free(token: Token | None) -> None:
 def watch(tensor: torch.Tensor, *, tier: str, kind: str) -> None:
     """Count ``tensor``'s storage bytes on ``tier`` until the storage is garbage-collected."""
     _check_tier(tier)
-    trackers = _active.get()
+    trackers = _trackers.active()
     if trackers:
         _watch_into(trackers, _rank(), tensor, tier, kind)
 
@@ -122,13 +122,15 @@ def _storage_freed(tracker_ref, aid) -> None:
         tracker._free(aid)
 
 
-class MemoryTracker:
+class MemoryTracker(context.Collector):
     """Live and peak bytes per (rank, tier, kind), with a per-(rank, tier) timeline.
 
     Thread-safe. Frees reported while another thread (or a garbage-collection pass inside this
     tracker's own bookkeeping) holds the lock are queued and applied before the next operation,
-    so queries are always exact.
+    so queries are always exact. ``with tracker:`` makes it active (``track`` below).
     """
+
+    stack = _trackers
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -142,16 +144,7 @@ class MemoryTracker:
         self._peak_kind: collections.Counter = collections.Counter()
         self._timeline: dict[tuple, list] = collections.defaultdict(list)
         self._events = 0
-        self._token = None
         self.ops_in_ranks = False  # track(ops=True): Mesh.run books each rank's op outputs
-
-    # -- activation -----------------------------------------------------------------------------
-    def __enter__(self) -> "MemoryTracker":
-        self._token = _active.set(_active.get() + (self,))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _active.reset(self._token)
 
     def track_ops(self, tier: str = "device", kind: str = "activation") -> "OpWatcher":
         """A dispatch mode that ``watch``es the fresh outputs of every op run inside it.
@@ -163,7 +156,7 @@ class MemoryTracker:
         skipped. The active trackers must include this one.
         """
         _check_tier(tier)
-        trackers = _active.get()
+        trackers = _trackers.active()
         if self not in trackers:
             raise ValueError("track_ops() needs its tracker active here: call it inside "
                              "`with cfx.memory.track() as mem:`.")
@@ -328,7 +321,7 @@ def rank_ops() -> contextlib.ExitStack:
     """``track_ops()`` of every active tracker made with ``track(ops=True)`` (``Mesh.run`` enters
     it in each rank, after installing the rank's context)."""
     stack = contextlib.ExitStack()
-    for tracker in _active.get():
+    for tracker in _trackers.active():
         if tracker.ops_in_ranks:
             stack.enter_context(tracker.track_ops())
     return stack

@@ -260,6 +260,19 @@ class Bert(DecoderLM):
         return ModelParts(("wte", "wpe", "wtt", "ln_e"), last, embed, head_loss,
                           lambda x, y: self.check_batch("Bert stage", x, y), self.config.hidden_size)
 
+    def hf_config(self) -> Any:
+        """The ``transformers.BertConfig`` of this architecture (attention dropout off, as in cfx)."""
+        import transformers
+
+        config = self.config
+        return transformers.BertConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.n_layer,
+            num_attention_heads=config.n_head, intermediate_size=config.intermediate_size, hidden_act="gelu",
+            hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=0.0,
+            max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
+            initializer_range=config.init_std, layer_norm_eps=config.layer_norm_eps,
+            num_labels=config.num_labels, pad_token_id=0, tie_word_embeddings=True)
+
     def axes(self) -> dict:
         layers = self._layers()
         out = {n: layers[n].axes() for n in ("wte", "wpe", "wtt", "ln_e")}

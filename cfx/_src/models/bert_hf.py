@@ -21,19 +21,6 @@ _MLP = (("fc", "intermediate.dense"), ("proj", "output.dense"))
 _NORMS = (("norm1", "attention.output.LayerNorm"), ("norm2", "output.LayerNorm"))
 
 
-def hf_config(config: BertConfig) -> Any:
-    """The ``transformers.BertConfig`` of this architecture (attention dropout off, as in cfx)."""
-    import transformers
-
-    return transformers.BertConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head, intermediate_size=config.intermediate_size, hidden_act="gelu",
-        hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=0.0,
-        max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
-        initializer_range=config.init_std, layer_norm_eps=config.layer_norm_eps,
-        num_labels=config.num_labels, pad_token_id=0, tie_word_embeddings=True)
-
-
 def config_from_hf(hf: Any, head: str) -> BertConfig:
     """A ``BertConfig`` from a ``transformers.BertConfig``; ValueError for what cfx cannot express."""
     problems = []

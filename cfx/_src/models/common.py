@@ -10,13 +10,10 @@ import torch
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
 from cfx._src.lax.collectives import pvary
-from cfx._src.parallel.sequence import mean_over_sequence
-from cfx._src.nn.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embed
+from cfx._src.nn.embedding import vocab_parallel_embed
+from cfx._src.nn.loss import IGNORE_INDEX, cross_entropy, mean_over_sequence, vocab_parallel_cross_entropy
 from cfx._src.precision.quant import is_quantized, quantized_as_leaves
 from cfx._src.transforms.shapes import is_abstract
-from cfx_kernels.cross_entropy import cross_entropy as _cross_entropy
-
-IGNORE_INDEX = -100
 
 
 def config_from_preset(cls: Any, presets: dict, name: str, overrides: dict) -> Any:
@@ -32,11 +29,6 @@ def config_from_preset(cls: Any, presets: dict, name: str, overrides: dict) -> A
     return cls(**{**presets[name], **overrides})
 
 
-def is_axes_leaf(x: Any) -> bool:
-    """An ``axes()`` leaf: a tuple of logical axis names (one per tensor dim)."""
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
-
-
 def check_params(where: str, model: Any, params: Any) -> None:
     """ValueError naming the differing leaf paths if ``params`` is not shaped like ``model.init``'s
     (skipped while ``torch.compile`` traces, which cannot follow the tree library: a params tree of
@@ -44,7 +36,7 @@ def check_params(where: str, model: Any, params: Any) -> None:
     if torch.compiler.is_dynamo_compiling():
         return
     if tree_util.structure(params) != _params_structure(model):
-        ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=is_axes_leaf)
+        ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=tree_util.is_axes_leaf)
         what = (f"{where}: params differ from {type(model).__name__}.init's structure "
                 "(were they made by a model with another config or layout?)")
         # cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node
@@ -78,7 +70,7 @@ def _params_structure(model: Any) -> Any:
         return _STRUCTURES[model]
     except (KeyError, TypeError):  # not seen yet, or a model that cannot be a key
         pass
-    ref = tree_util.structure(tree_util.map(lambda a: 0, model.axes(), is_leaf=is_axes_leaf))
+    ref = tree_util.structure(tree_util.map(lambda a: 0, model.axes(), is_leaf=tree_util.is_axes_leaf))
     try:
         _STRUCTURES[model] = ref
     except TypeError:
@@ -131,14 +123,6 @@ def check_targets(where: str, tokens: torch.Tensor, targets: Any, *, vocab_size:
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
         raise ValueError(f"{where}: target ids must lie in [0, vocab_size={vocab_size}) or be -100, "
                          f"got ids in [{int(valid.min())}, {int(valid.max())}].")
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32; logits ``(B, T, V)``, targets ``(B, T)``, -100 ignored.
-
-    On CUDA the fused kernel (``cfx_kernels.cross_entropy``) never holds fp32 ``(B, T, V)``
-    probabilities; elsewhere this is ``F.cross_entropy(logits.float(), ...)``."""
-    return _cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
 def dropout_keys(key: torch.Tensor | None, rate: float, n: int) -> list[torch.Tensor | None]:
@@ -228,8 +212,3 @@ class DecoderLM:
         """The LM head's input; marked varying over ``vocab_axis`` so its gradient sums over shards
         (the head then yields this rank's logits shard (B, T, V/n))."""
         return x if self.vocab_axis is None else pvary(x, self.vocab_axis)
-
-    def hf_config(self):
-        """The matching ``transformers`` config (imports transformers)."""
-        from cfx._src.models import hf
-        return hf.hf_config(self)

@@ -120,32 +120,40 @@ class GPT2(DecoderLM):
         check_inputs("GPT2.apply", tokens, mask, vocab_size=c.vocab_size, max_len=c.n_positions,
                      max_len_name="n_positions")
         check_params("GPT2.apply", self, params)
-        layers = self._layers()
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
-        T = tokens.shape[1]
-        wpe = params["wpe"]["w"]  # (P, C)
-        rows = self.position_rows(wpe, T) if positions is None else F.embedding(positions, wpe)  # (T | B, T, C)
-        x = self.embed(layers["wte"], params["wte"], tokens) + rows  # (B, T, C)
-        x = dropout(x, c.dropout, keys[0])
+        x = dropout(self._embed(params, tokens, positions), c.dropout, keys[0])  # (B, T, C)
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:], cache=cache)  # (B, T, C)
-        x = layers["ln_f"].apply(params["ln_f"], x)
-        return layers["wte"].attend(params["wte"], self.head_input(x))  # (B, T, V) or (B, T, V/n)
+        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+
+    def _embed(self, params: dict, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # tokens (B, T) -> token + position embeddings (B, T, C)
+        wpe = params["wpe"]["w"]  # (P, C)
+        rows = self.position_rows(wpe, tokens.shape[1]) if positions is None else F.embedding(positions, wpe)
+        return self.embed(self._layers()["wte"], params["wte"], tokens) + rows  # + (T | B, T, C)
+
+    def _logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        # the last block's output (B, T, C) -> ln_f -> the tied head: (B, T, V) or this rank's (B, T, V/n)
+        layers = self._layers()
+        return layers["wte"].attend(params["wte"], self.head_input(layers["ln_f"].apply(params["ln_f"], x)))
 
     def parts(self) -> ModelParts:
         """Embeddings (wte + wpe) | blocks | ln_f + the tied head + loss (dropout off)."""
-        layers = self._layers()
-
-        def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
-            # tokens (B, T) -> (B, T, C)
-            return self.embed(layers["wte"], params["wte"], tokens) + self.position_rows(params["wpe"]["w"],
-                                                                                         tokens.shape[1])
-
-        def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            x = self.head_input(layers["ln_f"].apply(params["ln_f"], x))  # (B, T, C)
-            return self.logits_loss(layers["wte"].attend(params["wte"], x), targets)
-
-        return ModelParts(("wte", "wpe"), ("ln_f", "wte"), embed, head_loss,
+        return ModelParts(("wte", "wpe"), ("ln_f", "wte"), self._embed,
+                          lambda params, x, targets: self.logits_loss(self._logits(params, x), targets),
                           lambda x, y: self.check_batch("GPT2 stage", x, y), self.config.n_embd)
+
+    def hf_config(self) -> Any:
+        """The ``transformers.GPT2Config`` of this architecture (attention dropout off, as in cfx)."""
+        import transformers
+
+        config = self.config
+        special = min(50256, config.vocab_size - 1)
+        return transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd,
+            n_layer=config.n_layer, n_head=config.n_head, n_inner=None, activation_function="gelu_new",
+            resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=0.0,
+            layer_norm_epsilon=config.layer_norm_eps, initializer_range=config.init_std,
+            bos_token_id=special, eos_token_id=special, tie_word_embeddings=True)
 
     def axes(self) -> dict:
         layers = self._layers()

@@ -16,19 +16,6 @@ from cfx._src.models.hf_state import StateDictReader, copy
 _HF_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
 
-def hf_config(config: GPT2Config) -> Any:
-    """The ``transformers.GPT2Config`` of this architecture (attention dropout off, as in cfx)."""
-    import transformers
-
-    special = min(50256, config.vocab_size - 1)
-    return transformers.GPT2Config(
-        vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd,
-        n_layer=config.n_layer, n_head=config.n_head, n_inner=None, activation_function="gelu_new",
-        resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=0.0,
-        layer_norm_epsilon=config.layer_norm_eps, initializer_range=config.init_std,
-        bos_token_id=special, eos_token_id=special, tie_word_embeddings=True)
-
-
 def config_from_hf(hf: Any) -> GPT2Config:
     """A ``GPT2Config`` from a ``transformers.GPT2Config``; ValueError for what cfx cannot express."""
     problems = []

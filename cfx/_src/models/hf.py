@@ -31,7 +31,8 @@ def _converter(model: Any, where: str):
 def hf_config(model: Any) -> Any:
     """The ``transformers`` config (``GPT2Config`` / ``LlamaConfig`` / ``BertConfig`` / ``OPTConfig``)
     matching ``model``."""
-    return _converter(model, "cfx.models.hf_config").hf_config(model.config)
+    _converter(model, "cfx.models.hf_config")
+    return model.hf_config()
 
 
 def model_from_hf_config(hf_config: Any, *, head: str = "mlm") -> GPT2 | Llama | Bert | OPT:

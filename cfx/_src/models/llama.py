@@ -141,31 +141,47 @@ class Llama(DecoderLM):
         check_inputs("Llama.apply", tokens, mask, vocab_size=c.vocab_size,
                      max_len=c.max_position_embeddings, max_len_name="max_position_embeddings")
         check_params("Llama.apply", self, params)
-        layers = self._layers()
-        x = self.embed(layers["embed"], params["embed"], tokens)  # (B, T, C)
+        x = self._embed(params, tokens)  # (B, T, C)
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=[None] * len(self.blocks), positions=positions,
                             cache=cache)
-        x = layers["norm"].apply(params["norm"], x)  # (B, T, C)
-        x = self.head_input(x)
-        if c.tie_embeddings:
+        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+
+    def _embed(self, params: dict, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(self._layers()["embed"], params["embed"], tokens)  # (B, T) -> (B, T, C)
+
+    def _logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        # the last block's output (B, T, C) -> norm -> the head (tied to the embedding, or lm_head)
+        layers = self._layers()
+        x = self.head_input(layers["norm"].apply(params["norm"], x))  # (B, T, C)
+        if self.config.tie_embeddings:
             return layers["embed"].attend(params["embed"], x)  # (B, T, V) or (B, T, V/n)
         return layers["lm_head"].apply(params["lm_head"], x)  # (B, T, V) or (B, T, V/n)
 
     def parts(self) -> ModelParts:
         """The embedding | blocks | norm + head (tied to the embedding or ``lm_head``) + loss."""
-        layers, tied = self._layers(), self.config.tie_embeddings
-
-        def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
-            return self.embed(layers["embed"], params["embed"], tokens)  # (B, T) -> (B, T, C)
-
-        def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            x = self.head_input(layers["norm"].apply(params["norm"], x))  # (B, T, C)
-            logits = (layers["embed"].attend(params["embed"], x) if tied
-                      else layers["lm_head"].apply(params["lm_head"], x))  # (B, T, V) or (B, T, V/n)
-            return self.logits_loss(logits, targets)
-
-        return ModelParts(("embed",), ("norm", "embed" if tied else "lm_head"), embed, head_loss,
+        tied = self.config.tie_embeddings
+        return ModelParts(("embed",), ("norm", "embed" if tied else "lm_head"), self._embed,
+                          lambda params, x, targets: self.logits_loss(self._logits(params, x), targets),
                           lambda x, y: self.check_batch("Llama stage", x, y), self.config.hidden_size)
+
+    def hf_config(self) -> Any:
+        """The ``transformers.LlamaConfig`` of this architecture (default RoPE, no biases)."""
+        import transformers
+
+        config = self.config
+        if int(transformers.__version__.split(".")[0]) >= 5:  # 5.x: RoPE settings live in rope_parameters
+            rope = {"rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
+        else:
+            rope = {"rope_theta": config.rope_theta}
+        return transformers.LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_hidden_layers=config.n_layer,
+            num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_heads,
+            head_dim=config.head_dim, hidden_act="silu",
+            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
+            initializer_range=config.init_std, bos_token_id=min(1, config.vocab_size - 1),
+            eos_token_id=min(2, config.vocab_size - 1), **rope)
 
     def axes(self) -> dict:
         layers = self._layers()

@@ -17,25 +17,6 @@ _ATTN = (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj"))
 _MLP = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
 
 
-def hf_config(config: LlamaConfig) -> Any:
-    """The ``transformers.LlamaConfig`` of this architecture (default RoPE, no biases)."""
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) >= 5:  # 5.x: RoPE settings live in rope_parameters
-        rope = {"rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
-    else:
-        rope = {"rope_theta": config.rope_theta}
-    return transformers.LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_heads,
-        head_dim=config.head_dim, hidden_act="silu",
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
-        initializer_range=config.init_std, bos_token_id=min(1, config.vocab_size - 1),
-        eos_token_id=min(2, config.vocab_size - 1), **rope)
-
-
 def _rope_theta(hf: Any) -> float:
     params = getattr(hf, "rope_parameters", None)  # transformers 5.x
     if params is None:  # 4.x: rope_theta plus an optional rope_scaling dict

@@ -41,6 +41,8 @@ from cfx._src.nn.sublayers import keep_sublayers
 POSITION_OFFSET = 2  # position p reads row p + 2 of wpe (HF OPTLearnedPositionalEmbedding)
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # every released OPT uses relu
 EMBEDDING_SIDE = ("wte", "wpe", "project_in")  # the top-level params before the blocks
+TO_HF_ACT = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
+HF_EPS = 1e-5  # HF's OPT LayerNorms keep PyTorch's default eps; its config has no field for it
 
 OPT_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=4, n_head=4, hidden_size=128, ffn_dim=512, max_position_embeddings=256),
@@ -236,6 +238,25 @@ class OPT(DecoderLM):
 
         return ModelParts(first, last, embed, head_loss, lambda x, y: self.check_batch("OPT stage", x, y),
                           self.config.hidden_size)
+
+    def hf_config(self) -> Any:
+        """The ``transformers.OPTConfig`` of this architecture (attention dropout and layerdrop off, as in cfx)."""
+        import transformers
+
+        config = self.config
+        if config.layer_norm_eps != HF_EPS:
+            raise ValueError(f"cfx.models.hf_config: HF's OPT LayerNorms use eps={HF_EPS}, and this model has "
+                             f"layer_norm_eps={config.layer_norm_eps}; build it with layer_norm_eps={HF_EPS} to "
+                             "exchange weights with transformers.")
+        special = min(2, config.vocab_size - 1)
+        return transformers.OPTConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.n_layer,
+            ffn_dim=config.ffn_dim, max_position_embeddings=config.max_position_embeddings,
+            do_layer_norm_before=config.do_layer_norm_before, word_embed_proj_dim=config.word_embed_proj_dim,
+            dropout=config.dropout, attention_dropout=0.0, num_attention_heads=config.n_head,
+            activation_function=TO_HF_ACT[config.activation], layerdrop=0.0, init_std=config.init_std,
+            pad_token_id=config.pad_token_id, bos_token_id=special, eos_token_id=special, enable_bias=True,
+            layer_norm_elementwise_affine=True, tie_word_embeddings=config.tie_embeddings)
 
     def axes(self) -> dict:
         return self._tree([b.axes() for b in self.blocks], lambda name, layer: layer.axes())

@@ -18,28 +18,7 @@ from cfx._src.models.opt import OPT, POSITION_OFFSET, OPTConfig
 _ATTN = (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj"))
 _MLP = (("fc", "fc1"), ("proj", "fc2"))
 _NORMS = (("norm1", "self_attn_layer_norm"), ("norm2", "final_layer_norm"))
-_TO_HF_ACT = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
 _FROM_HF_ACT = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-_HF_EPS = 1e-5  # HF's OPT LayerNorms keep PyTorch's default eps; its config has no field for it
-
-
-def hf_config(config: OPTConfig) -> Any:
-    """The ``transformers.OPTConfig`` of this architecture (attention dropout and layerdrop off, as in cfx)."""
-    import transformers
-
-    if config.layer_norm_eps != _HF_EPS:
-        raise ValueError(f"cfx.models.hf_config: HF's OPT LayerNorms use eps={_HF_EPS}, and this model has "
-                         f"layer_norm_eps={config.layer_norm_eps}; build it with layer_norm_eps={_HF_EPS} to "
-                         "exchange weights with transformers.")
-    special = min(2, config.vocab_size - 1)
-    return transformers.OPTConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.n_layer,
-        ffn_dim=config.ffn_dim, max_position_embeddings=config.max_position_embeddings,
-        do_layer_norm_before=config.do_layer_norm_before, word_embed_proj_dim=config.word_embed_proj_dim,
-        dropout=config.dropout, attention_dropout=0.0, num_attention_heads=config.n_head,
-        activation_function=_TO_HF_ACT[config.activation], layerdrop=0.0, init_std=config.init_std,
-        pad_token_id=config.pad_token_id, bos_token_id=special, eos_token_id=special, enable_bias=True,
-        layer_norm_elementwise_affine=True, tie_word_embeddings=config.tie_embeddings)
 
 
 def config_from_hf(hf: Any) -> OPTConfig:

@@ -1,6 +1,8 @@
-"""The *parts protocol*: how a model says it splits around a chain of blocks.
+"""The model protocol: what generic code (the pipeline, ``cfx.parallel.Plan``, tensor and sequence
+parallelism, ``cfx.generate``, auto-parallel) may read of a model. It never names a model family.
 
-The pipeline, ``cfx.parallel.Plan`` and auto-parallel never name a model family; they read
+Every model is a ``Model`` (``init`` / ``apply`` / ``axes``). A model the pipeline can cut speaks the
+*parts protocol* (``ChainModel``): how it splits around a chain of blocks. It reads
 
     model.blocks            a tuple of layers with ``init`` / ``apply(p, x, mask=, key=)`` / ``axes``
     model.map_blocks(f)     the same model with every block replaced by ``f(block)``
@@ -16,7 +18,7 @@ do, and so must every new family that wants pipeline stages.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -36,6 +38,53 @@ class ModelParts:
     def tied(self) -> tuple[str, ...]:
         """Top-level params used by both the embedding and the head."""
         return tuple(k for k in self.first if k in self.last)
+
+
+class Model(Protocol):
+    """A pure function over a params pytree, with its params' logical axes."""
+
+    def init(self, key: torch.Tensor) -> Any: ...
+    def apply(self, params: Any, *inputs: Any, **kwargs: Any) -> Any: ...
+    def axes(self) -> Any: ...
+
+
+class ChainModel(Model, Protocol):
+    """A model around a chain of blocks: what the pipeline, remat per block and ZeRO-3 per block read."""
+
+    blocks: tuple
+
+    def map_blocks(self, f: Callable[[Any], Any]) -> "ChainModel": ...
+    def parts(self) -> ModelParts: ...
+
+
+class Hooks(Protocol):
+    """What a model *may* define to take part in more of cfx; generic code reads these (and only
+    these) through ``hook(model, name)`` / ``has_hook(model, name)``, so this class is the list."""
+
+    config: Any                # a config with ``vocab_size`` and the field ``max_len_name`` names
+    max_len_name: str          # the config field bounding the sequence length (``cfx.generate``'s check)
+    vocab_axis: str | None     # the mesh axis its vocabulary is split over (Megatron's vocab parallelism)
+    seq: Any                   # a SequenceSplit when its sequence is split over a mesh axis; having the
+                               # field at all says the model can split its sequence (sequence_parallel)
+    remat_plan: Any            # a cfx.remat.solve schedule the model runs over all its blocks
+    batch_axes: tuple          # the logical axes of its batch's leading leaves (default ("batch", "length"))
+
+    def check_train_batch(self, batch: tuple, where: str) -> None: ...  # a batch of its own (not tokens)
+    def tensor_parallel(self, axis: str) -> Any: ...  # its own split over a model axis (not TransformerBlocks)
+
+
+HOOKS = frozenset(Hooks.__annotations__) | {"check_train_batch", "tensor_parallel"}
+
+
+def hook(model: Any, name: str, default: Any = None) -> Any:
+    """``model``'s hook ``name`` (a ``Hooks`` member), or ``default`` when it has none."""
+    assert name in HOOKS, f"{name!r} is not a member of the model protocol's Hooks (cfx/_src/models/parts.py)"
+    return getattr(model, name, default)
+
+
+def has_hook(model: Any, name: str) -> bool:
+    assert name in HOOKS, f"{name!r} is not a member of the model protocol's Hooks (cfx/_src/models/parts.py)"
+    return hasattr(model, name)
 
 
 def parts_of(model: Any, where: str) -> ModelParts:

@@ -1,11 +1,15 @@
-"""``Embedding``: a lookup table ``w`` of shape ``(num_embeddings, features)``."""
+"""``Embedding``: a lookup table ``w`` of shape ``(num_embeddings, features)``, whole or with its rows
+split over a mesh axis (``vocab_parallel_embed``, Megatron-LM)."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
+from cfx._src.lax import collectives as lax
 from cfx._src.nn.linear import init_normal
+from cfx._src.nn.loss import vocab_range_start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,3 +36,12 @@ class Embedding:
 
     def axes(self) -> dict:
         return {"w": tuple(self.axes_names)}
+
+
+def vocab_parallel_embed(w_local: torch.Tensor, tokens: torch.Tensor, axis: str) -> torch.Tensor:
+    """Rows of the full embedding for ``tokens`` (B, T) from this rank's shard (V/n, C): (B, T, C)."""
+    v_local = w_local.shape[0]
+    local = tokens - vocab_range_start(v_local, axis)
+    mine = (local >= 0) & (local < v_local)
+    e = F.embedding(local.clamp(0, v_local - 1), w_local) * mine[..., None].to(w_local.dtype)
+    return lax.psum(e, axis)

@@ -29,6 +29,7 @@ from cfx._src.lax import collectives as lax
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
 from cfx._src.precision.quant import QuantizedWeight
+from cfx._src.models.parts import hook
 from cfx_kernels.int8_matmul import int8_matmul
 
 MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
@@ -137,7 +138,7 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
 
     A model whose blocks are not ``TransformerBlock`` s provides its own split as
     ``model.tensor_parallel(axis)`` (``cfx.diffusion.Denoiser``: the UNet's resnets and transformers)."""
-    own = getattr(model, "tensor_parallel", None)
+    own = hook(model, "tensor_parallel")
     if callable(own):  # a model whose blocks are not TransformerBlocks splits itself (cfx.diffusion.Denoiser)
         if sequence:
             raise ValueError(f"tensor_parallel(sequence=True): {type(model).__name__} has no sequence to split "

@@ -15,10 +15,6 @@ from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
 
 
-def _is_axes_leaf(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
-
-
 class Rules:
     def __init__(self, mapping: Mapping[str, str | Sequence[str] | None]):
         norm = {}
@@ -60,4 +56,4 @@ class Rules:
     def specs(self, axes_tree: Any, *, mesh=None) -> Any:
         """A pytree of specs from a pytree of logical-axis tuples (e.g. ``model.axes()``)."""
         return tree_util.map_with_path(lambda path, names: self.spec(names, path=path, mesh=mesh),
-                                       axes_tree, is_leaf=_is_axes_leaf)
+                                       axes_tree, is_leaf=tree_util.is_axes_leaf)

@@ -17,7 +17,7 @@ ranks' positions, and ``SequenceSplit.attend`` brings them:
 
 The model learns only where its positions are (``positions``: the global ids of the local
 tokens, for learned and rotary position embeddings) and that its loss is a mean over every
-rank's tokens (``mean_over_sequence``). Feed tokens, targets and masks in the layout's order:
+rank's tokens (``cfx._src.nn.loss.mean_over_sequence``). Feed tokens, targets and masks in the layout's order:
 ``x[:, split.order(T)]`` (the identity for ``"contiguous"``); a per-token mean loss does not
 depend on that order. Compose with tensor parallelism by applying this first:
 ``tensor_parallel(sequence_parallel(model), "model")``.
@@ -32,6 +32,7 @@ import torch
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.attention import attention
 from cfx._src.parallel.ring import ring_attention, zigzag_indices
+from cfx._src.models.parts import has_hook
 
 METHODS = ("ring", "ulysses", "hybrid")  # sequence_parallel's; "megatron" comes from tensor_parallel(sequence=True)
 
@@ -108,12 +109,6 @@ class SequenceSplit:
         return lax.all_to_all(out, axis, split_dim=1, concat_dim=2)  # (B, T/N, H, D)
 
 
-def mean_over_sequence(local_mean: torch.Tensor, count: torch.Tensor, axis: str) -> torch.Tensor:
-    """The mean over every rank's tokens from this rank's mean over its ``count`` tokens."""
-    total = lax.psum(torch.stack([local_mean * count, count.to(local_mean.dtype)]), axis)
-    return total[0] / total[1]
-
-
 def sequence_grads(grads: Any, specs: Any, axis: str) -> Any:
     """Each rank's gradient of a loss over its share of the positions, summed over ``axis`` where
     it is a share: the leaves ``specs`` (a ``P`` or a pytree prefix of them) replicate over
@@ -147,7 +142,7 @@ def sequence_parallel(model: Any, axis: str = "seq", *, method: str = "ring", la
                          "cfx.parallel.tensor_parallel(model, axis, sequence=True)).")
     split = SequenceSplit(tuple(axis) if isinstance(axis, list) else axis, method,
                           layout or ("contiguous" if method == "ulysses" else "zigzag"))
-    if not hasattr(model, "seq") or not isinstance(getattr(model, "blocks", None), tuple):
+    if not has_hook(model, "seq") or not isinstance(getattr(model, "blocks", None), tuple):
         raise ValueError(f"sequence_parallel: {type(model).__name__} is not a cfx model with blocks and a `seq` "
                          "field (GPT2, Llama, Bert).")
 

@@ -48,19 +48,21 @@ import time
 from typing import Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+from torch.autograd.graph import get_gradient_edge
 
 from cfx._src.mesh import memory
 from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh import context as ctx_lib
-from cfx._src.models.common import IGNORE_INDEX, check_params
+from cfx._src.models.common import check_params
+from cfx._src.nn.loss import IGNORE_INDEX
 from cfx._src.parallel.state import tree_psum
 from cfx._src.pipeline import trace as trace_lib
 from cfx._src.pipeline.backward import SplitBackward
-from cfx._src.pipeline.partition import ModelParts, StagePlan, model_parts, partition
+from cfx._src.pipeline.partition import ModelParts, Partition, model_parts, partition
 from cfx._src.pipeline.schedule import Schedule
 from cfx._src.pipeline.validate import validate
+from cfx._src.remat.saved import SavedTensors, storage_keys
 from cfx._src.transforms.shapes import is_abstract
 from cfx._src.zero.params import ShardedLeaf
 
@@ -69,7 +71,7 @@ FORWARD = ("F", "SEND_F", "RECV_F")  # what an evaluation runs of a schedule
 RECVS = ("RECV_F", "RECV_B")  # indexed by message family (the tag's first part)
 
 
-def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: StagePlan | None = None,
+def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: Partition | None = None,
              sum_grads: bool = True, local_blocks: bool = False, chain: Any = None) -> "PipelineStep":
     """A ``step(params, tokens, targets) -> (loss, grads)`` running ``schedule`` over ``axis``.
 
@@ -109,7 +111,7 @@ class PipelineStep:
     model: Any
     schedule: Schedule
     axis: str
-    plan: StagePlan
+    plan: Partition
     parts: ModelParts
     sum_grads: bool
     local_blocks: bool = False
@@ -193,8 +195,8 @@ class _Run:
                                  [self.local["blocks"][i] for i in plan.blocks(s)] + [self.local[k] for k in plan.extras(s)])]
                              for s in mine}
         # saved tensors are watched only while a cfx.memory tracker is active (the hook costs time)
-        self.tracked = bool(memory._active.get())
-        self.param_storages = {_grad_leaf(t).untyped_storage()._cdata for t in tree_util.leaves(params)}
+        self.tracked = memory.is_tracking()
+        self.param_storages = storage_keys(_grad_leaf(t) for t in tree_util.leaves(params))
         self.acc: dict[int, torch.Tensor] = {}    # id(leaf) -> accumulated gradient
         self.owned: set[int] = set()              # the ids whose sum this run may add into
         self.inputs: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> stage input
@@ -235,13 +237,6 @@ class _Run:
         sched = self.step.schedule
         return 1 + (family * sched.n_stages + stage) * sched.n_microbatches + mb
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and t.untyped_storage()._cdata not in self.param_storages:
-            memory.watch(t, tier="device", kind="activation")
-        # detached: a saved output holding its own grad_fn would be a reference cycle that
-        # outlives the graph once I's retain_graph=True has kept the graph's buffers
-        return t.detach()
-
     def _F(self, s: int, mb: int, peer) -> None:
         step, last = self.step, self.step.schedule.n_stages - 1
         x = None
@@ -251,7 +246,8 @@ class _Run:
         # the stage's own top-level params only: a gathered (ZeRO-3) embedding or head then gathers,
         # and hands gradients to, exactly the leaves this stage's backward asks for
         own = {k: self.local[k] for k in step.plan.extras(s)}
-        with saved_tensors_hooks(self._pack, _same) if self.tracked else contextlib.nullcontext():
+        # saved tensors are booked as activations (detached: see cfx._src.remat.saved)
+        with SavedTensors(self.param_storages, on_save=_watch_activation) if self.tracked else contextlib.nullcontext():
             h = step.parts.embed(own, self.tokens[mb]) if s == 0 else x  # (b, T, C)
             blocks = step.plan.blocks(s)
             if step.chain is not None:  # the stage's blocks as one checkpointed chain
@@ -396,8 +392,9 @@ class _Run:
         return tree_psum((self.loss, grads), axis)  # one flat all-reduce, the loss riding along
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _watch_activation(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        memory.watch(t, tier="device", kind="activation")
 
 
 def _leaves_of(tree: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Cut a decoder's blocks into pipeline stages: ``partition(model, n_stages) -> StagePlan``.
+"""Cut a decoder's blocks into pipeline stages: ``partition(model, n_stages) -> Partition``.
 
 Stages are contiguous runs of blocks, at least one block each, balanced by a per-block cost:
 parameter counts by default (counted on fake tensors, nothing is allocated), or costs you give
@@ -7,8 +7,8 @@ parameter counts by default (counted on fake tensors, nothing is allocated), or 
 as possible (least sum of squares); the tie-break is deterministic.
 
 Besides its blocks the first stage runs the embeddings and the last the final norm, the LM
-head and the loss (``StagePlan.first`` / ``.last`` name those top-level params). A tied head
-(GPT-2's ``wte``, a Llama with ``tie_embeddings``) is in both: ``StagePlan.tied``. Its two
+head and the loss (``Partition.first`` / ``.last`` name those top-level params). A tied head
+(GPT-2's ``wte``, a Llama with ``tie_embeddings``) is in both: ``Partition.tied``. Its two
 gradient contributions live on the first and the last stage's ranks and are summed over the
 pipe axis (see ``executor.py``), so both copies take the same update.
 
@@ -26,11 +26,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
-from cfx._src.models.parts import ModelParts, parts_of
+from cfx._src.models.parts import ModelParts, hook, parts_of
 
 
 @dataclasses.dataclass(frozen=True)
-class StagePlan:
+class Partition:
     """Which blocks and extra parts each of ``n_stages`` virtual stages runs.
 
     ``bounds[s]:bounds[s+1]`` are stage s's blocks; stage 0 also runs the params named in
@@ -76,7 +76,7 @@ class StagePlan:
 def model_parts(model: Any) -> ModelParts:
     """The model's parts protocol (``cfx/_src/models/parts.py``), checked for a pipeline."""
     where = f"cfx.pipeline({type(model).__name__})"
-    if getattr(model, "remat_plan", None) is not None:
+    if hook(model, "remat_plan") is not None:
         raise ValueError(f"{where}: the model runs its blocks under a cfx.remat.solve plan, which "
                          "spans all blocks; a pipeline cuts them into stages. Drop the plan and "
                          "remat per block: model.map_blocks(cfx.remat).")
@@ -91,7 +91,7 @@ def param_counts(model: Any) -> list[int]:
         for b in model.blocks:
             key = b if _hashable(b) else id(b)
             if key not in counts:
-                counts[key] = tree_util.tree_size(b.init(random.key(0)))
+                counts[key] = tree_util.size(b.init(random.key(0)))
             out.append(counts[key])
     return out
 
@@ -104,7 +104,7 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def partition(model: Any, n_stages: int, *, costs: Sequence[float] | None = None) -> StagePlan:
+def partition(model: Any, n_stages: int, *, costs: Sequence[float] | None = None) -> Partition:
     """Contiguous, balanced stages of ``model.blocks`` (see the module docstring)."""
     parts = model_parts(model)
     n = len(model.blocks)
@@ -120,7 +120,7 @@ def partition(model: Any, n_stages: int, *, costs: Sequence[float] | None = None
     if len(costs) != n or any(not c >= 0 for c in costs):
         raise ValueError(f"partition: costs must be {n} numbers >= 0, one per block; got "
                          f"{len(costs)} values {list(costs)[:8]}.")
-    return StagePlan(_balanced_bounds(costs, n_stages), parts.first, parts.last, costs)
+    return Partition(_balanced_bounds(costs, n_stages), parts.first, parts.last, costs)
 
 
 def _balanced_bounds(costs: tuple[float, ...], k: int) -> tuple[int, ...]:

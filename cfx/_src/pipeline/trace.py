@@ -20,7 +20,7 @@ from cfx._src.core import context
 from cfx._src.pipeline.schedule import COMPUTE, Action, Schedule
 from cfx._src.pipeline.simulate import Timeline
 
-_active: context.Var[tuple] = context.Var("cfx_pipeline_trace", ())
+_traces = context.Collectors("cfx_pipeline_trace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,20 +35,14 @@ class StepRecord:
     events: tuple[tuple[Action, float, float], ...]  # every action, in order
 
 
-class PipelineTrace:
+class PipelineTrace(context.Collector):
     """Collects ``StepRecord``s from pipeline steps run while it is active."""
+
+    stack = _traces
 
     def __init__(self):
         self.records: list[StepRecord] = []
         self._lock = threading.Lock()
-        self._token = None
-
-    def __enter__(self) -> "PipelineTrace":
-        self._token = _active.set(_active.get() + (self,))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _active.reset(self._token)
 
     def _add(self, rank, pipe_index, group, schedule, events) -> None:
         with self._lock:
@@ -98,4 +92,4 @@ def trace() -> PipelineTrace:
 
 
 def active() -> tuple:
-    return _active.get()
+    return _traces.active()

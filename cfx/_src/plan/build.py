@@ -16,7 +16,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.gemini.policy import auto as auto_policy, host as host_policy
 from cfx._src.mesh.context import Group, RankContext, installed
 from cfx._src.mesh.spec import P
-from cfx._src.models.parts import parts_of
+from cfx._src.models.parts import has_hook, hook, parts_of
 from cfx._src.optim.base import chain
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.parallel.megatron import tensor_parallel
@@ -25,7 +25,7 @@ from cfx._src.parallel.state import state_specs
 from cfx._src.pipeline import schedule as schedules
 from cfx._src.plan.layout import Layout, stored_order
 from cfx._src.remat import policies as cp
-from cfx._src.remat import remat
+from cfx._src.remat.engine import remat
 from cfx._src.transforms.shapes import eval_shape
 from cfx._src.zero.gathered import gathered
 from cfx._src.zero.optimizer import ZeroTransformation
@@ -118,10 +118,10 @@ def check_model(plan, model) -> None:
     """What the plan needs of the model, checked without a mesh: ValueErrors naming the two parts
     that do not fit and the fix."""
     where = f"Plan {str(plan)!r}"
-    if getattr(model, "check_train_batch", None) is not None:  # not a token model (cfx.diffusion.Denoiser)
+    if hook(model, "check_train_batch") is not None:  # not a token model (cfx.diffusion.Denoiser)
         _check_own_batch_model(plan, model, where)
     if plan.has("seq"):
-        if not hasattr(model, "seq"):
+        if not has_hook(model, "seq"):
             raise ValueError(f"{where}: {type(model).__name__} cannot split its sequence (it has no `seq` field, "
                              "as GPT2, Llama and Bert do); drop seq= from the mesh.")
         _check_ulysses_heads(plan, model, where)
@@ -129,13 +129,13 @@ def check_model(plan, model) -> None:
         n = plan.size("model")
         for block in tensor_parallel(model, "model").blocks:
             block.check(n)
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        vocab = getattr(hook(model, "config"), "vocab_size", None)
         if plan.sp != "megatron" and vocab is not None and vocab % n:
             raise ValueError(f"{where}: the vocabulary of {vocab} does not split over model={n} (vocab-parallel "
                              "embedding and loss); use a model axis size dividing it, or pad the vocabulary.")
     if plan.has("pipe"):
         parts_of(model, f"{where} (pipe axis)")
-        if getattr(getattr(model, "config", None), "dropout", 0.0) > 0:
+        if getattr(hook(model, "config"), "dropout", 0.0) > 0:
             raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
         stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
         make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
@@ -146,7 +146,7 @@ def _check_own_batch_model(plan, model, where: str) -> None:
     ``data``, and a model axis where it splits itself (``tensor_parallel``); remat=auto and
     Megatron-SP are written for token models."""
     name = type(model).__name__
-    if plan.has("model") and not callable(getattr(model, "tensor_parallel", None)):
+    if plan.has("model") and not callable(hook(model, "tensor_parallel")):
         raise ValueError(f"{where}: the model axis splits a token model's heads, MLPs and vocabulary (Megatron); "
                          f"{name} has no such split. Drop model= and shard its state with data= and zero=3 "
                          "(and offload=) instead.")

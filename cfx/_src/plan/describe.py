@@ -26,6 +26,7 @@ from cfx._src.transforms.shapes import ShapeDtype
 from cfx._src.core.text import format_table
 from cfx._src.zero.flat import piece_size
 from cfx._src.zero.offload import gather_groups
+from cfx._src.models.parts import hook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
     n_params = sum(math.prod(x.shape) for x in tree_util.leaves(layout.model_shapes))
     collectives: dict[str, dict[str, int]] = {}
     if batch is not None:
-        if getattr(model, "check_train_batch", None) is not None:
+        if hook(model, "check_train_batch") is not None:
             raise ValueError(f"Plan {str(plan)!r}: describe(batch=) rehearses a token model's step on (rows, seq); "
                              f"{type(model).__name__} takes a batch of its own. Drop batch= (the model state's "
                              "bytes are still described), or measure its step with cfx.memory.track(ops=True).")

@@ -43,6 +43,7 @@ from cfx._src.spmd.shard_map import shard_map
 from cfx._src.zero.flat import piece_size
 from cfx._src.zero.params import ZeroParams, gather_params, global_pieces, shard_params
 from cfx._src.zero.params import param_specs as zero_param_specs
+from cfx._src.models.parts import hook
 
 
 class Layout:
@@ -56,7 +57,7 @@ class Layout:
         self.model_shapes = eval_shape(model.init, random.key(0))
         self.model_specs = self.rules.specs(model.axes(), mesh=mesh)
         # tokens (B, T): the sequence split too; a model may name its batch's axes (a Denoiser's: rows)
-        self.batch_spec = self.rules.spec(getattr(model, "batch_axes", ("batch", "length")))
+        self.batch_spec = self.rules.spec(hook(model, "batch_axes", ("batch", "length")))
         self.stacked, self.zero3 = cfg.has("pipe"), cfg.zero == 3
         self.order: tuple[int, ...] = ()
         if self.stacked:

@@ -49,7 +49,7 @@ from cfx._src.transforms.jit import jit as cfx_jit
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.context import current_or_none
 from cfx._src.mesh.spec import P
-from cfx._src.models.parts import parts_of
+from cfx._src.models.parts import hook, parts_of
 from cfx._src.models.sample import sample_bytes
 from cfx._src.optim.base import apply_gradients
 from cfx._src.optim.loss_scale import loss_scale
@@ -62,7 +62,7 @@ from cfx._src.plan.build import (check_jit, check_mesh, check_model, free_device
                                  make_schedule, parallel_model, sequence_order, wrap_blocks)
 from cfx._src.plan.layout import Layout, put_tree
 from cfx._src.plan.saving import StateFiles
-from cfx._src.remat import remat
+from cfx._src.remat.plan import solve as solve_remat
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.spmd.sharded import ShardedArray
 from cfx._src.transforms.autodiff import value_and_grad
@@ -195,14 +195,14 @@ class Program:
         rows = tokens[:tokens.shape[0] // self.plan.size("data"), :tokens.shape[1] // (self.plan.size(axis) if axis else 1)]
         self._solve = False
         if self.pipe_step is None:
-            _, self.remat_plan = remat.solve(self.model, meta, rows, budget=self.plan.remat_budget, key=key)
+            _, self.remat_plan = solve_remat(self.model, meta, rows, budget=self.plan.remat_budget, key=key)
             self.local_model = self._outer(dataclasses.replace(self._blocks_wrapped, remat_plan=self.remat_plan))
             return
         # a pipe axis: one stage's blocks on one microbatch, the chain every stage runs
         k = len(self.model.blocks) // (self.plan.size("pipe") * self.plan.chunks)
         x = torch.empty((rows.shape[0] // self.plan.microbatches, rows.shape[1], parts_of(self.model, "Plan").width),
                         device="meta")
-        _, self.remat_plan = remat.solve([b.apply for b in self.model.blocks[:k]], meta["blocks"][:k], x,
+        _, self.remat_plan = solve_remat([b.apply for b in self.model.blocks[:k]], meta["blocks"][:k], x,
                                          budget=self.plan.remat_budget)
         self.pipe_step = dataclasses.replace(self.pipe_step, chain=self.remat_plan)
 
@@ -307,7 +307,7 @@ class Program:
     def _arrange(self, batch: Any) -> tuple:
         """A checked global batch with its positions in the order the sequence split expects
         (the ring's zigzag); a per-token mean loss does not depend on the order."""
-        check = getattr(self.model, "check_train_batch", None)
+        check = hook(self.model, "check_train_batch")
         if check is not None:  # a model with a batch of its own (cfx.diffusion.Denoiser)
             check(batch, f"Plan {str(self.plan)!r}")
             self.plan.check_batch(batch[0].shape[0])

@@ -11,7 +11,7 @@ Each Linear or Conv2d weight becomes a ``QuantizedWeight(q, scale)`` with ``w ~=
   tensor is kept) and runs ``F.conv2d``.
 
 ``QuantizedWeight`` is a NamedTuple, hence a pytree node, so ``cfx.tree`` functions see its two
-tensors (``...q.w.q`` and ``...q.w.scale``) and ``tree_bytes`` counts the int8 bytes. The models'
+tensors (``...q.w.q`` and ``...q.w.scale``) and ``cfx.tree.nbytes`` counts the int8 bytes. The models'
 params checks accept one wherever ``init`` has a weight, so ``model.apply(quantize(params,
 "int8"), tokens)`` just works. Quantised params are for inference: the int8 weights get no
 gradients.
@@ -19,9 +19,12 @@ gradients.
 Which leaves are weights: a dict whose keys are ``{"w"}`` or ``{"w", "b"}`` (the params of
 ``cfx.nn.Linear`` and ``cfx.nn.Conv2d``) with ``w`` a floating tensor of at least ``min_size``
 elements, 2-D for ``"linear"`` and 4-D for ``"conv"`` (``kinds`` picks which are quantised).
-``cfx.nn.Embedding`` params (``{"w"}``, ``(vocab, C)``) look like a Linear's, so subtrees under
-the keys in ``skip`` (default: GPT-2's and CLIP's ``wte``/``wpe`` and Llama's ``embed``, which
-the tied LM head reads too) are left alone.
+``cfx.nn.Embedding`` params (``{"w"}``, ``(vocab, C)``) look like a Linear's; the model's logical axes
+tell them apart: with ``axes=model.axes()``, a lookup table (a weight whose first logical axis is
+``"vocab"`` or ``"positions"``: token and position embeddings, and so a tied LM head) stays in floating
+point, its rows read exactly. Without ``axes`` nothing tells a table from a bias-free Linear weight
+(both ``{"w"}``), so only the unambiguous weights are quantised: Linear weights with a bias and
+convolutions. Subtrees under the keys in ``skip`` are left alone either way.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from cfx_kernels.int8_matmul import quantize_weight
 
 MODES = ("int8",)
 KINDS = {"linear": 2, "conv": 4}  # a kind of weight -> the number of dims its ``w`` has
-EMBEDDING_KEYS = ("wte", "wpe", "embed")
+TABLE_AXES = ("vocab", "positions")  # a weight whose rows are looked up: its first logical axis
 
 
 class QuantizedWeight(NamedTuple):
@@ -82,31 +85,51 @@ def _check_kinds(kinds: Any) -> tuple[int, ...]:
     return tuple(KINDS[k] for k in kinds)
 
 
-def quantize(params: Any, mode: str = "int8", *, min_size: int = 4096,
-             skip: tuple[str, ...] = EMBEDDING_KEYS,
-             kinds: tuple[str, ...] = tuple(KINDS)) -> Any:
+def quantize(params: Any, mode: str = "int8", *, axes: Any = None, min_size: int = 4096,
+             skip: tuple[str, ...] = (), kinds: tuple[str, ...] = tuple(KINDS)) -> Any:
     """``params`` with every Linear and Conv2d weight of ``kinds`` (``"linear"``, ``"conv"``; see
     the module docstring) swapped for a ``QuantizedWeight``; everything else is shared with
-    ``params`` unchanged. ``kinds=("linear",)`` leaves the convolutions alone."""
+    ``params`` unchanged. ``axes`` (``model.axes()``) tells the lookup tables, which stay in floating
+    point, from the bias-free Linear weights, which without it stay too (module doc);
+    ``kinds=("linear",)`` leaves the convolutions alone."""
     if mode not in MODES:
         raise ValueError(f"cfx.quant.quantize: mode must be one of {MODES}, got {mode!r}.")
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"cfx.quant.quantize: min_size must be an int >= 0, got {min_size!r}.")
     ndims = _check_kinds(kinds)
+    tables = _tables(params, axes)
 
-    def walk(node):
+    def chosen(node: dict, w_path: str) -> bool:
+        if not _is_weight(node, min_size, ndims):
+            return False
+        if axes is None:  # unambiguous without axes: a Linear with its bias, a convolution
+            return "b" in node or node["w"].dim() == 4
+        return w_path not in tables
+
+    def walk(node, path: str):
+        at = (path + ".") if path else ""
         if isinstance(node, dict):
-            if _is_weight(node, min_size, ndims):
+            if chosen(node, at + "w"):
                 return {**node, "w": _quantize(node["w"])}
-            return {k: v if k in skip else walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if type(node) is tuple:
-            return tuple(walk(v) for v in node)
+            return {k: v if k in skip else walk(v, f"{at}{k}") for k, v in node.items()}
+        if type(node) in (list, tuple):
+            return type(node)(walk(v, f"{at}{i}") for i, v in enumerate(node))
         return node
 
     with torch.no_grad():
-        return walk(params)
+        return walk(params, "")
+
+
+def _tables(params: Any, axes: Any) -> set[str]:
+    """The dotted paths of the lookup tables ``axes`` names (module doc); a ValueError naming
+    the leaf when ``axes`` is not shaped like ``params``."""
+    if axes is None:
+        return set()
+    where = "cfx.quant.quantize: axes (pass model.axes()) and params"
+    items = tree_util.flatten_with_path(axes, is_leaf=tree_util.is_axes_leaf)[0]
+    tree_util.check_same_structure(where, tree_util.map(lambda a: 0, axes, is_leaf=tree_util.is_axes_leaf),
+                                   tree_util.map(lambda x: 0, quantized_as_leaves(params)))
+    return {path for path, names in items if names and names[0] in TABLE_AXES}
 
 
 def floating_dtype(params: Any) -> torch.dtype:

@@ -36,7 +36,7 @@ _DOTS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.ei
          torch.nn.functional.linear, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm,
          torch.Tensor.bmm, torch.Tensor.addmm}
 _calls = itertools.count()
-_collectors: context.Var[tuple] = context.Var("cfx_activation_stats", ())
+_collectors = context.Collectors("cfx_activation_stats")
 
 
 def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -72,13 +72,14 @@ class SavedRecord:
     shape: tuple[int, ...]
 
 
-class ActivationStats:
+class ActivationStats(context.Collector):
     """Bytes saved for backward by remat-wrapped calls inside ``with cfx.activation_stats():``."""
+
+    stack = _collectors
 
     def __init__(self):
         self.records: list[SavedRecord] = []
         self.chain_peaks: list[tuple[str, int]] = []  # (schedule name, measured peak bytes) per chain run
-        self._token = None
 
     def bytes(self, *, tier: str | None = None, name: str | None = None, call: int | None = None) -> int:
         return sum(r.nbytes for r in self.records if (tier is None or r.tier == tier)
@@ -94,12 +95,6 @@ class ActivationStats:
         rows = [(*k, n, b) for k, (n, b) in sorted(agg.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
         return format_table(rows, ["call", "name", "tier", "tensors", "bytes"])
 
-    def __enter__(self) -> "ActivationStats":
-        self._token = _collectors.set(_collectors.get() + (self,))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _collectors.reset(self._token)
 
 
 def activation_stats() -> ActivationStats:
@@ -183,7 +178,7 @@ def remat(f: Callable[..., Any] | None = None, *, policy: pol.Policy = pol.nothi
         if torch.compiler.is_dynamo_compiling():
             return _compiled(f, policy, args, kwargs)
         call = next(_calls)
-        collectors = _collectors.get()
+        collectors = _collectors.active()
         inputs = [x for x in tree_util.leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         input_storages = {id(x.untyped_storage()) for x in inputs}  # alive: args hold them
         dots: WeakIdKeyDictionary = WeakIdKeyDictionary()

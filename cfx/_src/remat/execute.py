@@ -24,6 +24,7 @@ import torch
 
 from cfx._src.core import tree as tree_util
 from cfx._src.remat import engine
+from cfx._src.remat.saved import SavedTensors, storage_keys
 from cfx._src.remat.solver import B, DISCARD, F_ALL, F_CK, F_N, Schedule
 from cfx._src.zero.params import is_sharded_leaf
 
@@ -89,18 +90,9 @@ class _Execution:
                 self.a.pop(i - 1, None)
             return
         a_in = x.detach().requires_grad_(x.is_floating_point())
-        storages: dict[int, Any] = {}
-        skip = {id(a_in.untyped_storage())} | {id(p.untyped_storage()) for p in self.params[i - 1]}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if id(st) not in skip:
-                storages.setdefault(id(st), st)
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), SavedTensors(storage_keys([a_in, *self.params[i - 1]])) as saved:
             out = self.fns[i - 1](self._stage_params(i), a_in, **self.kwargs[i - 1])
-        self.abar[i] = _Saved(a_in, self.params[i - 1], out, list(storages.values()))
+        self.abar[i] = _Saved(a_in, self.params[i - 1], out, [st for st, _ in saved.storages.values()])
         self._measure()
 
     def _backward(self, op) -> None:
@@ -171,7 +163,7 @@ class _ChainFunction(torch.autograd.Function):
 
 
 def _report(run: _Execution) -> None:
-    for c in engine._collectors.get():
+    for c in engine._collectors.active():
         c.chain_peaks.append((run.schedule.name, run.peak))
 
 

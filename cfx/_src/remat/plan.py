@@ -26,15 +26,11 @@ from cfx._src.remat import solver
 from cfx._src.remat.chain import Chain
 from cfx._src.remat.execute import run_chain
 from cfx._src.remat.profile import StageProfile, profile_chain
-from cfx._src.core.text import format_table
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+from cfx._src.core.text import format_bytes, format_table, parse_bytes
 
 
 @dataclasses.dataclass(frozen=True)
-class RematPlan:
+class RematSolution:
     """A checkpointing schedule for a profiled chain, runnable with :meth:`run`."""
 
     schedule: solver.Schedule
@@ -72,9 +68,9 @@ class RematPlan:
         no = solver.no_remat(self.chain)
         rows = [("method", self.method), ("stages", self.chain.n)]
         if self.budget is not None:
-            rows.append(("budget", _mib(self.budget)))
-        rows += [("peak activations", _mib(self.peak)),
-                 ("no-remat peak", _mib(no.peak)),
+            rows.append(("budget", format_bytes(self.budget)))
+        rows += [("peak activations", format_bytes(self.peak)),
+                 ("no-remat peak", format_bytes(no.peak)),
                  ("forward + backward", f"{(sum(self.chain.fw) + sum(self.chain.bw)) / 1e9:.3f} GFLOP"),
                  ("recomputed", f"{self.recompute_flops / 1e9:.3f} GFLOP "
                                 f"(+{100 * self.recompute_fraction:.1f}%)")]
@@ -139,7 +135,7 @@ def _chain_of(f: Any, args: tuple, mask, key):
                      f"functions fn(params, x) -> x; got {type(f).__name__}.")
 
 
-def _finish(f: Any, plan: RematPlan):
+def _finish(f: Any, plan: RematSolution):
     if _is_model(f):
         return dataclasses.replace(f, remat_plan=plan), plan
 
@@ -164,7 +160,7 @@ def solve(f: Any, *args: Any, budget: int | str, mask: torch.Tensor | None = Non
     budget = parse_bytes(budget)
     chain, profiles = _profile(f, args, mask, key)
     schedule = solver.solve(chain, budget, max_slots=max_slots)
-    return _finish(f, RematPlan(schedule, profiles, "rotor", budget))
+    return _finish(f, RematSolution(schedule, profiles, "rotor", budget))
 
 
 def chen(f: Any, *args: Any, segment: int | None = None, mask: torch.Tensor | None = None,
@@ -173,7 +169,7 @@ def chen(f: Any, *args: Any, segment: int | None = None, mask: torch.Tensor | No
     kept, i.e. full-block checkpointing), as ``(runnable, plan)`` on the same executor."""
     chain, profiles = _profile(f, args, mask, key)
     schedule = solver.chen(chain, segment=segment)
-    return _finish(f, RematPlan(schedule, profiles, schedule.name))
+    return _finish(f, RematSolution(schedule, profiles, schedule.name))
 
 
 def minimum_budget(f: Any, *args: Any, mask: torch.Tensor | None = None,
@@ -181,27 +177,3 @@ def minimum_budget(f: Any, *args: Any, mask: torch.Tensor | None = None,
     """The smallest budget :func:`solve` accepts for this chain (bytes)."""
     chain, _ = _profile(f, args, mask, key)
     return solver.minimum_budget(chain, max_slots=max_slots)
-
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
-          "G": 2**30, "GB": 10**9, "GIB": 2**30}
-
-
-def parse_bytes(value: int | str) -> int:
-    """``512MiB`` / ``1.5GB`` / ``4096`` -> bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"budget must be bytes (an int or a string like '512MiB'), got {value!r}.")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    text = str(value).strip().upper().replace(" ", "")
-    num = text.rstrip("KMGIB")
-    unit = text[len(num):]
-    try:
-        if unit not in _UNITS:
-            raise KeyError(unit)
-        return int(float(num) * _UNITS[unit])
-    except (ValueError, KeyError):
-        raise ValueError(f"budget {value!r}: expected bytes as an int or a string like '512MiB', "
-                         "'1.5GB' or '4096'.") from None

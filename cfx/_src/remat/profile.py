@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from cfx._src.core import tree as tree_util
 from cfx._src.remat.chain import Chain
+from cfx._src.remat.saved import SavedTensors, storage_key, storage_keys
 
 
 def _cpu_flash(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -63,17 +64,8 @@ def profile_stage(fn: Callable, params: Any, x: torch.Tensor, kwargs: dict, *, m
     f_params = tree_util.map(lambda t: fake(t) if isinstance(t, torch.Tensor) else t, params)
     f_x = x.detach().requires_grad_(x.is_floating_point())
     inputs = [f_x] + [t for t in tree_util.leaves(f_params) if isinstance(t, torch.Tensor)]
-    skip = {id(t.untyped_storage()) for t in inputs}
-    saved: dict[int, Any] = {}  # storage id -> (storage, bytes); kept alive so ids stay unique
-
-    def pack(t):
-        st = t.untyped_storage()
-        if id(st) not in skip and id(st) not in saved:
-            saved[id(st)] = (st, _nbytes(t))
-        return t
-
     with mode, FlopCounterMode(display=False, custom_mapping=_FLOPS) as counter, torch.enable_grad():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedTensors(storage_keys(inputs)) as saved:
             out = fn(f_params, f_x, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"remat.solve: {name or 'a stage'} returned {type(out).__name__}; each "
@@ -84,8 +76,8 @@ def profile_stage(fn: Callable, params: Any, x: torch.Tensor, kwargs: dict, *, m
             torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
         bw = counter.get_total_flops() - fw
     out_bytes = _nbytes(out)
-    saved_bytes = sum(b for _, b in saved.values())
-    if id(out.untyped_storage()) not in saved:
+    saved_bytes = saved.nbytes()
+    if storage_key(out) not in saved.storages:
         saved_bytes += out_bytes  # the output is kept as the next stage's input in any case
     prof = StageProfile(name, fw, bw, out_bytes, saved_bytes, tuple(out.shape), out.dtype)
     return prof, out.detach()

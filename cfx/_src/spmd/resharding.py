@@ -44,7 +44,7 @@ class Step:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ReshardPath:
     src: P
     dst: P
     steps: tuple[Step, ...]
@@ -116,8 +116,8 @@ def _naive_bytes(src: Layout, dst: Layout, shape, mesh, itemsize) -> float:
     return total
 
 
-def plan(src: P, dst: P, shape: tuple[int, ...], mesh, *, itemsize: int = 4,
-         partial: tuple[str, ...] = ()) -> Plan:
+def find_path(src: P, dst: P, shape: tuple[int, ...], mesh, *, itemsize: int = 4,
+         partial: tuple[str, ...] = ()) -> ReshardPath:
     """The cheapest sequence of collectives taking ``src`` (+ partial axes) to ``dst``."""
     start, goal = _layout(src, len(shape), partial), _layout(dst, len(shape))
     best = {start: 0.0}
@@ -126,7 +126,7 @@ def plan(src: P, dst: P, shape: tuple[int, ...], mesh, *, itemsize: int = 4,
     while heap:
         cost, _, state, steps = heapq.heappop(heap)
         if state == goal:
-            return Plan(src, dst, steps, cost, _naive_bytes(start, goal, shape, mesh, itemsize))
+            return ReshardPath(src, dst, steps, cost, _naive_bytes(start, goal, shape, mesh, itemsize))
         if cost > best.get(state, math.inf):
             continue
         for step, nxt in _moves(state, shape, mesh, itemsize):
@@ -194,5 +194,5 @@ def same_layout(a: P, b: P, ndim: int) -> bool:
     return a == b or _layout(a, ndim) == _layout(b, ndim)
 
 
-def reshard_plan(arr: Any, spec: P) -> Plan:
-    return plan(arr.spec, spec, arr.shape, arr.mesh, itemsize=arr.element_size(), partial=arr.partial)
+def reshard_plan(arr: Any, spec: P) -> ReshardPath:
+    return find_path(arr.spec, spec, arr.shape, arr.mesh, itemsize=arr.element_size(), partial=arr.partial)

@@ -44,7 +44,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.lax import vma
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.mesh.spec import P, is_spec
-from cfx._src.spmd.resharding import plan as reshard_plan, run_steps, same_layout
+from cfx._src.spmd.resharding import find_path, run_steps, same_layout
 from cfx._src.spmd.sharded import Cell, ShardedArray, same_layout_mesh
 from cfx._src.spmd.spec_tree import broadcast_specs
 
@@ -68,7 +68,7 @@ class _Input:
             layout.check_spec(path, leaf.shape, spec, mesh, "shard_map in_specs")
             if leaf.partial or not same_layout(leaf.spec, spec, len(leaf.shape)):
                 try:
-                    self.steps = reshard_plan(leaf.spec, spec, leaf.shape, mesh, itemsize=leaf.element_size(),
+                    self.steps = find_path(leaf.spec, spec, leaf.shape, mesh, itemsize=leaf.element_size(),
                                               partial=leaf.partial).steps
                 except ValueError as e:
                     raise ValueError(f"shard_map: in_specs leaf {path!r}: {e} Give the array a spec that "

@@ -18,8 +18,8 @@ from cfx._src.train import data as data_lib
 from cfx._src.core import random as jr
 from cfx._src.core import tree as tree_util
 from cfx._src.spmd.arrays import device_get
-from cfx._src.models.common import is_axes_leaf
-from cfx._src.remat import remat
+from cfx._src.core.tree import is_axes_leaf
+from cfx._src.remat.plan import solve as solve_chain
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 from cfx._src.core.text import format_table
 from cfx._src.train.config import TrainConfig, check_flags
@@ -57,7 +57,7 @@ def solve_remat(cfg: TrainConfig, model, params, tokens: torch.Tensor, key, *, q
     ``--remat-budget`` (a mesh run's Plan solves its own on the first batch)."""
     params = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
                            if isinstance(x, ShapeDtype) else x, params)  # shapes are all it needs
-    _, plan = remat.solve(model, params, tokens, budget=cfg.remat_budget, key=key)  # key: dropout too
+    _, plan = solve_chain(model, params, tokens, budget=cfg.remat_budget, key=key)  # key: dropout too
     show_remat_plan(plan, quiet=quiet)
     return plan
 
@@ -269,7 +269,7 @@ def _train(cfg: TrainConfig, stack: contextlib.ExitStack) -> dict[str, Any]:
         saved = lambda state: {"params": program.params(state), "opt_state": device_get(state.opt_state)}  # noqa: E731
     del restored
     is_main = mesh is None or 0 in mesh.local_ranks  # under torchrun only rank 0 reports and saves
-    n_params = tree_util.tree_size(params)
+    n_params = tree_util.size(params)
 
     def save(step: int) -> None:
         meta = {"step": step, "config": dataclasses.asdict(cfg)}

@@ -1,4 +1,5 @@
-"""``cfx.zero``: the public entry point, a callable with the ZeRO helpers as attributes.
+"""``cfx.zero``: the ZeRO optimizer transform (the public module ``cfx/zero.py`` is callable as it
+and lists the helpers below in its ``__all__``).
 
     ztx = cfx.zero(cfx.optim.adamw(1e-3), stage=2, axis="data")     # stages 0-3
     zmodel = cfx.zero.gathered(model.map_blocks(lambda b: cfx.zero.gathered(b, axis="data")),
@@ -15,11 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cfx._src.zero.engine import GeminiEngine
-from cfx._src.zero.gathered import Gathered, gathered
-from cfx._src.zero.offload import Offload, offload
-from cfx._src.zero.optimizer import ShardGrads, ZeroState, ZeroTransformation
-from cfx._src.zero.params import ShardedLeaf, ZeroParams, gather_params, init_params, param_specs, shard_params
+from cfx._src.zero.optimizer import ZeroTransformation
 
 
 def zero(tx: Any, *, stage: int, axis: str = "data", param_specs: Any = None,
@@ -30,19 +27,3 @@ def zero(tx: Any, *, stage: int, axis: str = "data", param_specs: Any = None,
     norms and inf checks cover every shard; ``bucket_numel``: elements per gradient bucket.
     """
     return ZeroTransformation(tx, stage, axis, param_specs, bucket_numel)
-
-
-zero.gathered = gathered
-zero.shard_params = shard_params
-zero.init_params = init_params
-zero.gather_params = gather_params
-zero.param_specs = param_specs
-zero.Gathered = Gathered
-zero.ZeroParams = ZeroParams
-zero.ShardedLeaf = ShardedLeaf
-zero.ZeroState = ZeroState
-zero.ShardGrads = ShardGrads
-zero.ZeroTransformation = ZeroTransformation
-zero.GeminiEngine = GeminiEngine
-zero.offload = offload
-zero.Offload = Offload

@@ -11,13 +11,17 @@ and its shard is zero.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.transforms.autodiff import value_and_grad
+
+
+class ShardGrads(NamedTuple):
+    shards: tuple   # per group: this rank's shard of the gradient averaged over the ZeRO axis
 
 
 class _BucketScatter(torch.autograd.Function):
@@ -35,17 +39,15 @@ class _BucketScatter(torch.autograd.Function):
         return (shard.div_(lax.axis_size(axis)), None) + (None,) * len(grads)
 
 
-def bucketed_value_and_grad(fun: Callable[..., Any], plan, axis: str, params: Any, args: tuple,
+def bucketed_value_and_grad(fun: Callable[..., Any], layout, axis: str, params: Any, args: tuple,
                             kwargs: dict, *, has_aux: bool):
     """``(out, ShardGrads)`` for ``fun(params, *args, **kwargs)`` (see the module doc)."""
-    from cfx._src.zero.optimizer import ShardGrads
-
     leaves, treedef = tree_util.flatten(params)
-    sinks = tuple(torch.zeros(lay.size, dtype=dt) for _, lay, dt in plan.groups)
+    sinks = tuple(torch.zeros(lay.size, dtype=dt) for _, lay, dt in layout.groups)
 
     def through_buckets(sinks, *args, **kwargs):
         new = [x.detach() for x in leaves]
-        for (idx, lay, dt), sink in zip(plan.groups, sinks):
+        for (idx, lay, dt), sink in zip(layout.groups, sinks):
             outs = _BucketScatter.apply(sink, (lay, dt, axis), *[new[i] for i in idx])
             for i, o in zip(idx, outs):
                 new[i] = o

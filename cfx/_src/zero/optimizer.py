@@ -53,6 +53,7 @@ from cfx._src.mesh import context as ctx_lib
 from cfx._src.optim import reduction
 from cfx._src.mesh.spec import is_spec
 from cfx._src.transforms.autodiff import value_and_grad as _value_and_grad
+from cfx._src.zero.buckets import ShardGrads, bucketed_value_and_grad
 from cfx._src.zero.flat import GroupLayout, make_groups, piece_size
 from cfx._src.zero.gathered import grads_captured
 from cfx._src.zero.params import ZeroParams, check_axis_size
@@ -63,12 +64,8 @@ class ZeroState(NamedTuple):
     inner: Any      # the wrapped transformation's state over this rank's pieces
 
 
-class ShardGrads(NamedTuple):
-    shards: tuple   # per group: this rank's shard of the gradient averaged over the ZeRO axis
-
-
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ZeroLayout:
     n: int                                   # ranks the shards are cut for (1 at stage 0)
     paths: tuple[str, ...]
     axes: tuple[tuple[str, ...], ...]        # per leaf: the axes a piece's sum of squares sums over
@@ -110,7 +107,7 @@ class ZeroTransformation:
         object.__setattr__(self, "_checked", set())  # params layouts seen replicated (_check_replicated)
 
     # -- layout -------------------------------------------------------------------------------
-    def plan(self, params: Any) -> Plan:
+    def layout(self, params: Any) -> ZeroLayout:
         """The groups for ``params`` (pieces when ``stage == 3``) on this rank's mesh."""
         n = lax.axis_size(self.axis)  # unknown axis: ValueError on every rank, before any comm
         if self.stage == 3:
@@ -136,7 +133,7 @@ class ZeroTransformation:
         owners = (list(self.owner_axes) if self.owner_axes is not None else [()] * len(paths))
         axes = tuple(own + e for e in extra)
         treedef = tree_util.structure(params.pieces if self.stage == 3 else params)
-        return Plan(n, paths, axes, tuple((tuple(idx), lay, items[idx[0]][1].dtype) for idx, lay in groups),
+        return ZeroLayout(n, paths, axes, tuple((tuple(idx), lay, items[idx[0]][1].dtype) for idx, lay in groups),
                     treedef, tuple(a + tuple(o) for a, o in zip(axes, owners)))
 
     def _extra_axes(self, n_leaves: int) -> list[tuple[str, ...]]:
@@ -152,11 +149,11 @@ class ZeroTransformation:
     def _param_leaves(params: Any) -> list[torch.Tensor]:
         return tree_util.leaves(params.pieces if isinstance(params, ZeroParams) else params)
 
-    def _masters(self, leaves: list, plan: Plan) -> list[torch.Tensor]:
+    def _masters(self, leaves: list, layout: ZeroLayout) -> list[torch.Tensor]:
         """This rank's fp32 shard per group, cut from the params."""
         r = lax.axis_index(self.axis) if self.stage in (1, 2) else 0
         out = []
-        for idx, lay, _ in plan.groups:
+        for idx, lay, _ in layout.groups:
             xs = [leaves[i] for i in idx]
             shard = lay.shard_of(xs, r) if self.stage in (1, 2) else torch.cat([x.reshape(-1) for x in xs])
             out.append(shard.detach().to(torch.float32))
@@ -164,11 +161,11 @@ class ZeroTransformation:
 
     # -- the transformation -------------------------------------------------------------------
     def init(self, params: Any) -> ZeroState:
-        plan = self.plan(params)
+        layout = self.layout(params)
         with torch.no_grad():
-            masters = self._masters(self._param_leaves(params), plan)
-            inner = self.tx.init(_piece_tree(masters, plan))
-        keep = tuple(m if dt != torch.float32 else None for m, (_, _, dt) in zip(masters, plan.groups))
+            masters = self._masters(self._param_leaves(params), layout)
+            inner = self.tx.init(_piece_tree(masters, layout))
+        keep = tuple(m if dt != torch.float32 else None for m, (_, _, dt) in zip(masters, layout.groups))
         state = ZeroState(keep, inner)
         _watch(params.pieces if isinstance(params, ZeroParams) else params, "param", self.tier)
         _watch(state, "optim", self.tier)
@@ -178,27 +175,27 @@ class ZeroTransformation:
         """Updates for ``params`` from ``value_and_grad``'s grads (see "Gradients" in the module doc)."""
         if params is None:
             raise ValueError("cfx.zero: update needs the params; call ztx.update(grads, state, params).")
-        plan = self.plan(params)
-        if not isinstance(state, ZeroState) or len(state.master) != len(plan.groups):
+        layout = self.layout(params)
+        if not isinstance(state, ZeroState) or len(state.master) != len(layout.groups):
             raise ValueError(f"cfx.zero: state is not this transformation's ZeroState for these params "
-                             f"({len(plan.groups)} groups); pass the state from ztx.init / ztx.update.")
+                             f"({len(layout.groups)} groups); pass the state from ztx.init / ztx.update.")
         with torch.no_grad():
             leaves = self._param_leaves(params)
-            self._check_replicated(leaves, plan)
-            shards = self._reduce(grads, plan)
-            derived = self._masters(leaves, plan) if any(m is None for m in state.master) else None
+            self._check_replicated(leaves, layout)
+            shards = self._reduce(grads, layout)
+            derived = self._masters(leaves, layout) if any(m is None for m in state.master) else None
             masters = [m if m is not None else derived[g] for g, m in enumerate(state.master)]
             # per-leaf pieces; norms and inf/nan checks over every rank's pieces of each leaf
-            with donation.donated(shards), self._sharded(plan):  # our flat copies: the update may reuse them
-                u_tree, inner = self.tx.update(_piece_tree(shards, plan), state.inner, _piece_tree(masters, plan))
-            us = _group_shards(u_tree, plan)
+            with donation.donated(shards), self._sharded(layout):  # our flat copies: the update may reuse them
+                u_tree, inner = self.tx.update(_piece_tree(shards, layout), state.inner, _piece_tree(masters, layout))
+            us = _group_shards(u_tree, layout)
             new_master = tuple(None if m is None else masters[g] + us[g] for g, m in enumerate(state.master))
-            updates = self._expand(us, new_master, plan, leaves, params)
+            updates = self._expand(us, new_master, layout, leaves, params)
         new_state = ZeroState(new_master, inner)
         _watch(new_state, "optim", self.tier)
         return updates, new_state
 
-    def _check_replicated(self, leaves: list[torch.Tensor], plan: Plan) -> None:
+    def _check_replicated(self, leaves: list[torch.Tensor], layout: ZeroLayout) -> None:
         """Without ``param_specs`` every leaf counts as replicated over the mesh's other axes, so
         a norm (clipping, LAMB / LARS, the fp16 inf check) sums its squares once. A leaf whose
         values differ across one of those axes is split over it (tensor parallelism) and that
@@ -208,7 +205,7 @@ class ZeroTransformation:
         if self.param_specs is not None or torch.compiler.is_dynamo_compiling():
             return
         ctx = ctx_lib.current("cfx.zero")
-        mesh, key = ctx.mesh, (ctx.rank, plan.paths)  # per rank: each makes the same checks in turn
+        mesh, key = ctx.mesh, (ctx.rank, layout.paths)  # per rank: each makes the same checks in turn
         others = tuple(a for a in mesh.axis_names if a != self.axis and mesh.shape[a] > 1)
         if not others or key in self._checked:
             return
@@ -216,7 +213,7 @@ class ZeroTransformation:
         hi, lo = lax.pmax(sq, others), lax.pmin(sq, others)
         differs = ((hi != lo) & ~(hi.isnan() & lo.isnan())).float()  # a non-finite leaf is no sharding
         differs = lax.pmax(differs, tuple(mesh.axis_names))  # one verdict on every rank of the mesh
-        bad = [plan.paths[i] for i in torch.nonzero(differs).flatten().tolist()]
+        bad = [layout.paths[i] for i in torch.nonzero(differs).flatten().tolist()]
         if bad:
             raise ValueError(
                 f"cfx.zero: params leaf {bad[0]!r}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
@@ -226,26 +223,26 @@ class ZeroTransformation:
                 f"axis={self.axis!r}, param_specs=rules.specs(model.axes(), mesh=mesh)).")
         self._checked.add(key)
 
-    def _sharded(self, plan: Plan):
-        every = sorted({a for axes in plan.total_axes for a in axes} | ({self.axis} if self.stage else set()))
-        return reduction.sharded(plan.axes, total_axes=plan.total_axes, every=tuple(every), psum=lax.psum)
+    def _sharded(self, layout: ZeroLayout):
+        every = sorted({a for axes in layout.total_axes for a in axes} | ({self.axis} if self.stage else set()))
+        return reduction.sharded(layout.axes, total_axes=layout.total_axes, every=tuple(every), psum=lax.psum)
 
-    def _reduce(self, grads: Any, plan: Plan) -> list[torch.Tensor]:
+    def _reduce(self, grads: Any, layout: ZeroLayout) -> list[torch.Tensor]:
         """Per group, this rank's fp32 shard of the gradient averaged over the axis (a fresh
         tensor: the update may reuse it)."""
         n_axis = lax.axis_size(self.axis)
         if isinstance(grads, ShardGrads):
-            if self.stage != 2 or len(grads.shards) != len(plan.groups):
+            if self.stage != 2 or len(grads.shards) != len(layout.groups):
                 raise ValueError(f"cfx.zero(stage={self.stage}): got ShardGrads of {len(grads.shards)} groups; "
                                  "they come from the same stage-2 ztx.value_and_grad on these params.")
             return [s.to(torch.float32, copy=True) for s in grads.shards]  # averaged in backward
         g_leaves = self._param_leaves(grads) if self.stage == 3 else tree_util.leaves(grads)
-        if self.stage == 3 and not isinstance(grads, ZeroParams) or len(g_leaves) != len(plan.paths):
+        if self.stage == 3 and not isinstance(grads, ZeroParams) or len(g_leaves) != len(layout.paths):
             raise ValueError(f"cfx.zero(stage={self.stage}): grads do not match the params "
-                             f"({len(g_leaves)} vs {len(plan.paths)} leaves); pass the gradient of the loss "
+                             f"({len(g_leaves)} vs {len(layout.paths)} leaves); pass the gradient of the loss "
                              "w.r.t. these params (ztx.value_and_grad).")
         out = []
-        for idx, lay, dt in plan.groups:
+        for idx, lay, dt in layout.groups:
             gs = [g_leaves[i] for i in idx]
             if self.stage == 3:    # already reduce-scattered and averaged by the gathered layers' backward
                 out.append(torch.cat([g.reshape(-1) for g in gs]).to(torch.float32))
@@ -257,10 +254,10 @@ class ZeroTransformation:
             out.append(flat.to(torch.float32).div_(n_axis))  # flat is fresh: divide in place
         return out
 
-    def _expand(self, us, new_master, plan: Plan, leaves, params) -> Any:
+    def _expand(self, us, new_master, layout: ZeroLayout, leaves, params) -> Any:
         """Per-leaf updates from per-group update shards (gathered at stages 1 and 2)."""
         out: list = [None] * len(leaves)
-        for (idx, lay, dt), u, m in zip(plan.groups, us, new_master):
+        for (idx, lay, dt), u, m in zip(layout.groups, us, new_master):
             x = u if m is None else m.to(dt)   # fp32: gather the update; else: the new params
             if self.stage in (1, 2):
                 full = lay.full_from_rows(lax.all_gather(x, self.axis))
@@ -318,8 +315,7 @@ class ZeroTransformation:
         def wrapped(params, *args, **kwargs):
             _watch(params.pieces if isinstance(params, ZeroParams) else params, "param", self.tier)
             if self.stage == 2:
-                from cfx._src.zero.buckets import bucketed_value_and_grad
-                out, grads = bucketed_value_and_grad(fun, self.plan(params), self.axis, params, args,
+                out, grads = bucketed_value_and_grad(fun, self.layout(params), self.axis, params, args,
                                                      kwargs, has_aux=has_aux)
             elif self.stage == 3:  # the gathered layers' reduce-scatters complete at the end of backward
                 with grads_captured():
@@ -332,16 +328,16 @@ class ZeroTransformation:
         return wrapped
 
 
-def _piece_tree(shards: list[torch.Tensor], plan: Plan) -> Any:
+def _piece_tree(shards: list[torch.Tensor], layout: ZeroLayout) -> Any:
     """The params' tree whose leaves are this rank's pieces: views into the group shards."""
-    out: list = [None] * len(plan.paths)
-    for (idx, lay, _), shard in zip(plan.groups, shards):
-        for i, piece in zip(idx, shard.split(lay.pieces if plan.n > 1 else lay.numels)):
+    out: list = [None] * len(layout.paths)
+    for (idx, lay, _), shard in zip(layout.groups, shards):
+        for i, piece in zip(idx, shard.split(lay.pieces if layout.n > 1 else lay.numels)):
             out[i] = piece
-    return tree_util.unflatten(plan.treedef, out)
+    return tree_util.unflatten(layout.treedef, out)
 
 
-def _group_shards(tree: Any, plan: Plan) -> list[torch.Tensor]:
+def _group_shards(tree: Any, layout: ZeroLayout) -> list[torch.Tensor]:
     """The inverse of ``_piece_tree``: one flat shard per group."""
     leaves = tree_util.leaves(tree)
-    return [torch.cat([leaves[i].reshape(-1) for i in idx]) for idx, _, _ in plan.groups]
+    return [torch.cat([leaves[i].reshape(-1) for i in idx]) for idx, _, _ in layout.groups]
