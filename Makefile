@@ -1,21 +1,23 @@
 # Two entry points: `make demo` (the main job) and `make test` (the whole suite).
 # The CPU build of torch is pinned; override with e.g. `make test TORCH_SPEC=torch==2.5.1`.
+# Every other package is pinned by constraints.txt (the versions CI last proved); `make lock` refreshes it.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+CONSTRAINTS := constraints.txt
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.cfx-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install lock clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
-	$(BIN)/python -m pip install --quiet -c $(VENV)/torch-constraint.txt -e ".[test]"
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -c $(VENV)/torch-constraint.txt -e ".[test]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -27,5 +29,20 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m cfx.bench overhead --quick
 
+# The newest versions pyproject.toml admits, resolved in a scratch venv and written to constraints.txt;
+# run `make test` after it: what it proves is what a fresh clone then installs.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet --upgrade pip
+	.venv-lock/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	echo "$(TORCH_SPEC)" > .venv-lock/torch-constraint.txt
+	.venv-lock/bin/python -m pip install --quiet -c .venv-lock/torch-constraint.txt -e ".[test]"
+	{ echo "# The versions CI last proved (make test on a clean clone). Refresh with 'make lock', then run 'make test'."; \
+	  echo "# torch is pinned by the Makefile's TORCH_SPEC, not here."; \
+	  .venv-lock/bin/python -m pip freeze --all --exclude-editable | grep -v '^torch=='; } > $(CONSTRAINTS)
+	rm -rf .venv-lock
+	rm -f $(STAMP)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-lock build *.egg-info

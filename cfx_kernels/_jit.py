@@ -14,6 +14,10 @@ truncates (the GPU rounds to nearest even), ``int -> bf16`` and ``bf16`` ``tl.do
 the bits as integers. During an interpreted launch those three are routed through fp32 with
 round-to-nearest-even, so bf16 kernels are checked on CPU with the GPU's rounding.
 
+``device_function`` is ``triton.jit`` for a helper the kernels call (inlined by the compiler as
+usual), which an interpreted kernel can call too: there it runs as an interpreted function, as the
+standard library does during an interpreted launch.
+
 GPU launches pass ``enable_fp_fusion=True`` (Triton's default) unless the caller says otherwise:
 left implicit, Triton 3.9 warns on every first compile, and the tests turn warnings into errors.
 """
@@ -145,3 +149,19 @@ class LazyKernel:
 
 def lazy_jit(fn: Callable[..., Any]) -> LazyKernel:
     return LazyKernel(fn)
+
+
+def device_function(fn: Callable[..., Any]) -> Any:
+    """``@triton.jit`` for a helper the kernels call, callable under the interpreter too, whatever
+    ``TRITON_INTERPRET`` was at import (module doc)."""
+    try:
+        import triton
+    except ImportError:  # nothing launches the kernels then
+        return fn
+
+    class DeviceFunction(triton.JITFunction):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:  # reached only from an interpreted kernel
+            from triton.runtime.interpreter import InterpretedFunction
+            return InterpretedFunction(self.fn)(*args, **kwargs)
+
+    return DeviceFunction(fn)

@@ -14,6 +14,8 @@ from cfx_kernels._common import resolve_impl
 from cfx_kernels.attention_reference import (allowed_keys, attention_block_backward_reference,
                                              attention_block_reference, check_inputs)
 from cfx_kernels.flash_attention import _LOG2E, _backward, _forward, _on_device, triton_unsupported
+
+
 def _block_impl(impl: str, q, k, v, mask) -> str:
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError("cfx_kernels.flash_attention: block attention takes bool masks (True = attend), "

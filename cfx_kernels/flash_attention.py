@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from cfx_kernels._common import interpret_mode, resolve_impl
-from cfx_kernels._jit import lazy_jit
+from cfx_kernels._jit import device_function, lazy_jit
 from cfx_kernels.attention_reference import attention_reference, check_inputs
 
 try:
@@ -37,6 +37,30 @@ _LOG2E = 1.4426950408889634
 # tensor; LSE and DELTA are (B, H, T) fp32. Scores live in the log2 domain (qk_scale = scale *
 # log2(e)) so exp2 is used throughout. A masked score is -inf; a row whose scores are all -inf
 # gets l = 0, output 0 and LSE 0, so its probabilities recompute to exp2(-inf) = 0 in backward.
+
+
+@device_function
+def _tile_scores(q, kT, M, offs_m, offs_n, T, S, stride_mt, stride_ms, qk_scale,
+                 CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Scaled, masked log2-domain scores of one tile, the same in all three kernels: queries
+    ``offs_m`` (BM,) of q (BM, BD) against keys ``offs_n`` (BN,) of kT (BD, BN); M is the mask
+    already offset to this batch row. Returns (BM, BN) fp32, -inf where a key is not seen."""
+    s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BM, BN)
+    valid = (offs_m[:, None] < T) & (offs_n[None, :] < S)  # (BM, BN)
+    if CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None] + (S - T))
+    if MASK_KIND != 0:
+        if MASK_ROWS:  # (B, T, S): a tile per block
+            mval = tl.load(M + offs_m[:, None] * stride_mt + offs_n[None, :] * stride_ms,
+                           mask=valid, other=0)  # (BM, BN)
+        else:  # (B, S) key padding: one row, broadcast over the queries
+            mval = tl.load(M + offs_n * stride_ms, mask=offs_n < S, other=0)[None, :]  # (1, BN)
+        if MASK_KIND == 1:
+            valid = valid & (mval != 0)
+        else:
+            s = s + mval.to(tl.float32) * 1.4426950408889634  # log2(e)
+    return tl.where(valid, s, float("-inf"))
 
 
 @lazy_jit
@@ -74,23 +98,8 @@ def _fwd_kernel(Q, K, V, M, O, LSE,
         kv_ok = offs_n < S
         kT = tl.load(K + offs_n[None, :] * stride_ks + offs_d[:, None],
                      mask=kv_ok[None, :] & d_ok[:, None], other=0.0)  # (BD, BN)
-        s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BM, BN)
-        # -- scores: the same block in all three kernels --------------------------------------
-        valid = (offs_m[:, None] < T) & (offs_n[None, :] < S)
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + (S - T))
-        if MASK_KIND != 0:
-            if MASK_ROWS:  # (B, T, S): a tile per block
-                mval = tl.load(M + offs_m[:, None] * stride_mt + offs_n[None, :] * stride_ms,
-                               mask=valid, other=0)
-            else:  # (B, S) key padding: one row, broadcast over the queries
-                mval = tl.load(M + offs_n * stride_ms, mask=offs_n < S, other=0)[None, :]
-            if MASK_KIND == 1:
-                valid = valid & (mval != 0)
-            else:
-                s = s + mval.to(tl.float32) * 1.4426950408889634  # log2(e)
-        s = tl.where(valid, s, float("-inf"))
-        # -------------------------------------------------------------------------------------
+        s = _tile_scores(q, kT, M, offs_m, offs_n, T, S, stride_mt, stride_ms, qk_scale,
+                         CAUSAL, MASK_KIND, MASK_ROWS, PRECISION)  # (BM, BN)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
@@ -150,23 +159,8 @@ def _bwd_dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, DK, DV,
             do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=q_mask, other=0.0)
             lse = tl.load(LSE + row + offs_m, mask=offs_m < T, other=0.0)
             delta = tl.load(DELTA + row + offs_m, mask=offs_m < T, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-            # -- scores: the same block in all three kernels --------------------------------------
-            valid = (offs_m[:, None] < T) & (offs_n[None, :] < S)
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + (S - T))
-            if MASK_KIND != 0:
-                if MASK_ROWS:  # (B, T, S): a tile per block
-                    mval = tl.load(M + offs_m[:, None] * stride_mt + offs_n[None, :] * stride_ms,
-                                   mask=valid, other=0)
-                else:  # (B, S) key padding: one row, broadcast over the queries
-                    mval = tl.load(M + offs_n * stride_ms, mask=offs_n < S, other=0)[None, :]
-                if MASK_KIND == 1:
-                    valid = valid & (mval != 0)
-                else:
-                    s = s + mval.to(tl.float32) * 1.4426950408889634  # log2(e)
-            s = tl.where(valid, s, float("-inf"))
-            # -------------------------------------------------------------------------------------
+            s = _tile_scores(q, tl.trans(k), M, offs_m, offs_n, T, S, stride_mt, stride_ms, qk_scale,
+                             CAUSAL, MASK_KIND, MASK_ROWS, PRECISION)  # (BM, BN)
             p = tl.math.exp2(s - lse[:, None])  # (BM, BN)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
@@ -219,23 +213,8 @@ def _bwd_dq_kernel(Q, K, V, M, DO, LSE, DELTA, DQ,
         kv_mask = (offs_n[None, :] < S) & d_ok[:, None]
         kT = tl.load(K + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0)
         vT = tl.load(V + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_mask, other=0.0)
-        s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BM, BN)
-        # -- scores: the same block in all three kernels --------------------------------------
-        valid = (offs_m[:, None] < T) & (offs_n[None, :] < S)
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + (S - T))
-        if MASK_KIND != 0:
-            if MASK_ROWS:  # (B, T, S): a tile per block
-                mval = tl.load(M + offs_m[:, None] * stride_mt + offs_n[None, :] * stride_ms,
-                               mask=valid, other=0)
-            else:  # (B, S) key padding: one row, broadcast over the queries
-                mval = tl.load(M + offs_n * stride_ms, mask=offs_n < S, other=0)[None, :]
-            if MASK_KIND == 1:
-                valid = valid & (mval != 0)
-            else:
-                s = s + mval.to(tl.float32) * 1.4426950408889634  # log2(e)
-        s = tl.where(valid, s, float("-inf"))
-        # -------------------------------------------------------------------------------------
+        s = _tile_scores(q, kT, M, offs_m, offs_n, T, S, stride_mt, stride_ms, qk_scale,
+                         CAUSAL, MASK_KIND, MASK_ROWS, PRECISION)  # (BM, BN)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, vT, input_precision=PRECISION)  # (BM, BN)
         ds = p * (dp - delta[:, None])

@@ -98,8 +98,9 @@ def test_int8_linear_and_conv_weights_sample_close_to_fp32(pipes):
     import dataclasses
     p, _ = pipes
     is_q = cfx.quant.is_quantized
-    q = dataclasses.replace(p, unet_params=cfx.quant.quantize(p.unet_params, "int8", min_size=0),
-                            text_params=cfx.quant.quantize(p.text_params, "int8", min_size=0))
+    q = dataclasses.replace(p, unet_params=cfx.quant.quantize(p.unet_params, "int8", axes=p.unet.axes(), min_size=0),
+                            text_params=cfx.quant.quantize(p.text_params, "int8", axes=p.text_encoder.axes(),
+                                                           min_size=0))
     leaves = cfx.tree.leaves(q.unet_params, is_leaf=is_q)
     assert sum(is_q(x) and x.q.dim() == 4 for x in leaves) == 33  # every conv of the tiny UNet ...
     assert sum(is_q(x) and x.q.dim() == 2 for x in leaves) == 50  # ... and every Linear

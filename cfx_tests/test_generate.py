@@ -179,7 +179,7 @@ def test_cli_reads_a_sharded_train_directory_of_any_plan(tmp_path, capsys):
     run = train(TrainConfig(steps=2, batch=4, seq=16, data=str(text), eval_every=0, eval_batches=1, progress=False,
                             sample_bytes=0, mesh="pipe=2,data=2", zero=3, microbatches=2, save=str(tmp_path / "run")))
     capsys.readouterr()
-    from cfx._src.train.loop import build_model
+    from cfx._src.train.model import build_model
     model = build_model(TrainConfig(seq=16))  # the CLI's default model, as trained
     want = cfx.generate(model, run["params"], torch.tensor([list(b"def ")]), max_new_tokens=5)[0, 4:].tolist()
     assert main(["--checkpoint", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "5"]) == 0

@@ -39,7 +39,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, text_file):
 
 
 def _opt_state_like(base, params):
-    from cfx._src.train.loop import build_model, build_optimizer
+    from cfx._src.train.model import build_model, build_optimizer
     cfg = TrainConfig(**base)
     return build_optimizer(cfg, build_model(cfg)).init(params)
 

@@ -7,7 +7,7 @@ import torch
 import cfx
 from cfx import P
 from cfx._src.zero import gathered as gathered_lib
-from cfx._src.zero.api import zero
+from cfx import zero
 from cfx_tests.test_zero import T, V, data
 
 N_LAYER = 3

@@ -1,4 +1,4 @@
-"""``python -m cfx.bench NAME [--quick] [--json FILE]``."""
+"""``python -m cfx.bench NAME [--quick | --smoke] [--json FILE]``."""
 from __future__ import annotations
 
 import argparse
@@ -13,11 +13,15 @@ BENCHES = {"autoshard": autoshard.run, "checkpoint": checkpoint.run, "diffusion"
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cfx.bench", description=__doc__)
     p.add_argument("name", choices=sorted(BENCHES))
-    p.add_argument("--quick", action="store_true", help="finish in under a minute on 2 CPU cores")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="finish in under a minute on 2 CPU cores")
+    size.add_argument("--smoke", action="store_true",
+                      help="every code path once at toy sizes, in seconds (the test suite's check; the "
+                           "figures mean nothing)")
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     a = p.parse_args(argv)
     keep_host_memory()  # the same setting as python -m cfx.train; applies to both sides of a comparison
-    BENCHES[a.name](quick=a.quick, json_path=a.json)
+    BENCHES[a.name](quick=a.quick, smoke=a.smoke, json_path=a.json)
     return 0
 
 

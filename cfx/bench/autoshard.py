@@ -18,7 +18,8 @@
 * ``solve_s_gpt2_12l_8ranks``: trace + build + coarsen + solve of GPT-2 small's 12 layers (vocabulary
   50304, batch 8 x 128) on data=2,model=4 (and data=4,model=2 in the full run), target < 30 s.
 
-Each entry of ``ROWS`` makes some rows from ``quick``; a new figure is one more function there.
+Each entry of ``ROWS`` makes some rows from the size (``"smoke"``, ``"quick"`` or ``"full"``); a
+new figure is one more function there.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 import cfx
 from cfx._src.autoshard.calibrate import calibrate
 from cfx._src.autoshard.ilp import NoPlanFits, Problem, brute_force, solve
-from cfx.bench.common import Row, report
+from cfx.bench.common import Row, report, size_of
 
 MAX_ASSIGNMENTS = 20_000  # brute force tries every one: under ~0.5 s a problem in Python
 
@@ -88,8 +89,8 @@ def compare(problems: int, seed: int = 0) -> dict:
     return {"worst": worst, "refused": refused, "disagree": disagree, "over_budget": over_budget}
 
 
-def ilp_vs_bruteforce(quick: bool) -> list[Row]:
-    n = 120 if quick else 1000
+def ilp_vs_bruteforce(size: str) -> list[Row]:
+    n = {"smoke": 10, "quick": 120, "full": 1000}[size]
     r = compare(n)
     ok = r["worst"] <= 1 + 1e-9 and r["disagree"] == 0 and r["over_budget"] == 0
     return [
@@ -100,8 +101,8 @@ def ilp_vs_bruteforce(quick: bool) -> list[Row]:
     ]
 
 
-def calibration(quick: bool) -> list[Row]:
-    del quick  # a few seconds either way
+def calibration(size: str) -> list[Row]:
+    del size  # a few seconds either way
     with cfx.Mesh({"data": 2, "model": 2}) as mesh:
         model = calibrate(mesh)
     rows = []
@@ -136,16 +137,17 @@ def plans(model, params, mesh) -> dict[str, dict | None]:
     }
 
 
-def estimated_and_measured(*, quick: bool) -> list[tuple[str, float, float]]:
+def estimated_and_measured(*, size: str) -> list[tuple[str, float, float]]:
     """``(plan, estimated s, measured s)`` for GPT-2 on a local data=2,model=2 mesh under the
     calibrated cost model: each plan's lowered step timed (median of rounds, interleaved)."""
     from cfx._src.autoshard.graph import trace
     from cfx._src.autoshard.lower import lower
     from cfx._src.autoshard.search import search
     from cfx.bench.common import interleaved_medians
-    model = cfx.models.gpt2("tiny", n_layer=2, vocab_size=256, n_positions=64, n_embd=128, n_head=4)
+    layers, width, rows, seq = (1, 32, 4, 16) if size == "smoke" else (2, 128, 16, 64)
+    model = cfx.models.gpt2("tiny", n_layer=layers, vocab_size=256, n_positions=seq, n_embd=width, n_head=4)
     params = model.init(cfx.random.key(0))
-    tokens = cfx.random.randint(cfx.random.key(1), (16, 65), 0, 256)
+    tokens = cfx.random.randint(cfx.random.key(1), (rows, seq + 1), 0, 256)
     batch = (tokens[:, :-1], tokens[:, 1:])
     graph = trace(model.loss, params, *batch)
     with cfx.Mesh({"data": 2, "model": 2}) as mesh:
@@ -157,13 +159,14 @@ def estimated_and_measured(*, quick: bool) -> list[tuple[str, float, float]]:
             placed = cfx.tree.map(lambda x, s: cfx.device_put(x, mesh, s), params, step.param_specs)
             rows.append((name, solved.solution.objective))
             runs.append(lambda step=step, placed=placed: cfx.device_get(step(placed, *batch)[0]))
-        times = interleaved_medians(runs, rounds=3 if quick else 7)
+        times = interleaved_medians(runs, rounds={"smoke": 1, "quick": 3, "full": 7}[size],
+                                    warmup=0 if size == "smoke" else 1)
     return [(name, est, t) for (name, est), t in zip(rows, times)]
 
 
-def rank_correlation(quick: bool) -> list[Row]:
+def rank_correlation(size: str) -> list[Row]:
     from scipy.stats import spearmanr
-    got = estimated_and_measured(quick=quick)
+    got = estimated_and_measured(size=size)
     rho = float(spearmanr([e for _, e, _ in got], [m for _, _, m in got]).statistic)
     rows = [Row(f"rank_correlation ({len(got)} plans, GPT-2 on data=2,model=2)", rho, "spearman", ">= 0.8",
                 rho >= 0.8)]
@@ -190,19 +193,21 @@ def gpt2_search_seconds(mesh_shape: dict[str, int], *, n_layer: int = 12, batch:
     return t2 - t0, {"trace": t1 - t0, "search": t2 - t1, "ops": len(graph.ops), "objective": solved.solution.objective}
 
 
-def solve_seconds(quick: bool) -> list[Row]:
+def solve_seconds(size: str) -> list[Row]:
     rows = []
-    for mesh in ({"data": 2, "model": 4},) if quick else ({"data": 2, "model": 4}, {"data": 4, "model": 2}):
-        total, parts = gpt2_search_seconds(mesh)
-        name = "solve_s_gpt2_12l_8ranks" + ("" if mesh == {"data": 2, "model": 4} else "_data4_model2")
+    n_layer = 1 if size == "smoke" else 12
+    for mesh in ({"data": 2, "model": 4},) if size != "full" else ({"data": 2, "model": 4}, {"data": 4, "model": 2}):
+        total, parts = gpt2_search_seconds(mesh, n_layer=n_layer)
+        name = f"solve_s_gpt2_{n_layer}l_8ranks" + ("" if mesh == {"data": 2, "model": 4} else "_data4_model2")
         rows.append(Row(name, round(total, 2), "s", "< 30", total < 30))
         rows.append(Row(f"  {parts['ops']} ops: trace / search", round(parts["trace"], 2),
                         f"/ {parts['search']:.2f} s", "-"))
     return rows
 
 
-ROWS: list[Callable[[bool], list[Row]]] = [ilp_vs_bruteforce, calibration, rank_correlation, solve_seconds]
+ROWS: list[Callable[[str], list[Row]]] = [ilp_vs_bruteforce, calibration, rank_correlation, solve_seconds]
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    return report("autoshard", [row for make in ROWS for row in make(quick)], json_path)
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
+    return report("autoshard", [row for make in ROWS for row in make(size)], json_path)

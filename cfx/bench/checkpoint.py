@@ -1,6 +1,7 @@
 """Sharded checkpoints, measured: what a save writes and what a load holds.
 
-GPT-2 params (the ``small`` widths, the vocabulary padded to 50304, 2 layers under ``--quick``),
+GPT-2 params (the ``small`` widths, the vocabulary padded to 50304, 2 layers under ``--quick``;
+toy widths under ``--smoke``),
 fp32, saved from ``{"data": 4}`` with every matrix split by rows, loaded onto ``{"model": 4}`` by
 Megatron's rules (column- and row-parallel blocks, the vocabulary split): most stored blocks
 overlap several loaded ones, so the load reads slices. ``cfx.memory`` books the load's buffers
@@ -26,12 +27,19 @@ import time
 
 import cfx
 from cfx import P
-from cfx.bench.common import Row, report
+from cfx.bench.common import Row, report, size_of
 from cfx.parallel import Plan
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    model = cfx.models.gpt2("small", n_layer=2 if quick else 12, vocab_size=50304)  # the vocabulary split 4 ways
+def _model(size: str, n_layer: int):
+    if size == "smoke":  # every dimension the meshes split still divisible by 4
+        return cfx.models.gpt2("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    return cfx.models.gpt2("small", n_layer=2 if size == "quick" else n_layer, vocab_size=50304)  # vocab split 4 ways
+
+
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
+    model = _model(size, 12)
     params = model.init(cfx.random.key(0))
     total = sum(x.numel() * x.element_size() for x in cfx.tree.leaves(params))
     with tempfile.TemporaryDirectory() as directory:
@@ -54,7 +62,7 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
                 own = sum(b.numel() * b.element_size() for a in cfx.tree.leaves(loaded) for b in a.blocks.values())
                 peak = mem.peak("host")
     ok = peak <= 1.1 * own + largest_stored
-    plan_rows = _plan_resume(cfx.models.gpt2("small", n_layer=2 if quick else 4, vocab_size=50304))
+    plan_rows = _plan_resume(_model(size, 4))
     return report("checkpoint", [
         Row(f"load_peak_bytes_vs_own_blocks (GPT-2 {model.config.n_layer} layers, data=4 -> model=4)", peak / own,
             "x", f"<= 1.1 + {largest_stored / own:.3f} (one slice)", ok),

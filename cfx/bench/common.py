@@ -12,6 +12,20 @@ from typing import Callable, Sequence
 from cfx._src.core.text import format_table
 
 
+def size_of(*, quick: bool = False, smoke: bool = False) -> str:
+    """A bench's one size knob, from its ``run`` flags (the command line's ``--quick`` / ``--smoke``).
+
+    ``"full"``: the figures the README quotes; ``"quick"``: under a minute on 2 CPU cores;
+    ``"smoke"``: the bench's code once through at toy sizes, in seconds, for the test suite (a
+    measurement repeated over a list -- plans, methods, mesh sizes -- runs for one or two of
+    them); its numbers, timings above all, mean nothing.
+    """
+    if quick and smoke:
+        raise ValueError("a bench runs at one size: pass quick=True (--quick) or smoke=True (--smoke), "
+                         "not both.")
+    return "smoke" if smoke else "quick" if quick else "full"
+
+
 @dataclasses.dataclass
 class Row:
     metric: str
@@ -21,8 +35,13 @@ class Row:
     ok: bool = True
 
 
+def _row_json(r: Row) -> dict:
+    # the JSON says float and bool whatever number the bench computed (an int count, a numpy bool)
+    return dict(dataclasses.asdict(r), value=float(r.value), ok=bool(r.ok))
+
+
 def report(bench: str, rows: Sequence[Row], json_path: str | None = None) -> dict:
-    out = {"bench": bench, "rows": [dataclasses.asdict(r) for r in rows]}
+    out = {"bench": bench, "rows": [_row_json(r) for r in rows]}
     print(format_table([(r.metric, r.value, r.unit, r.target or "-", "yes" if r.ok else "NO") for r in rows],
                        ["metric", "value", "unit", "target", "ok"]), flush=True)
     if json_path:

@@ -24,20 +24,20 @@ import tempfile
 import torch
 
 import cfx
-from cfx.bench.common import Row, interleaved_medians, report
+from cfx.bench.common import Row, interleaved_medians, report, size_of
 
 RECIPE = "data=2 zero=3 offload=host remat=blocks precision=bf16"
 PLAIN = "data=1"
 
 
-def unet_config(quick: bool) -> cfx.diffusion.UNet2DConditionConfig:
+def unet_config(size: str) -> cfx.diffusion.UNet2DConditionConfig:
     """SD 1.x's block layout (cross-attention down / mid / up blocks), narrower."""
+    widths = {"smoke": (16, 16, 16), "quick": (32, 64, 64), "full": (64, 128, 128)}[size]
     return cfx.diffusion.UNet2DConditionConfig(
-        in_channels=4, out_channels=4, block_out_channels=(32, 64, 64) if quick else (64, 128, 128),
-        layers_per_block=1 if quick else 2,
+        in_channels=4, out_channels=4, block_out_channels=widths, layers_per_block=2 if size == "full" else 1,
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=16)
+        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=16 if size != "smoke" else 8)
 
 
 def train_peak(plan_text: str, config, *, rows: int, latent: int, attention: str) -> dict:
@@ -61,9 +61,10 @@ def train_peak(plan_text: str, config, *, rows: int, latent: int, attention: str
 
 
 def int8_rows(config) -> list[Row]:
-    params = cfx.diffusion.UNet2DCondition(config).init(cfx.random.key(0))
+    unet = cfx.diffusion.UNet2DCondition(config)
+    params = unet.init(cfx.random.key(0))
     half = cfx.tree.map(lambda x: x.half(), params)
-    q = cfx.quant.quantize(half, "int8", min_size=0)
+    q = cfx.quant.quantize(half, "int8", axes=unet.axes(), min_size=0)
     fp16, int8, fp32 = cfx.tree.nbytes(half), cfx.tree.nbytes(q), cfx.tree.nbytes(params)
     return [Row("int8_unet_bytes_reduction (fp16 / int8 weights + fp16 rest)", fp16 / int8, "x", ">= 2.5",
                 fp16 / int8 >= 2.5),
@@ -96,9 +97,9 @@ def tiny_pipeline(directory: str):
     return cfx.diffusion.load_pipeline(directory), ref
 
 
-def sampling_rows(quick: bool) -> list[Row]:
+def sampling_rows(size: str) -> list[Row]:
     from cfx._src.diffusion.sampling import sample, text_states
-    steps, batch = (10, 2) if quick else (25, 4)
+    steps, batch, rounds, warmup = {"smoke": (2, 1, 1, 0), "quick": (10, 2, 3, 1), "full": (25, 4, 7, 1)}[size]
     with tempfile.TemporaryDirectory() as d:
         p, ref = tiny_pipeline(d)
         g = torch.Generator().manual_seed(0)
@@ -114,20 +115,21 @@ def sampling_rows(quick: bool) -> list[Row]:
             with torch.no_grad():
                 ref(prompt_embeds=cond, negative_prompt_embeds=uncond, latents=latents, num_inference_steps=steps,
                     guidance_scale=7.5, output_type="pt", height=32, width=32)
-        t_ours, t_theirs = interleaved_medians([ours, theirs], rounds=3 if quick else 7)
+        t_ours, t_theirs = interleaved_medians([ours, theirs], rounds=rounds, warmup=warmup)
     return [Row(f"samples_per_s_vs_diffusers ({batch} images, {steps} DDIM steps, 32x32)", t_theirs / t_ours, "x",
                 ">= 1.0", t_theirs / t_ours >= 1.0),
             Row("  cfx images per second", batch / t_ours, "img/s"),
             Row("  diffusers images per second", batch / t_theirs, "img/s")]
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    config = unet_config(quick)
-    latent = 16 if quick else 32
-    plain = train_peak(PLAIN, config, rows=16, latent=latent, attention="reference")
-    recipe = train_peak(RECIPE, config, rows=16, latent=latent, attention="auto")
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
+    config = unet_config(size)
+    batch, latent = {"smoke": (1, 4), "quick": (16, 16), "full": (16, 32)}[size]
+    plain = train_peak(PLAIN, config, rows=batch, latent=latent, attention="reference")
+    recipe = train_peak(RECIPE, config, rows=batch, latent=latent, attention="auto")
     ratio = plain["device"] / recipe["device"]
-    rows = [Row(f"train_memory_reduction (batch 16 per rank, {latent}x{latent} latents)", ratio, "x", ">= 5.6",
+    rows = [Row(f"train_memory_reduction (batch {batch} per rank, {latent}x{latent} latents)", ratio, "x", ">= 5.6",
                 ratio >= 5.6),
             Row("  plain device peak per rank (fp32, AdamW, materialised attention, 1 rank)",
                 plain["device"] / 2**20, "MiB"),
@@ -138,6 +140,6 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
     for kind, v in sorted(recipe["kinds"].items()):
         rows.append(Row(f"  recipe peak of {kind}", v / 2**20, "MiB"))
     rows += int8_rows(config)
-    rows += sampling_rows(quick)
+    rows += sampling_rows(size)
     return report("diffusion", rows, json_path)
 

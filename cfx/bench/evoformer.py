@@ -25,13 +25,18 @@ import torch
 import cfx
 from cfx import P
 from cfx._src.models.evoformer_dap import comm_bytes
-from cfx._src.plan.config import format_bytes
-from cfx.bench.common import Row, interleaved_medians, report
+from cfx._src.core.text import format_bytes
+from cfx.bench.common import Row, interleaved_medians, report, size_of
 
 CONFIG = dict(n_blocks=1, c_m=32, c_z=32, c_hidden_msa_att=8, n_heads_msa=4, c_hidden_opm=8, c_hidden_mul=32,
               c_hidden_pair_att=8, n_heads_pair=4)
 S = 8
 MEASURE_LIMIT = 6 << 30
+SIZES = {  # size -> (AutoChunk's lengths, its budget, the slowdown's length and rounds, DAP's length)
+    "smoke": ([32, 64], 1 << 20, 96, 1, 16),  # 96: the shortest a quarter of the activations fits
+    "quick": ([64, 128, 192, 256], 48 << 20, 192, 5, 128),
+    "full": ([128, 256, 384, 512, 768, 1024], 1 << 30, 256, 5, 192),
+}
 
 
 def _model():
@@ -54,17 +59,16 @@ def _measured(fn, *args, **kwargs) -> tuple[int, float]:
     return mem.peak("host"), seconds
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    lengths, budget, slow_R, rounds, dap_R = SIZES[size_of(quick=quick, smoke=smoke)]
     torch.manual_seed(0)
-    rows = _autochunk_rows(quick) + _dap_rows(quick)
+    rows = _autochunk_rows(lengths, budget) + [_slowdown(*_model(), slow_R, rounds)] + _dap_rows(dap_R)
     return report("evoformer", rows, json_path)
 
 
-def _autochunk_rows(quick: bool) -> list[Row]:
+def _autochunk_rows(lengths: list[int], budget: int) -> list[Row]:
     model, params = _model()
     cfg = model.config
-    lengths = [64, 128, 192, 256] if quick else [128, 256, 384, 512, 768, 1024]
-    budget = (48 << 20) if quick else (1 << 30)
     table, both, fits_plain, fits_chunked = [], None, 0, 0
     for R in lengths:
         m, z, masks = _inputs(cfg, R)
@@ -88,16 +92,15 @@ def _autochunk_rows(quick: bool) -> list[Row]:
                 (meas or est) / 2**20, "MiB", f"AutoChunk {peak / 2**20:.1f} MiB" if peak else "AutoChunk: no plan fits")
             for R, est, meas, peak in table]
     reduction = both[1] / both[2] if both else 0.0
-    rows.insert(0, Row(f"autochunk_memory_reduction (R={both[0] if both else '-'}, budget {format_bytes(budget)})",
+    rows.insert(0, Row(f"autochunk_memory_reduction (R={both[0] if both else '-'}, budget {format_bytes(budget, exact=True)})",
                        reduction, "x", ">= 4.0 (75% less)", reduction >= 4.0))
     rows.append(Row("  longest length in the budget, unchunked", fits_plain, "residues"))
     rows.append(Row("  longest length in the budget, AutoChunk", fits_chunked, "residues",
                     f"> {fits_plain}", fits_chunked > fits_plain))
-    rows.append(_slowdown(model, params, 192 if quick else 256))
     return rows
 
 
-def _slowdown(model, params, R: int) -> Row:
+def _slowdown(model, params, R: int, rounds: int) -> Row:
     m, z, masks = _inputs(model.config, R)
     args = (params, m, z)
     estimate = cfx.autochunk(model.apply, args, memory_budget=1 << 50, kwargs=masks).compile(*args, **masks)
@@ -105,16 +108,16 @@ def _slowdown(model, params, R: int) -> Row:
     regions = len(chunked.compile(*args, **masks).choices)
     with torch.no_grad():
         plain_s, chunked_s = interleaved_medians([lambda: model.apply(*args, **masks), lambda: chunked(*args, **masks)],
-                                                 rounds=5)
+                                                 rounds=rounds)
     ratio = chunked_s / plain_s
     return Row(f"autochunk_slowdown (R={R}, a quarter of the activations, {regions} regions)", ratio, "x",
                "<= 1.10", ratio <= 1.10)
 
 
-def _dap_rows(quick: bool) -> list[Row]:
+def _dap_rows(R: int) -> list[Row]:
     model, params = _model()
     cfg = model.config
-    n, R = 4, (128 if quick else 192)
+    n = 4
     m, z, _ = _inputs(cfg, R)
     dmodel = cfx.parallel.dap(model, "axial")
     single, _ = _measured(model.apply, params, m, z)

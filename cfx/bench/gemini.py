@@ -22,16 +22,17 @@ import torch
 import cfx
 from cfx import P
 from cfx import zero
-from cfx.bench.common import Row, report
+from cfx.bench.common import Row, report, size_of
 
 MiB = 1 << 20
 N = 2  # ranks
 
 
-def _ladder(quick: bool):
-    if quick:  # (n_embd, n_layer), vocab, T, batch per rank
-        return [(64, 2), (128, 2), (192, 3), (256, 4), (384, 4)], 512, 32, 2
-    return [(128, 4), (256, 8), (512, 8), (768, 12)], 8192, 128, 2
+LADDERS = {  # size -> ([(n_embd, n_layer)], vocab, T, batch per rank, device budget)
+    "smoke": ([(32, 1), (64, 1)], 64, 8, 1, 1 * MiB),
+    "quick": ([(64, 2), (128, 2), (192, 3), (256, 4), (384, 4)], 512, 32, 2, 16 * MiB),
+    "full": ([(128, 4), (256, 8), (512, 8), (768, 12)], 8192, 128, 2, 512 * MiB),
+}
 
 
 def train(shape, vocab, T, batch, placement, *, n=N, steps=2):
@@ -66,9 +67,8 @@ def train(shape, vocab, T, batch, placement, *, n=N, steps=2):
     return peak, seconds, moved, cfx.tree.size(params), searches[0]
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    budget = (16 if quick else 512) * MiB
-    ladder, vocab, T, batch = _ladder(quick)
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    ladder, vocab, T, batch, budget = LADDERS[size_of(quick=quick, smoke=smoke)]
     nvme_dir = tempfile.mkdtemp(prefix="cfx-bench-nvme-")
     policies = {"device": zero.offload(cfx.gemini.device()), "host": zero.offload(cfx.gemini.host()),
                 "auto": zero.offload(cfx.gemini.auto(budget)),

@@ -39,15 +39,16 @@ def _fwd_bwd(fn, *inputs, sync=lambda: None):
     return step
 
 
-def cpu_rows(quick: bool) -> list[Row]:
-    B, T, H, Hkv, D = (1, 256, 8, 2, 64) if quick else (2, 1024, 8, 2, 64)
+def cpu_rows(size: str) -> list[Row]:
+    B, T, H, Hkv, D = {"smoke": (1, 32, 4, 2, 16), "quick": (1, 256, 8, 2, 64), "full": (2, 1024, 8, 2, 64)}[size]
+    rounds, warmup = {"smoke": (1, 0), "quick": (15, 2), "full": (10, 2)}[size]
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, T, H, D, generator=g, requires_grad=True)
     k = torch.randn(B, T, Hkv, D, generator=g, requires_grad=True)
     v = torch.randn(B, T, Hkv, D, generator=g, requires_grad=True)
     ref = _fwd_bwd(lambda q, k, v: attention_reference(q, k, v, causal=True), q, k, v)
     naive = _fwd_bwd(_naive, q, k, v)
-    t_ref, t_naive = interleaved_medians([ref, naive], rounds=15 if quick else 10, warmup=2)
+    t_ref, t_naive = interleaved_medians([ref, naive], rounds=rounds, warmup=warmup)
     shape = f"B={B} T=S={T} H={H} Hkv={Hkv} D={D} fp32 causal"
     return [
         Row(f"attention reference fwd+bwd ({shape})", t_ref * 1e3, "ms"),
@@ -57,11 +58,12 @@ def cpu_rows(quick: bool) -> list[Row]:
     ]
 
 
-def cuda_rows(quick: bool) -> list[Row]:
+def cuda_rows(size: str) -> list[Row]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     H, D, tokens = 16, 64, 16384
-    seqs = (512, 2048) if quick else (512, 1024, 2048, 4096, 8192, 16384)
+    seqs = {"smoke": (512,), "quick": (512, 2048), "full": (512, 1024, 2048, 4096, 8192, 16384)}[size]
+    rounds = {"smoke": 1, "quick": 5, "full": 20}[size]
     rows = []
     for T in seqs:
         B = max(1, tokens // T)
@@ -78,7 +80,7 @@ def cuda_rows(quick: bool) -> list[Row]:
         ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, impl="triton"), q, k, v,
                         sync=torch.cuda.synchronize)
         theirs = _fwd_bwd(sdpa, qs, ks, vs, sync=torch.cuda.synchronize)
-        t_ours, t_theirs = interleaved_medians([ours, theirs], rounds=5 if quick else 20, warmup=2)
+        t_ours, t_theirs = interleaved_medians([ours, theirs], rounds=rounds, warmup=2)
         rows += [Row(f"flash attention fwd+bwd T={T} (B={B} H={H} D={D} bf16 causal)",
                      flops / t_ours / 1e12, "TFLOP/s"),
                  Row(f"SDPA flash fwd+bwd T={T}", flops / t_theirs / 1e12, "TFLOP/s"),
@@ -86,8 +88,8 @@ def cuda_rows(quick: bool) -> list[Row]:
     return rows
 
 
-def rows(quick: bool) -> list[Row]:
-    out = cpu_rows(quick)
+def rows(size: str) -> list[Row]:
+    out = cpu_rows(size)
     if torch.cuda.is_available():
-        out += cuda_rows(quick)
+        out += cuda_rows(size)
     return out

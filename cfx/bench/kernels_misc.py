@@ -58,15 +58,19 @@ def _naive_int8(x, q, scale, b):
     return x @ (q.float() * scale) + b  # dequantise the whole weight, then matmul
 
 
-def _cpu_rows(quick: bool) -> list[Row]:
-    rounds = 9 if quick else 25
-    M, C = (1024, 768) if quick else (8192, 768)
+CPU_SIZES = {  # size -> (rounds, norms' (M, C), cross-entropy's (N, V), AdamW's n, int8's (rows, in, out))
+    "smoke": (1, (64, 64), (16, 512), 2**10, (4, 64, 128)),
+    "quick": (9, (1024, 768), (256, 50257), 2**20, (64, 768, 3072)),
+    "full": (25, (8192, 768), (1024, 50257), 2**24, (512, 768, 3072)),
+}
+
+
+def _cpu_rows(size: str) -> list[Row]:
+    rounds, (M, C), (N, V), n, (rows_i, k_i, n_i) = CPU_SIZES[size]
     x, w, b = _randn(M, C), _randn(C, seed=1), _randn(C, seed=2)
-    N, V = (256, 50257) if quick else (1024, 50257)
     z, t = _randn(N, V, seed=3), torch.randint(0, V, (N,))
-    n = 2**20 if quick else 2**24
-    q, scale = int8_matmul.quantize_weight(_randn(768, 3072, seed=4))
-    xi, bi = _randn(64 if quick else 512, 768, seed=5), _randn(3072, seed=6)
+    q, scale = int8_matmul.quantize_weight(_randn(k_i, n_i, seed=4))
+    xi, bi = _randn(rows_i, k_i, seed=5), _randn(n_i, seed=6)
 
     p, g, m, v = _randn(n), _randn(n, seed=7), torch.zeros(n), torch.zeros(n)
     param = torch.nn.Parameter(p.clone())
@@ -107,9 +111,16 @@ def _gbps(nbytes: int, fn: Callable[[], None]) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def _cuda_rows(quick: bool) -> list[Row]:
+CUDA_SIZES = {  # size -> (norms' (M, C), AdamW's n, cross-entropy's (N, V)); smoke: quick's, seconds on a GPU
+    "smoke": ((4096, 4096), 2**26, (4096, 50257)),
+    "quick": ((4096, 4096), 2**26, (4096, 50257)),
+    "full": ((16384, 4096), 2**28, (16384, 50257)),
+}
+
+
+def _cuda_rows(size: str) -> list[Row]:
     rows = []
-    M, C = (4096, 4096) if quick else (16384, 4096)
+    (M, C), n, (N, V) = CUDA_SIZES[size]
     x = _randn(M, C, device="cuda", dtype=torch.bfloat16)
     w, b = _randn(C, device="cuda", seed=1), _randn(C, device="cuda", seed=2)
     nbytes = 5 * M * C * x.element_size()  # fwd: read x, write y; bwd: read x, dy, write dx
@@ -125,7 +136,6 @@ def _cuda_rows(quick: bool) -> list[Row]:
                  Row(f"cuda {name} fwd+bwd torch.compile", c, "GB/s"),
                  Row(f"cuda {name} triton / torch.compile", k / c, "x", ">= 1", k / c >= 1.0)]
 
-    n = 2**26 if quick else 2**28
     p, g = _randn(n, device="cuda"), _randn(n, device="cuda", seed=3)
     m, v = torch.zeros_like(p), torch.zeros_like(p)
     hp = dict(step=10, lr=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
@@ -136,7 +146,6 @@ def _cuda_rows(quick: bool) -> list[Row]:
              Row("cuda adamw_flat_ torch.compile", c, "GB/s"),
              Row("cuda adamw_flat_ triton / torch.compile", k / c, "x", ">= 1", k / c >= 1.0)]
 
-    N, V = (4096, 50257) if quick else (16384, 50257)
     logits = _randn(N, V, device="cuda", dtype=torch.bfloat16).requires_grad_()
     t = torch.randint(0, V, (N,), device="cuda")
     peaks = {}
@@ -156,9 +165,9 @@ def _cuda_rows(quick: bool) -> list[Row]:
     return rows
 
 
-def rows(quick: bool) -> list[Row]:
+def rows(size: str) -> list[Row]:
     """The table's rows: CPU always, CUDA when a GPU is present."""
-    out = _cpu_rows(quick)
+    out = _cpu_rows(size)
     if torch.cuda.is_available():
-        out += _cuda_rows(quick)
+        out += _cuda_rows(size)
     return out

@@ -35,7 +35,7 @@ import tempfile
 import cfx
 from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.zero.flat import piece_size
-from cfx.bench.common import Row, report
+from cfx.bench.common import Row, report, size_of
 from cfx.bench.memory_worker import N, config
 from cfx.bench.zero import root_elements
 
@@ -56,7 +56,12 @@ def _launch(args: list[str], out_dir: str, *, local: bool) -> list[dict]:
         raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     kind, strategy = args[:2]
     files = sorted(glob.glob(os.path.join(out_dir, f"{kind}-{strategy}-{'local' if local else 'dist'}-*.json")))
-    return [json.load(open(f)) for f in files]
+    return [_read_json(f) for f in files]
+
+
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def _state_rows(runs: list[list[dict]], label: str, *, rss: bool) -> tuple[list[Row], dict]:
@@ -143,28 +148,34 @@ def _traffic_rows(runs: list[list[dict]], cfg: dict, label: str) -> tuple[list[R
     return rows, worst, all_ok
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    cfg = config(quick)
-    flag = ["--quick"] if quick else []
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
+    cfg = config(quick, smoke=smoke)
+    flag = [] if size == "full" else [f"--{size}"]
+    # smoke: the workers' ranks as threads of one process; torchrun's four interpreters take ~10 s a launch
+    local = size == "smoke"
+    where = " (local)" if local else " (torchrun)"
     rows = []
     with tempfile.TemporaryDirectory() as d:
         model = cfx.models.gpt2("tiny", **cfg["model"])
         psi = cfx.tree.size(cfx.eval_shape(model.init, cfx.random.key(0)))
         rows.append(Row(f"GPT-2 {cfg['model']['n_layer']}x{cfg['model']['n_embd']}, vocab "
                         f"{cfg['model']['vocab_size']}, N={N}: Psi", psi, "params"))
-        runs = _launch(["state", "all", *flag], d, local=False)  # per rank: [zero3, dp]
-        z, zo = _state_rows([[r[0]] for r in runs], " (torchrun)", rss=True)
-        p, po = _state_rows([[r[1]] for r in runs], " (torchrun)", rss=True)
+        runs = _launch(["state", "all", *flag], d, local=local)  # per process: [zero3, dp]
+        z, zo = _state_rows([[r[0]] for r in runs], where, rss=True)
+        p, po = _state_rows([[r[1]] for r in runs], where, rss=True)
         rows += z + p
-        rows.append(Row("ZeRO-3 / data parallel: peak RSS growth per process (torchrun)", zo["rss"] / po["rss"], "x",
+        rows.append(Row(f"ZeRO-3 / data parallel: peak RSS growth per process{where}", zo["rss"] / po["rss"], "x",
                         f"~ {zo['bound'] / po['bound']:.2f} (the bounds' ratio)",
                         abs(zo["rss"] / po["rss"] - zo["bound"] / po["bound"]) <= 0.1))
-        if not quick:
+        if size == "full":
             z_local, _ = _state_rows(_launch(["state", "zero3"], d, local=True), " (local)", rss=False)
             rows += z_local
-        t_rows, worst, ok = _traffic_rows(_launch(["traffic", "all", *flag], d, local=False), cfg, " (torchrun)")
-        tl_rows, worst_l, ok_l = _traffic_rows(_launch(["traffic", "dp" if quick else "all", *flag], d, local=True),
-                                               cfg, " (local)")
+        t_rows, worst, ok = _traffic_rows(_launch(["traffic", "all", *flag], d, local=local), cfg, where)
+        tl_rows, worst_l, ok_l = [], 0.0, True
+        if not local:  # the local backend too
+            tl_rows, worst_l, ok_l = _traffic_rows(_launch(["traffic", "all" if size == "full" else "dp", *flag], d,
+                                                           local=True), cfg, " (local)")
     rows += t_rows + tl_rows
     rows.append(Row("dp_tp_zero3_bytes_outside_collectives", max(worst, worst_l), "B/step",
                     "0 (within the replay spread)", ok and ok_l))

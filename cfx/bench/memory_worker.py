@@ -1,8 +1,8 @@
 """The per-process side of ``python -m cfx.bench memory``: one training strategy's memory and wire
 traffic, measured where it runs (a torchrun process, or every rank thread of a local mesh).
 
-    torchrun --nproc-per-node 4 -m cfx.bench.memory_worker state zero3|dp|all OUT_DIR [--quick]
-    torchrun --nproc-per-node 4 -m cfx.bench.memory_worker traffic all OUT_DIR [--quick]
+    torchrun --nproc-per-node 4 -m cfx.bench.memory_worker state zero3|dp|all OUT_DIR [--quick | --smoke]
+    torchrun --nproc-per-node 4 -m cfx.bench.memory_worker traffic all OUT_DIR [--quick | --smoke]
 
 ``state``: params and AdamW state as ShardedArrays across a few donated steps, under a
 ``cfx.memory`` tracker: the peak of the bytes it books (params, grads, optimizer state, gathered
@@ -32,14 +32,18 @@ from cfx._src.lax import comm
 from cfx._src.mesh import context as ctx_lib
 from cfx.parallel import Plan, TrainState
 from cfx import zero
+from cfx.bench.common import size_of
 
 N = 4
+CONFIGS = {
+    "smoke": dict(model=dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=8), batch=4, steps=2),
+    "quick": dict(model=dict(n_layer=2, n_embd=256, n_head=4, vocab_size=1024, n_positions=64), batch=8, steps=3),
+    "full": dict(model=dict(n_layer=6, n_embd=512, n_head=8, vocab_size=4096, n_positions=128), batch=8, steps=4),
+}
 
 
-def config(quick: bool) -> dict:
-    if quick:
-        return dict(model=dict(n_layer=2, n_embd=256, n_head=4, vocab_size=1024, n_positions=64), batch=8, steps=3)
-    return dict(model=dict(n_layer=6, n_embd=512, n_head=8, vocab_size=4096, n_positions=128), batch=8, steps=4)
+def config(quick: bool, *, smoke: bool = False) -> dict:
+    return CONFIGS[size_of(quick=quick, smoke=smoke)]
 
 
 def _status(field: str) -> int:
@@ -128,11 +132,11 @@ class Strategy:
         return int(next(iter(out.blocks.values()))[0])
 
 
-def measure_state(name: str, quick: bool, backend: str) -> dict:
+def measure_state(name: str, quick: bool, backend: str, *, smoke: bool = False) -> dict:
     """Peak RSS growth over a few steps (no tracker: nothing but the strategy allocates), then the
     bytes a ``cfx.memory`` tracker books during a step (params, grads, optimizer state, gathered
     layers) up to the point where the gradients exist, and one forward's activations."""
-    cfg = config(quick)
+    cfg = config(quick, smoke=smoke)
     model = cfx.models.gpt2("tiny", **cfg["model"])
     tokens = cfx.random.randint(cfx.random.key(1), (cfg["steps"], cfg["batch"], model.config.n_positions + 1), 0,
                                 model.config.vocab_size)
@@ -219,8 +223,8 @@ def _replay(mesh, records: dict[int, list]) -> None:
     cfx.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(tuple(mesh.axis_names)))(torch.zeros(1))
 
 
-def measure_traffic(name: str, quick: bool, backend: str, *, control: bool = False) -> dict:
-    cfg = config(quick)
+def measure_traffic(name: str, quick: bool, backend: str, *, control: bool = False, smoke: bool = False) -> dict:
+    cfg = config(quick, smoke=smoke)
     model = cfx.models.gpt2("tiny", **cfg["model"])
     steps = cfg["steps"]
     tokens = cfx.random.randint(cfx.random.key(1), (steps + 1, cfg["batch"], model.config.n_positions + 1), 0,
@@ -257,18 +261,19 @@ def _ship_outputs(mesh, tree) -> None:
 
 def main(argv: list[str]) -> int:
     kind, strategy, out_dir = argv[:3]
-    quick = "--quick" in argv
+    quick, smoke = "--quick" in argv, "--smoke" in argv
     backend = "local" if "--local" in argv else "dist"
     torch.set_num_threads(1)
     if backend == "dist":  # one world for the meshes made one after another in this process
         dist.init_process_group("gloo")
     if kind == "state":  # freed blocks go back to the OS (MALLOC_MMAP_THRESHOLD_), so runs can follow
-        results = [measure_state(n, quick, backend) for n in (["zero3", "dp"] if strategy == "all" else [strategy])]
+        results = [measure_state(n, quick, backend, smoke=smoke)
+                   for n in (["zero3", "dp"] if strategy == "all" else [strategy])]
     else:
         names = ["dp", "tp", "zero3"] if strategy == "all" else [strategy]
-        results = [measure_traffic(n, quick, backend) for n in names]
+        results = [measure_traffic(n, quick, backend, smoke=smoke) for n in names]
         if backend == "dist":
-            results.append(measure_traffic("dp", quick, backend, control=True))
+            results.append(measure_traffic("dp", quick, backend, control=True, smoke=smoke))
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{kind}-{strategy}-{backend}-{rank}.json"), "w") as f:

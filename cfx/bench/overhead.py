@@ -21,8 +21,9 @@ not the math, decide the ratio (measured: 1.69 with the Module's ``zero_grad`` f
 it last, before the fused apply).
 
 Sizes: small is B=1, T=64 and large B=4, T=256 on GPT-2 small; ``--quick`` runs the small size
-on a 2-layer GPT-2 (and no large size), to finish in about a minute. Also reported: the tokens/s of
-``python -m cfx.train`` on its defaults (a shortened run under ``--quick``).
+on a 2-layer GPT-2 (and no large size), to finish in about a minute; ``--smoke`` its eager phase on
+a toy GPT-2 (nothing compiled). Also reported: the tokens/s of ``python -m cfx.train`` on its
+defaults (a shortened run under ``--quick``, two toy steps under ``--smoke``).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 
 import cfx
 from cfx import models, optim
-from cfx.bench.common import Row, interleaved_medians, report
+from cfx.bench.common import Row, interleaved_medians, report, size_of
 from cfx.bench.torch_gpt2 import TorchGPT2
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.loop import train
@@ -107,16 +108,34 @@ def _compile(side: Side) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model, batch: int, seq: int, rounds: int, label: str) -> tuple[list[Row], dict]:
+def measure(model, batch: int, seq: int, rounds: int, label: str, *,
+            compiled: bool = True) -> tuple[list[Row], dict]:
     """Two phases, each interleaved: the eager pair first (before anything is compiled, so that
     neither pays for the compiled sides' memory and worker processes), then cfx.jit, the compiled
-    Module and eager cfx again (the speedup's two sides side by side)."""
-    s = sides(model, batch, seq)
+    Module and eager cfx again (the speedup's two sides side by side). ``compiled=False``: the
+    first phase alone (the smoke size: a cold inductor compile takes half a minute)."""
+    s = sides(model, batch, seq, compiled=compiled)
     eager = ["cfx", "module", "module_foreach"]
     for n in eager:
         s[n]()
     first = {n: s[n].loss for n in eager}
     t = dict(zip(eager, interleaved_medians([s[n] for n in eager], rounds=rounds, warmup=0)))
+    rows = [
+        Row(f"eager_vs_module_{label}: cfx eager (donated) / nn.Module eager + fused AdamW, "
+            f"{_cfg(model, batch, seq)}", t["cfx"] / t["module"], "x", "<= 1.05", t["cfx"] / t["module"] <= 1.05),
+        Row(f"  cfx eager / nn.Module eager + foreach AdamW (torch's default), {label}",
+            t["cfx"] / t["module_foreach"], "x", "info"),
+    ]
+    if compiled:
+        rows += _compiled_phase(s, t, first, rounds, label)
+    spread = max(first.values()) - min(first.values())
+    rows.append(Row(f"  first-step loss, max |difference| of the {len(first)} ({label})", spread, "nats",
+                    "<= 1e-4", spread <= 1e-4))
+    return rows, t
+
+
+def _compiled_phase(s: dict[str, Side], t: dict, first: dict, rounds: int, label: str) -> list[Row]:
+    """The second phase's rows; adds its times to ``t`` and its first losses to ``first``."""
     jit_compile, module_compile = _compile(s["jit"]), _compile(s["compiled"])
     first.update(jit=s["jit"].loss, compiled=s["compiled"].loss)
     names = ["jit", "compiled", "cfx"]
@@ -125,11 +144,7 @@ def measure(model, batch: int, seq: int, rounds: int, label: str) -> tuple[list[
     for _ in range(20):
         s["jit"]()
     recompiles = s["jit"].jitted.stats().recompiles  # over every call: the rounds and 20 more steps
-    rows = [
-        Row(f"eager_vs_module_{label}: cfx eager (donated) / nn.Module eager + fused AdamW, "
-            f"{_cfg(model, batch, seq)}", t["cfx"] / t["module"], "x", "<= 1.05", t["cfx"] / t["module"] <= 1.05),
-        Row(f"  cfx eager / nn.Module eager + foreach AdamW (torch's default), {label}",
-            t["cfx"] / t["module_foreach"], "x", "info"),
+    return [
         Row(f"jit_vs_compiled_{label}: cfx.jit / torch.compile(nn.Module) + fused AdamW",
             t["jit"] / t["compiled"], "x", "<= 1.00", t["jit"] / t["compiled"] <= 1.00),
         Row(f"  step times ({label}): cfx eager / Module eager fused / foreach | cfx.jit / compiled Module / "
@@ -139,20 +154,20 @@ def measure(model, batch: int, seq: int, rounds: int, label: str) -> tuple[list[
             jit_compile, "s", f"{module_compile:.1f} s"),
         Row(f"  cfx.jit recompiles after the first compile (rounds + 20 steps, {label})", recompiles, "", "0",
             recompiles == 0),
-        Row(f"  first-step loss, max |difference| of the five ({label})",
-            max(first.values()) - min(first.values()), "nats", "<= 1e-4",
-            max(first.values()) - min(first.values()) <= 1e-4),
     ]
-    return rows, t
 
 
 def _cfg(model, batch: int, seq: int) -> str:
     return f"GPT-2 {model.config.n_layer} layers, B={batch}, T={seq}"
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
     rows = []
-    if quick:
+    if size == "smoke":
+        toy = models.gpt2("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        rows += measure(toy, 1, 16, rounds=1, label="toy", compiled=False)[0]
+    elif size == "quick":
         small = models.gpt2("small", n_layer=2)
         rows += measure(small, 1, 64, rounds=6, label="small")[0]
     else:
@@ -163,8 +178,9 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
         speedup = t["cfx_with_compiled"] / t["jit"]
         rows.append(Row("jit_speedup_large: cfx eager / cfx.jit, B=4, T=256", speedup, "x", ">= 1.2",
                         speedup >= 1.2))
-    steps = 40 if quick else TrainConfig().steps
-    summary = train(TrainConfig(steps=steps, eval_every=0, progress=False))
+    steps = {"smoke": 2, "quick": 40, "full": TrainConfig().steps}[size]
+    toy = dict(batch=2, seq=16, eval_batches=1, sample_bytes=0) if size == "smoke" else {}
+    summary = train(TrainConfig(steps=steps, eval_every=0, progress=False, **toy))
     rows += [
         Row(f"python -m cfx.train defaults ({steps} steps) tokens/s", summary["tokens_per_s"], "tok/s"),
         Row("python -m cfx.train eval loss first -> last", summary["eval_loss_last"], "nats",

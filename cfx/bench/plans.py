@@ -6,7 +6,8 @@ and optimizer state as the step watches them, on the device or, offloaded, on th
 against what ``plan.describe(model)`` computed before anything ran (target 0.9-1.1), beside
 the rank's device peak (model state, gathered blocks, chunk copies; activations are not booked), and the counted collectives of one step
 (``cfx.comm_stats``) give the payload bytes a rank hands to collectives per mesh axis. ``--quick``: GPT-2
-tiny-shaped (4 blocks of 128, byte vocabulary, batch 16 x 64); full: GPT-2 small's blocks with a 1024 vocabulary, batch 8 x 128.
+tiny-shaped (4 blocks of 128, byte vocabulary, batch 16 x 64); full: GPT-2 small's blocks with a 1024 vocabulary,
+batch 8 x 128; ``--smoke``: two of the plans, 2 blocks of 32, batch 8 x 16, one step.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import torch
 
 import cfx
-from cfx.bench.common import Row, report
+from cfx.bench.common import Row, report, size_of
 
 PLANS = (
     "data=8",
@@ -26,10 +27,14 @@ PLANS = (
     "pipe=2,data=4 zero=2 schedule=interleaved microbatches=2",
     "pipe=2,data=2,model=2 zero=3 offload=host microbatches=2",
 )
+SMOKE_PLANS = (PLANS[0], PLANS[-1])  # the simplest and the one with the most parts; each plan is one measure()
 
 
-def _setup(quick: bool):
-    if quick:
+def _setup(size: str):
+    """(model, batch, seq, steps timed)."""
+    if size == "smoke":
+        return cfx.models.gpt2("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16), 8, 16, 1
+    if size == "quick":
         return cfx.models.gpt2("tiny", vocab_size=256, n_positions=64), 16, 64, 3
     return cfx.models.gpt2("small", vocab_size=1024, n_positions=128), 8, 128, 2
 
@@ -61,11 +66,12 @@ def measure(text: str, model, batch: int, seq: int, steps: int) -> dict:
                 described=described.model_state, sent={a: b / ranks for a, b in sent.items()})
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    model, batch, seq, steps = _setup(quick)
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
+    model, batch, seq, steps = _setup(size)
     torch.manual_seed(0)
     rows = []
-    for text in PLANS:
+    for text in SMOKE_PLANS if size == "smoke" else PLANS:
         m = measure(text, model, batch, seq, steps)
         ratio = m["measured"] / m["described"]
         rows.append(Row(f"plan[{text}]_bytes_vs_describe", round(ratio, 4), "measured/described", "0.9-1.1",

@@ -16,15 +16,18 @@ import torch
 
 import cfx
 from cfx._src.remat import solver
-from cfx.bench.common import Row, interleaved_medians, report
+from cfx.bench.common import Row, interleaved_medians, report, size_of
 
 
 def _mib(n: float) -> float:
     return round(n / 2**20, 2)
 
 
-def _setup(quick: bool):
-    if quick:
+def _setup(size: str):
+    if size == "smoke":
+        model = cfx.models.gpt2("tiny", n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        B, T = 1, 16
+    elif size == "quick":
         model = cfx.models.gpt2("tiny", n_layer=6, n_embd=128, n_head=4, vocab_size=512)
         B, T = 4, 128
     else:
@@ -44,9 +47,9 @@ def _measure(model_r, params, tokens, targets) -> int:
     return peak
 
 
-def curve(quick: bool) -> list[dict]:
+def curve(size: str) -> list[dict]:
     """One dict per configuration: name, budget, plan peak, measured peak, time, recompute."""
-    model, params, tokens, targets = _setup(quick)
+    model, params, tokens, targets = _setup(size)
     m_no, p_no = cfx.remat.chen(model, params, tokens, segment=10**9)  # one segment: no recompute
     m_chen, p_chen = cfx.remat.chen(model, params, tokens)
     m_full, p_full = cfx.remat.chen(model, params, tokens, segment=1)
@@ -54,14 +57,14 @@ def curve(quick: bool) -> list[dict]:
     lo = solver.minimum_budget(p_no.chain)
     configs = [("no remat", None, m_no, p_no), (p_chen.method, None, m_chen, p_chen),
                ("full-block checkpointing", None, m_full, p_full)]
-    fracs = [0.75, 0.5, 0.35] if quick else [0.75, 0.5, 0.4, 0.3, 0.2]
+    fracs = {"smoke": [0.5], "quick": [0.75, 0.5, 0.35], "full": [0.75, 0.5, 0.4, 0.3, 0.2]}[size]
     budgets = {int(no_peak * f) for f in fracs if no_peak * f >= lo} | {lo, p_chen.peak}
     budgets = sorted(budgets, reverse=True)  # includes Chen's own peak: the same budget, head to head
     for b in budgets:
         m_r, p_r = cfx.remat.solve(model, params, tokens, budget=b)
         configs.append((f"rotor budget {_mib(b)} MiB", b, m_r, p_r))
     fns = [lambda m=m: cfx.value_and_grad(m.loss)(params, tokens, targets) for _, _, m, _ in configs]
-    times = interleaved_medians(fns, rounds=2 if quick else 3)
+    times = interleaved_medians(fns, rounds={"smoke": 1, "quick": 2, "full": 3}[size])
     out = []
     for (name, budget, m, plan), t in zip(configs, times):
         out.append(dict(name=name, budget=budget, plan_peak=plan.peak,
@@ -70,8 +73,8 @@ def curve(quick: bool) -> list[dict]:
     return out, p_chen
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    points, p_chen = curve(quick)
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    points, p_chen = curve(size_of(quick=quick, smoke=smoke))
     base = points[0]
     rows = []
     for pt in points:

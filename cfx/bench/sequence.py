@@ -25,7 +25,7 @@ import torch
 
 import cfx
 from cfx import P
-from cfx.bench.common import Row, report
+from cfx.bench.common import Row, report, size_of
 from cfx.bench.sequence_memory import rows as memory_rows
 
 
@@ -75,20 +75,22 @@ def megatron_and_tp_wire(n: int, *, B: int = 2, T: int = 64) -> tuple[float, flo
     return wire(True, 2) - wire(True, 1), wire(False, 2) - wire(False, 1)
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
+    T = 16 if size == "smoke" else 64
     rows = []
     for method in ("ring", "ulysses", "hybrid"):
-        for n in ((2,) if quick or method == "hybrid" else (2, 4)):
-            measured, formula = measured_and_formula(method, n)
+        for n in ((2,) if size != "full" or method == "hybrid" else (2, 4)):
+            measured, formula = measured_and_formula(method, n, T=T)
             ratio = measured / formula
             where = f"ring={n} x seq=2" if method == "hybrid" else f"seq={n}"
             rows.append(Row(f"{method}_bytes_vs_formula, {where} (per layer, fwd+bwd, rank 0)", ratio, "x", "1.00",
                             abs(ratio - 1.0) < 1e-9))
             rows.append(Row(f"  {method} payload per layer, {where}", measured, "B"))
-    for n in ((4,) if quick else (2, 4)):
-        sp, tp = megatron_and_tp_wire(n)
+    for n in ((4,) if size != "full" else (2, 4)):
+        sp, tp = megatron_and_tp_wire(n, T=T)
         rows.append(Row(f"megatron_bytes_vs_formula, model={n} (wire bytes per block vs TP's all-reduces)", sp / tp,
                         "x", "1.00", abs(sp / tp - 1.0) < 1e-9))
         rows.append(Row(f"  megatron-SP wire bytes per block, model={n}", sp, "B"))
-    rows += memory_rows(quick=quick)
+    rows += memory_rows(size=size)
     return report("sequence", rows, json_path)

@@ -31,6 +31,7 @@ from cfx import P
 from cfx.bench.common import Row
 
 N, GRAIN, WIDTH, HEADS, LAYERS, VOCAB = 4, 8, 64, 4, 2, 256
+SP_METHODS = ("ring", "ulysses", "hybrid", "megatron")
 MESHES = {"tp": {"model": N}, "megatron": {"model": N}, "ring": {"seq": N}, "ulysses": {"seq": N},
           "hybrid": {"ring": 2, "seq": 2}, "one": {"seq": 1}}
 
@@ -86,21 +87,24 @@ def longest(method: str, budget: int, guess: int, *, impl: str = "auto") -> int:
     return T
 
 
-def rows(*, quick: bool = False) -> list[Row]:
+def rows(*, size: str = "full") -> list[Row]:
+    """The module doc's rows; ``size="smoke"`` measures the ring alone against TP (each method is one
+    more run of the same code, and every measurement here is a whole step on 4 ranks)."""
     out = []
-    T = 256 if quick else 512
+    # smoke: shorter lengths would measure the params' gradients more than the activations
+    T, T_tp = {"smoke": (64, 256), "quick": (256, 1024), "full": (512, 2048)}[size]
+    methods = SP_METHODS[:1] if size == "smoke" else SP_METHODS
     one = per_token("one", T)
-    for method in ("ring", "ulysses", "hybrid", "megatron", "tp"):
+    for method in (*methods, "tp"):
         ratio = per_token(method, T) * N / one
         ok = abs(ratio - 1.0) <= 0.15 if method != "tp" else True
         out.append(Row(f"{method}_activations_per_token_vs_1/N ({MESHES[method]}, T={T}..{2 * T})", ratio, "x",
                        "1.00 +-15%" if method != "tp" else "", ok))
-    T_tp = 1024 if quick else 2048
     budget = activation_peak("tp", T_tp)
     tp = longest("tp", budget, T_tp)
     out.append(Row(f"  per-rank activation budget (TP's step at T={T_tp})", budget / 2**20, "MiB"))
     out.append(Row("  tp longest sequence under the budget", tp, "tokens"))
-    for method in ("ring", "ulysses", "hybrid", "megatron"):
+    for method in methods:
         got = longest(method, budget, 2 * T_tp)
         out.append(Row(f"{method}_max_seq_vs_tp ({got} vs {tp} tokens, 4 ranks)", got / tp, "x", ">= 3.0",
                        got / tp >= 3.0))

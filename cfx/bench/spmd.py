@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 import cfx
 from cfx import P
-from cfx.bench.common import Row, interleaved_medians, report
+from cfx.bench.common import Row, interleaved_medians, report, size_of
 
 
 def _mp_worker(rank: int, size: int, init_file: str) -> None:
@@ -114,9 +114,22 @@ RESHARD_PAIRS = [
 ]
 
 
-def collective_check_overhead(quick: bool) -> tuple[float, float, int]:
+SIZES = {
+    # starts: (local mesh sizes, tries of each, the sizes also started as spawned processes); calls: identity
+    # shard_maps timed; psum: (sizes, repeats); layers: the GPT-2 of the two check rows; check_rounds and
+    # rep_rounds: their interleaved rounds; posts: ledger posts timed
+    "smoke": dict(starts=((2,), 1, (2,)), calls=5, psum=((1 << 10,), 2), layers=1, check_rounds=1, posts=100,
+                  rep_rounds=1),
+    "quick": dict(starts=((2, 4, 8), 3, (2,)), calls=50, psum=((1 << 16,), 20), layers=2, check_rounds=30,
+                  posts=10_000, rep_rounds=60),
+    "full": dict(starts=((2, 4, 8), 3, (2, 4, 8)), calls=500, psum=((1 << 10, 1 << 16, 1 << 20), 100), layers=4,
+                 check_rounds=60, posts=100_000, rep_rounds=60),
+}
+
+
+def collective_check_overhead(*, layers: int, rounds: int) -> tuple[float, float, int]:
     """``(ratio checked/unchecked, unchecked step s, collectives per step)`` of a DP x TP GPT-2 step."""
-    model = cfx.models.gpt2("tiny", vocab_size=256, n_positions=64, n_layer=2 if quick else 4)
+    model = cfx.models.gpt2("tiny", vocab_size=256, n_positions=64, n_layer=layers)
     plan = cfx.parallel.Plan.parse("data=2,model=2")
     tokens = cfx.random.randint(cfx.random.key(1), (8, 65), 0, 256)
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -131,18 +144,19 @@ def collective_check_overhead(quick: bool) -> tuple[float, float, int]:
                 states[name], metrics = steps[name](states[name], batch)
                 float(metrics["loss"])
             return f
-        t_on, t_off = interleaved_medians([runner("on"), runner("off")], rounds=30 if quick else 60, warmup=2)
+        t_on, t_off = interleaved_medians([runner("on"), runner("off")], rounds=rounds, warmup=min(2, rounds))
         with cfx.comm_stats() as stats:
             runner("off")()
         per_step = len(stats.records) // plan.size("data") // plan.size("model")
     return t_on / t_off, t_off, per_step
 
 
-def replication_check_overhead(quick: bool) -> tuple[float, float, float]:
+def replication_check_overhead(*, layers: int, rounds: int) -> tuple[float, float, float]:
     """``(ratio sampled/unchecked, ratio full/unchecked, unchecked step s)`` of a DP x TP GPT-2
-    SGD step whose params come back replicated over ``data`` (every leaf checked)."""
+    SGD step whose params come back replicated over ``data`` (every leaf checked); a few % of
+    noise at fewer than 60 rounds."""
     from cfx.parallel import MEGATRON_RULES, tensor_parallel, tree_pmean
-    model = cfx.models.gpt2("tiny", vocab_size=256, n_positions=64, n_layer=2 if quick else 4)
+    model = cfx.models.gpt2("tiny", vocab_size=256, n_positions=64, n_layer=layers)
     net, tx = tensor_parallel(model, "model"), cfx.optim.sgd(1e-3)
     tokens = cfx.random.randint(cfx.random.key(1), (8, 65), 0, 256)
 
@@ -165,7 +179,7 @@ def replication_check_overhead(quick: bool) -> tuple[float, float, float]:
                 float(cfx.device_get(loss))
             return f
         t_off, t_on, t_full = interleaved_medians([runner(m) for m in ("off", "on", "full")],
-                                                  rounds=60, warmup=2)  # a few % of noise at fewer
+                                                  rounds=rounds, warmup=min(2, rounds))
     return t_on / t_off, t_full / t_off, t_off
 
 
@@ -183,20 +197,22 @@ def ledger_post_us(posts: int) -> float:
         return (time.perf_counter() - t0) / (2 * posts) * 1e6
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    z = SIZES[size_of(quick=quick, smoke=smoke)]
     rows = []
-    sizes = (2, 4, 8)
+    sizes, repeats, spawned = z["starts"]
     for n in sizes:
-        t_local = min(local_startup(n) for _ in range(3))
+        t_local = min(local_startup(n) for _ in range(repeats))
         rows.append(Row(f"local mesh startup, {n} ranks (to first psum)", t_local, "s",
                         "< 1 s" if n == 8 else "", t_local < 1.0 if n == 8 else True))
-        if not quick or n == 2:
+        if n in spawned:
             t_mp = mp_startup(n)
             rows.append(Row(f"torch.multiprocessing gloo startup, {n} ranks (to first all_reduce)", t_mp, "s"))
             rows.append(Row(f"startup ratio mp/local, {n} ranks", t_mp / t_local, "x"))
-    rows.append(Row("shard_map per-call overhead, identity, 4 ranks", shard_map_overhead_us(4, 50 if quick else 500), "us"))
-    for numel in ((1 << 16,) if quick else (1 << 10, 1 << 16, 1 << 20)):
-        t_cfx, t_raw, ratio = allreduce_ratio(4, numel, 20 if quick else 100)
+    rows.append(Row("shard_map per-call overhead, identity, 4 ranks", shard_map_overhead_us(4, z["calls"]), "us"))
+    numels, reps = z["psum"]
+    for numel in numels:
+        t_cfx, t_raw, ratio = allreduce_ratio(4, numel, reps)
         gbs = numel * 4 / t_cfx / 1e9
         rows.append(Row(f"psum throughput ratio raw/cfx, 4 ranks, {numel * 4 // 1024} KiB", ratio, "x",
                         ">= 0.9", ratio >= 0.9))
@@ -207,13 +223,13 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
             plan = cfx.reshard_plan(arr, dst)
         rows.append(Row(f"reshard {src}->{dst} on {shape}: bytes/rank (gather-then-split {plan.naive_bytes:,.0f})",
                         plan.nbytes, "B", "<= gather-then-split", plan.nbytes <= plan.naive_bytes))
-    ratio, t_off, per_step = collective_check_overhead(quick)
+    ratio, t_off, per_step = collective_check_overhead(layers=z["layers"], rounds=z["check_rounds"])
     rows.append(Row("collective_check_overhead (DP x TP GPT-2 step, 4 ranks, checked/unchecked)", ratio, "x",
                     "<= 1.05", ratio <= 1.05))
     rows.append(Row("  unchecked step time", t_off, "s"))
     rows.append(Row("  collectives per rank per step", per_step, "count"))
-    rows.append(Row("  ledger matching cost per collective per rank", ledger_post_us(10_000 if quick else 100_000), "us"))
-    on, full, t_off = replication_check_overhead(quick)
+    rows.append(Row("  ledger matching cost per collective per rank", ledger_post_us(z["posts"]), "us"))
+    on, full, t_off = replication_check_overhead(layers=z["layers"], rounds=z["rep_rounds"])
     rows.append(Row("replication_check_overhead (DP x TP GPT-2 step, 4 ranks, sampled check_rep/off)", on, "x",
                     "<= 1.05", on <= 1.05))
     rows.append(Row("  check_rep='full' / off", full, "x"))

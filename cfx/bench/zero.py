@@ -32,7 +32,7 @@ import cfx
 from cfx import P
 from cfx import zero
 from cfx._src.zero.flat import piece_size
-from cfx.bench.common import Row, end_worker, lockstep_medians, report
+from cfx.bench.common import Row, end_worker, lockstep_medians, report, size_of
 
 SENT = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n}
@@ -48,10 +48,11 @@ def root_elements(params, n: int) -> int:
                for x in cfx.tree.leaves(v))
 
 
-def _config(quick: bool) -> dict:
-    if quick:
-        return dict(n_layer=2, vocab_size=256, n_embd=64, n_head=4, n_positions=16)
-    return dict(n_layer=4, vocab_size=1024, n_embd=128, n_head=4, n_positions=64)
+SIZES = {  # size -> (GPT-2, ZeRO axis sizes, FSDP2 peer's process counts, its rounds)
+    "smoke": (dict(n_layer=1, vocab_size=64, n_embd=32, n_head=2, n_positions=8), (2,), (2,), 1),
+    "quick": (dict(n_layer=2, vocab_size=256, n_embd=64, n_head=4, n_positions=16), (2, 4, 8), (2,), 5),
+    "full": (dict(n_layer=4, vocab_size=1024, n_embd=128, n_head=4, n_positions=64), (2, 4, 8), (2, 4), 30),
+}
 
 
 def _gathered(model):
@@ -192,15 +193,15 @@ def peer_rows(cfg: dict, ns: tuple, rounds: int, batch: int) -> list[Row]:
     return rows
 
 
-def run(*, quick: bool = False, json_path: str | None = None) -> dict:
-    cfg = _config(quick)
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    cfg, ns, peer_ns, peer_rounds = SIZES[size_of(quick=quick, smoke=smoke)]
     model = cfx.models.gpt2("tiny", **cfg)
     params = model.init(cfx.random.key(0))
     numels = [x.numel() for x in cfx.tree.leaves(params)]
     psi = sum(numels)
     block = sum(x.numel() for x in cfx.tree.leaves(params["blocks"][0]))
     rows = [Row(f"GPT-2 {cfg['n_layer']}x{cfg['n_embd']}, vocab {cfg['vocab_size']}: Psi", psi, "params")]
-    for n in (2, 4, 8):
+    for n in ns:
         padded = sum(piece_size(m, n) * n for m in numels)
         for stage in (0, 1, 2, 3):
             records, nbytes, _ = measure(model, stage, n)
@@ -219,5 +220,5 @@ def run(*, quick: bool = False, json_path: str | None = None) -> dict:
             chunk = 4 * block / n
             rows.append(Row(f"stage {stage}, N={n}: model-state bytes/rank / formula (bf16 Adam)", nbytes / want,
                             "x", f"1 +- {chunk / want:.4f} (one chunk)", abs(nbytes - want) <= chunk))
-    rows += peer_rows(cfg, (2,) if quick else (2, 4), 5 if quick else 30, 8)
+    rows += peer_rows(cfg, peer_ns, peer_rounds, 8)
     return report("zero", rows, json_path)

@@ -82,7 +82,7 @@ class AutoProgram:
 
     def sample(self, state: TrainState, prompt: bytes, *, steps: int, key: torch.Tensor, context: int) -> bytes:
         """Text from the gathered params, on each process (the same bytes everywhere)."""
-        from cfx._src.models.sample import sample_bytes
+        from cfx._src.generate.sample import sample_bytes
         return sample_bytes(self.model, self.params(state), prompt, steps=steps, key=key, context=context)
 
 

@@ -1,1 +1,3 @@
-"""Decoding tokens from a language model: ``cfx.generate`` with a KV cache, and the cache-less byte sampler of the training job."""
+"""Decoding tokens from a language model: one rule for picking each token (``pick``), one decode loop
+(``decode.decode_steps``) run by ``cfx.generate`` with a KV cache and by the training job's
+cache-less byte sampler (``sample.sample_bytes``)."""

@@ -25,7 +25,6 @@ from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.mlp import activation
 from cfx._src.nn.norm import LayerNorm
-from cfx._src.nn.sublayers import keep_sublayers
 from cfx._src.transforms.shapes import is_abstract
 
 BERT_PRESETS: dict[str, dict[str, int]] = {
@@ -93,20 +92,13 @@ class Bert(DecoderLM):
 
     def __post_init__(self):
         c = self.config
-        if self.blocks is None:
-            block = TransformerBlock(c.hidden_size, c.n_head, c.intermediate_size, activation="gelu",
-                                     norm="layernorm", norm_eps=c.layer_norm_eps, bias=True, dropout=c.dropout,
-                                     init_std=c.init_std, causal=False, post_norm=True)
-            object.__setattr__(self, "blocks", (block,) * c.n_layer)
-        elif len(self.blocks) != c.n_layer:
-            raise ValueError(f"Bert: got {len(self.blocks)} blocks for n_layer={c.n_layer}.")
         if self.vocab_axis is not None and c.head != "mlm":
             raise ValueError("Bert: a vocab-parallel head needs head='mlm' (the classifier has no vocabulary); "
                              "use cfx.parallel.tensor_parallel(model, vocab=False).")
-        keep_sublayers(self, self._build_layers())
-
-    def _layers(self) -> dict:
-        return self._sublayers
+        self._init_blocks(lambda: TransformerBlock(
+            c.hidden_size, c.n_head, c.intermediate_size, activation="gelu", norm="layernorm",
+            norm_eps=c.layer_norm_eps, bias=True, dropout=c.dropout, init_std=c.init_std, causal=False,
+            post_norm=True), c.n_layer)
 
     def _build_layers(self) -> dict:
         c = self.config

@@ -11,6 +11,7 @@ from cfx._src.core import random
 from cfx._src.core import tree as tree_util
 from cfx._src.lax.collectives import pvary
 from cfx._src.nn.embedding import vocab_parallel_embed
+from cfx._src.nn.sublayers import keep_sublayers
 from cfx._src.nn.loss import IGNORE_INDEX, cross_entropy, mean_over_sequence, vocab_parallel_cross_entropy
 from cfx._src.precision.quant import is_quantized, quantized_as_leaves
 from cfx._src.transforms.shapes import is_abstract
@@ -142,6 +143,18 @@ class DecoderLM:
     seq: Any        # a cfx.parallel SequenceSplit when the sequence is split over a mesh axis, else None
     remat_plan: Any
     max_len_name: str  # the config field bounding the sequence length
+
+    def _init_blocks(self, default_block: Callable[[], Any], n_layer: int) -> None:
+        """``blocks`` defaults to ``n_layer`` copies of ``default_block()`` (given blocks must number
+        ``n_layer``); then the named sublayers of ``_build_layers`` are built once (``keep_sublayers``)."""
+        if self.blocks is None:
+            object.__setattr__(self, "blocks", (default_block(),) * n_layer)
+        elif len(self.blocks) != n_layer:
+            raise ValueError(f"{type(self).__name__}: got {len(self.blocks)} blocks for n_layer={n_layer}.")
+        keep_sublayers(self, self._build_layers())
+
+    def _layers(self) -> dict:
+        return self._sublayers
 
     def map_blocks(self, f: Callable[[Any], Any]):
         """A copy of the model whose blocks are ``f(block)`` (same ``init`` / ``apply`` / ``axes``)."""

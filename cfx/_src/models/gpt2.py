@@ -21,7 +21,6 @@ from cfx._src.nn.dropout import dropout
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import split_keys
 from cfx._src.nn.norm import LayerNorm
-from cfx._src.nn.sublayers import keep_sublayers
 
 GPT2_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256),
@@ -73,20 +72,12 @@ class GPT2(DecoderLM):
     max_len_name = "n_positions"
 
     def __post_init__(self):
-        if self.blocks is None:
-            c = self.config
-            block = TransformerBlock(
-                c.n_embd, c.n_head, 4 * c.n_embd, activation="gelu_tanh", norm="layernorm",
-                norm_eps=c.layer_norm_eps, bias=True, dropout=c.dropout, init_std=c.init_std,
-                # GPT-2's scaled init of the residual projections: 2 per block.
-                out_init_std=c.init_std / math.sqrt(2 * c.n_layer))
-            object.__setattr__(self, "blocks", (block,) * c.n_layer)
-        elif len(self.blocks) != self.config.n_layer:
-            raise ValueError(f"GPT2: got {len(self.blocks)} blocks for n_layer={self.config.n_layer}.")
-        keep_sublayers(self, self._build_layers())
-
-    def _layers(self) -> dict:
-        return self._sublayers
+        c = self.config
+        self._init_blocks(lambda: TransformerBlock(
+            c.n_embd, c.n_head, 4 * c.n_embd, activation="gelu_tanh", norm="layernorm",
+            norm_eps=c.layer_norm_eps, bias=True, dropout=c.dropout, init_std=c.init_std,
+            # GPT-2's scaled init of the residual projections: 2 per block.
+            out_init_std=c.init_std / math.sqrt(2 * c.n_layer)), c.n_layer)
 
     def _build_layers(self) -> dict:
         c = self.config

@@ -17,7 +17,6 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.norm import RMSNorm
-from cfx._src.nn.sublayers import keep_sublayers
 
 # Real sizes use default RoPE only: Llama 3.x's "llama3" frequency scaling is not implemented, so
 # "1b" is Llama-3.2-1B's shape at its original 8192-token context.
@@ -89,19 +88,11 @@ class Llama(DecoderLM):
     max_len_name = "max_position_embeddings"
 
     def __post_init__(self):
-        if self.blocks is None:
-            c = self.config
-            block = TransformerBlock(
-                c.hidden_size, c.n_head, c.intermediate_size, n_kv_heads=c.n_kv_heads,
-                activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps, bias=False, rope=True,
-                rope_theta=c.rope_theta, init_std=c.init_std)
-            object.__setattr__(self, "blocks", (block,) * c.n_layer)
-        elif len(self.blocks) != self.config.n_layer:
-            raise ValueError(f"Llama: got {len(self.blocks)} blocks for n_layer={self.config.n_layer}.")
-        keep_sublayers(self, self._build_layers())
-
-    def _layers(self) -> dict:
-        return self._sublayers
+        c = self.config
+        self._init_blocks(lambda: TransformerBlock(
+            c.hidden_size, c.n_head, c.intermediate_size, n_kv_heads=c.n_kv_heads,
+            activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps, bias=False, rope=True,
+            rope_theta=c.rope_theta, init_std=c.init_std), c.n_layer)
 
     def _build_layers(self) -> dict:
         c = self.config

@@ -36,7 +36,6 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.norm import LayerNorm
-from cfx._src.nn.sublayers import keep_sublayers
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of wpe (HF OPTLearnedPositionalEmbedding)
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # every released OPT uses relu
@@ -122,18 +121,10 @@ class OPT(DecoderLM):
 
     def __post_init__(self):
         c = self.config
-        if self.blocks is None:
-            block = TransformerBlock(
-                c.hidden_size, c.n_head, c.ffn_dim, activation=c.activation, norm="layernorm",
-                norm_eps=c.layer_norm_eps, bias=True, dropout=c.dropout, init_std=c.init_std,
-                post_norm=not c.do_layer_norm_before)
-            object.__setattr__(self, "blocks", (block,) * c.n_layer)
-        elif len(self.blocks) != c.n_layer:
-            raise ValueError(f"OPT: got {len(self.blocks)} blocks for n_layer={c.n_layer}.")
-        keep_sublayers(self, self._build_layers())
-
-    def _layers(self) -> dict:
-        return self._sublayers
+        self._init_blocks(lambda: TransformerBlock(
+            c.hidden_size, c.n_head, c.ffn_dim, activation=c.activation, norm="layernorm",
+            norm_eps=c.layer_norm_eps, bias=True, dropout=c.dropout, init_std=c.init_std,
+            post_norm=not c.do_layer_norm_before), c.n_layer)
 
     def _build_layers(self) -> dict:
         c = self.config

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from cfx._src.remat.plan import parse_bytes
+from cfx._src.core.text import format_bytes, parse_bytes
 
 AXES = ("pipe", "data", "seq", "model")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -26,12 +26,26 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 SEQUENCE_METHODS = ("none", "ring", "ulysses", "megatron")
 
 
-def format_bytes(n: int) -> str:
-    """The shortest exact form ``parse_bytes`` reads back: ``64MiB``, ``1536KiB``, ``1000``."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n % size == 0 and n >= size:
-            return f"{n // size}{unit}"
-    return str(n)
+def parse_mesh(text: str, *, axes: tuple[str, ...] = AXES, where: str | None = None,
+               fix: str = "") -> tuple[tuple[str, int], ...]:
+    """``"data=2,model=2"`` -> ``(("data", 2), ("model", 2))``: comma-separated ``AXIS=SIZE``, each
+    AXIS one of ``axes`` once, each SIZE a positive integer, in the order given. The one reader of
+    mesh text: ``Plan.parse``'s axes and every command line's ``--mesh``. A ValueError starts with
+    ``where`` (default ``--mesh 'TEXT'``) and ends with ``fix`` (what that caller takes)."""
+    where = f"--mesh {text!r}" if where is None else where
+    mesh: list[tuple[str, int]] = []
+    for part in text.split(","):
+        name, eq, size = (s.strip() for s in part.partition("="))
+        if name not in axes or not eq:
+            raise ValueError(f"{where}: expected comma-separated AXIS=SIZE with AXIS in {axes}{fix or '.'}")
+        if not size.isdigit():
+            raise ValueError(f"{where}: {name}={size!r} is not a non-negative integer{fix or '.'}")
+        if int(size) < 1:
+            raise ValueError(f"{where}: {name}={size}: mesh axis sizes are positive integers{fix or '.'}")
+        if name in dict(mesh):
+            raise ValueError(f"{where}: axis {name!r} appears twice{fix or '.'}")
+        mesh.append((name, int(size)))
+    return tuple(mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +180,10 @@ class PlanConfig:
         if self.zero != d.zero:
             groups.append(f"zero={self.zero}")
         if self.offload != d.offload:
-            tail = f":{format_bytes(self.offload_budget)}" if self.offload_budget is not None else ""
+            tail = f":{format_bytes(self.offload_budget, exact=True)}" if self.offload_budget is not None else ""
             groups.append(f"offload={self.offload}{tail}")
         if self.remat != d.remat:
-            tail = f":{format_bytes(self.remat_budget)}" if self.remat_budget is not None else ""
+            tail = f":{format_bytes(self.remat_budget, exact=True)}" if self.remat_budget is not None else ""
             groups.append(f"remat={self.remat}{tail}")
         if self.schedule != d.schedule:
             groups.append(f"schedule={self.schedule}")
@@ -190,7 +204,7 @@ class PlanConfig:
             raise ValueError(f"Plan.parse: expected the plan's text, got {type(text).__name__}.")
         if text.strip() == "single-device":
             return {}
-        mesh, kw = [], {}
+        axes, kw = [], {}
         for pair in text.replace(",", " ").split():
             key, eq, value = pair.partition("=")
             if not eq or not value:
@@ -198,8 +212,8 @@ class PlanConfig:
                                  "'pipe=2,data=2 zero=1 remat=blocks microbatches=4'.")
             if key in kw:
                 raise ValueError(f"Plan.parse({text!r}): {key} is given twice.")
-            if key in AXES:
-                mesh.append((key, _int(text, key, value)))
+            if key in AXES:  # the mesh's pairs, in the order given, read by parse_mesh below
+                axes.append(pair)
             elif key in ("zero", "microbatches", "chunks"):
                 kw[key] = _int(text, key, value)
             elif key in ("offload", "remat"):
@@ -212,7 +226,7 @@ class PlanConfig:
             else:
                 raise ValueError(f"Plan.parse({text!r}): unknown key {key!r}; keys are the axes {AXES} "
                                  "and zero, offload, remat, schedule, microbatches, chunks, precision, sp.")
-        return dict(kw, mesh=tuple(mesh))
+        return dict(kw, mesh=parse_mesh(",".join(axes), where=f"Plan.parse({text!r})") if axes else ())
 
 
 def _int(text: str, key: str, value: str) -> int:

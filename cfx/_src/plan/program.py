@@ -45,12 +45,12 @@ from cfx._src.core import donation
 from cfx._src.mesh import memory
 from cfx._src.core import tree as tree_util
 from cfx._src.gemini.mapped import mapped_copy
+from cfx._src.generate.sample import sample_bytes
 from cfx._src.transforms.jit import jit as cfx_jit
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.context import current_or_none
 from cfx._src.mesh.spec import P
 from cfx._src.models.parts import hook, parts_of
-from cfx._src.models.sample import sample_bytes
 from cfx._src.optim.base import apply_gradients
 from cfx._src.optim.loss_scale import loss_scale
 from cfx._src.optim.reduction import sharded
@@ -322,20 +322,16 @@ class Program:
         return tokens[:, order], targets[:, order]
 
     def sample(self, state: TrainState, prompt: bytes, *, steps: int, key: torch.Tensor, context: int) -> bytes:
-        """``sample_bytes`` with the tensor-parallel model on every rank (same key: same text);
-        under a pipe axis each rank first gathers the other stages' blocks (inference only)."""
+        """``sample_bytes`` with the tensor-parallel model on every rank (same key: same text; it
+        gathers the vocabulary-parallel logits); under a pipe axis each rank first gathers the other
+        stages' blocks (inference only)."""
         tp = self.plan.has("model") and self.plan.sp != "megatron"  # the vocabulary split over model
         model = tensor_parallel(self.model, "model", vocab=tp) if self.plan.has("model") else self.model
         policy = self.policy
 
-        def logits(p, tokens):  # vocab-parallel logits (B, T, V/n) -> (B, T, V)
-            out = model.apply(p, tokens)
-            return lax.all_gather(out, "model", dim=-1, tiled=True) if tp else out
-
         def body(params):
             whole = self.layout.gather_blocks(params)
-            return sample_bytes(model, policy.cast_to_compute(whole), prompt, steps=steps, key=key,
-                                context=context, logits=logits)
+            return sample_bytes(model, policy.cast_to_compute(whole), prompt, steps=steps, key=key, context=context)
         return shard_map(body, mesh=self.mesh, in_specs=(self.layout.specs,), out_specs=P())(state.params)
 
 

@@ -39,7 +39,7 @@ from cfx._src.gemini.states import TensorState as S, transition
 from cfx._src.gemini.store import make_stores
 from cfx._src.lax import collectives as lax
 from cfx._src.zero.chunking import check_budget, pack_groups
-from cfx._src.zero.flat import GroupLayout
+from cfx._src.zero.flat import GroupLayout, concat_flat
 from cfx._src.zero.offload import ChunkRef, Offload, gather_groups
 from cfx._src.optim import reduction
 from cfx._src.zero.params import ShardedLeaf, ZeroParams, check_axis_size
@@ -86,7 +86,7 @@ class GeminiEngine:
         self._inner_defs = {}
         pieces = [x for _, x in items]
         with torch.no_grad():
-            shards = [torch.cat([pieces[i].detach().reshape(-1) for i in g]) for g in self.groups]
+            shards = [concat_flat([pieces[i].detach() for i in g]) for g in self.groups]
             for c in range(self.chunks.n_chunks):
                 chunk = self.chunks.pack(shards, c)
                 self._put(self.cfg.param_home, ("param", c), chunk, "param")

@@ -55,7 +55,7 @@ class GroupLayout:
     # -- one rank's shard ------------------------------------------------------------------------
     def shard_of(self, leaves: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard (S,) cut from full leaves (a fresh tensor)."""
-        return torch.cat([piece_of(x.reshape(-1), k, rank) for x, k in zip(leaves, self.pieces)]) \
+        return concat_flat([piece_of(x.reshape(-1), k, rank) for x, k in zip(leaves, self.pieces)]) \
             if leaves else torch.zeros(0)
 
     def split_shard(self, shard: torch.Tensor) -> list[torch.Tensor]:
@@ -98,6 +98,11 @@ class GroupLayout:
             out.append(full[p:p + m].view(shape))
             p += self.n * k
         return out
+
+
+def concat_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened end to end (S,): a group's leaves or pieces as one flat buffer."""
+    return torch.cat([x.reshape(-1) for x in tensors])
 
 
 def piece_of(flat: torch.Tensor, k: int, rank: int) -> torch.Tensor:

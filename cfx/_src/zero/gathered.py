@@ -48,7 +48,7 @@ from cfx._src.lax import collectives as lax
 from cfx._src.lax import comm
 from cfx._src.mesh.context import in_backward
 from cfx._src.zero import prefetch
-from cfx._src.zero.flat import GroupLayout
+from cfx._src.zero.flat import GroupLayout, concat_flat
 from cfx._src.zero.params import ShardedLeaf, ZeroParams
 
 
@@ -356,7 +356,7 @@ def _gather_traced(src: ShardSource) -> list[torch.Tensor]:
         raise ValueError("cfx.zero.gathered: offloaded ZeRO-3 params (Gemini chunks, host or NVMe tiers) "
                          "cannot be compiled with cfx.jit; run the step eagerly (compile=False) or keep the "
                          "pieces on the device.")
-    shard = torch.cat([p.reshape(-1) for p in src.pieces])                        # (S,)
+    shard = concat_flat(src.pieces)                        # (S,)
     rows = lax.all_gather(_MeanGrad.apply(shard, src.axis), src.axis, dim=0, tiled=False)  # (n, S)
     return src.layout.leaves_of_full(src.layout.full_from_rows(rows))
 

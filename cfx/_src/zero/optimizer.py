@@ -54,7 +54,7 @@ from cfx._src.optim import reduction
 from cfx._src.mesh.spec import is_spec
 from cfx._src.transforms.autodiff import value_and_grad as _value_and_grad
 from cfx._src.zero.buckets import ShardGrads, bucketed_value_and_grad
-from cfx._src.zero.flat import GroupLayout, make_groups, piece_size
+from cfx._src.zero.flat import GroupLayout, concat_flat, make_groups, piece_size
 from cfx._src.zero.gathered import grads_captured
 from cfx._src.zero.params import ZeroParams, check_axis_size
 
@@ -155,7 +155,7 @@ class ZeroTransformation:
         out = []
         for idx, lay, _ in layout.groups:
             xs = [leaves[i] for i in idx]
-            shard = lay.shard_of(xs, r) if self.stage in (1, 2) else torch.cat([x.reshape(-1) for x in xs])
+            shard = lay.shard_of(xs, r) if self.stage in (1, 2) else concat_flat(xs)
             out.append(shard.detach().to(torch.float32))
         return out
 
@@ -245,10 +245,10 @@ class ZeroTransformation:
         for idx, lay, dt in layout.groups:
             gs = [g_leaves[i] for i in idx]
             if self.stage == 3:    # already reduce-scattered and averaged by the gathered layers' backward
-                out.append(torch.cat([g.reshape(-1) for g in gs]).to(torch.float32))
+                out.append(concat_flat(gs).to(torch.float32))
                 continue
             if self.stage == 0:
-                flat = lax.psum(torch.cat([g.reshape(-1).to(dt) for g in gs]), self.axis)
+                flat = lax.psum(concat_flat([g.to(dt) for g in gs]), self.axis)
             else:
                 flat = lax.psum_scatter(lay.rows_from_leaves(gs, dtype=dt), self.axis, dim=0, tiled=False)
             out.append(flat.to(torch.float32).div_(n_axis))  # flat is fresh: divide in place
@@ -340,4 +340,4 @@ def _piece_tree(shards: list[torch.Tensor], layout: ZeroLayout) -> Any:
 def _group_shards(tree: Any, layout: ZeroLayout) -> list[torch.Tensor]:
     """The inverse of ``_piece_tree``: one flat shard per group."""
     leaves = tree_util.leaves(tree)
-    return [torch.cat([leaves[i].reshape(-1) for i in idx]) for idx, _, _ in layout.groups]
+    return [concat_flat([leaves[i] for i in idx]) for idx, _, _ in layout.groups]

@@ -24,6 +24,7 @@ import torch
 
 from cfx._src.core import context
 from cfx._src.lax import comm
+from cfx._src.zero.flat import concat_flat
 
 WHERE = "cfx.zero.gathered"
 
@@ -68,7 +69,7 @@ class StepGathers:
     def _start(self, pieces: list[torch.Tensor], axis: str) -> None:
         k = _key(pieces)
         if k not in self.ahead:
-            self.ahead[k] = start(torch.cat([p.detach().reshape(-1) for p in pieces]), axis)
+            self.ahead[k] = start(concat_flat([p.detach() for p in pieces]), axis)
 
     def close(self) -> None:
         for _, done, _ in self.ahead.values():  # started, never asked for: finish and drop

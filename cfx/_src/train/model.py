@@ -1,0 +1,64 @@
+"""The training job's model and optimizer, as its flags name them: a byte-level ``--model`` /
+``--preset`` decoder, and AdamW with warmup and cosine decay (weight decay on matrices only)."""
+from __future__ import annotations
+
+from typing import Any
+
+from cfx._src.core import tree as tree_util
+from cfx._src.core.tree import is_axes_leaf
+from cfx._src.models.gpt2 import gpt2
+from cfx._src.models.llama import llama
+from cfx._src.models.opt import opt
+from cfx._src.optim.alias import adamw
+from cfx._src.optim.base import GradientTransformation, chain
+from cfx._src.optim.clipping import clip_by_global_norm
+from cfx._src.optim.loss_scale import dynamic_loss_scale
+from cfx._src.optim.schedules import warmup_cosine_decay_schedule
+from cfx._src.precision.amp import policy
+from cfx._src.train.config import TrainConfig
+from cfx._src.train.data import VOCAB_SIZE
+
+FAMILIES = {"gpt2": gpt2, "llama": llama, "opt": opt}
+
+
+def build_model(cfg: TrainConfig) -> Any:
+    """``--model`` at ``--preset`` over bytes; ValueError unless ``--seq`` fits its context."""
+    model = FAMILIES[cfg.model](cfg.preset, vocab_size=VOCAB_SIZE)
+    max_len = getattr(model.config, model.max_len_name)
+    if cfg.seq > max_len:
+        raise ValueError(f"--seq {cfg.seq} exceeds the {cfg.model} {cfg.preset!r} context of {max_len}; "
+                         f"use --seq {max_len} or less.")
+    return model
+
+
+def decay_mask(model) -> Any:
+    """Weight decay on matrices only (leaves with two logical axes; not biases, norms), as a
+    function of the params so it fits the model's tree and a Plan's stacked layout alike."""
+    axes = model.axes()
+
+    def mask(params: Any) -> Any:
+        blocks = params.get("blocks")
+        if not isinstance(blocks, list):  # a pipe Plan's stacked blocks
+            tree = {**axes, "blocks": axes["blocks"][0]}
+        elif len(blocks) != len(axes["blocks"]):  # a pipe stage's own blocks (all alike under a Plan)
+            tree = {**axes, "blocks": [axes["blocks"][0]] * len(blocks)}
+        else:
+            tree = axes
+        return tree_util.map(lambda names: len(names) >= 2, tree, is_leaf=is_axes_leaf)
+    return mask
+
+
+def build_optimizer(cfg: TrainConfig, model) -> GradientTransformation:
+    """AdamW with warmup + cosine; clipping here only on one device (a mesh step clips by the
+    global norm across shards itself)."""
+    schedule = warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup, cfg.steps),
+        decay_steps=max(cfg.steps, 1), end_value=cfg.lr * cfg.min_lr_ratio)
+    parts = []
+    if cfg.grad_clip > 0 and not cfg.mesh:
+        parts.append(clip_by_global_norm(cfg.grad_clip))
+    parts.append(adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(model)))
+    tx = chain(*parts)
+    if policy(cfg.precision).needs_loss_scaling:
+        tx = dynamic_loss_scale(tx)
+    return tx

@@ -1,0 +1,149 @@
+"""The house's rules, read off the source (docs/ARCHITECTURE.md draws the same map):
+
+- ``cfx/_src`` holds only packages, each a layer; a layer imports only the layers below it (``LAYERS``);
+- no import circle between files, function-local imports included (``cfx`` and ``cfx_kernels``);
+- an implementation never imports the public modules that re-export it, and the kernels import no cfx;
+- no two public packages import each other;
+- no function longer than 80 lines, Triton kernels aside.
+"""
+import ast
+import collections
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# bottom to top: a package may import only those before it
+LAYERS = ["core", "precision", "mesh", "lax", "transforms", "spmd", "checkpoint", "nn", "optim", "gemini", "zero",
+          "remat", "models", "parallel", "pipeline", "generate", "plan", "autochunk", "autoshard", "diffusion", "train"]
+MAX_FUNCTION_LINES = 80
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for top in ("cfx", "cfx_kernels"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = modules()
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+
+
+def imported(name: str, tree: ast.AST) -> set[str]:
+    """The cfx modules ``name`` imports anywhere in its file (the longest module prefix of each)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+EDGES = {name: imported(name, tree) for name, tree in TREES.items()}
+
+
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["cfx", "_src"] and len(parts) > 2 else None
+
+
+def test_src_holds_only_layer_packages():
+    src = ROOT / "cfx" / "_src"
+    loose = sorted(p.name for p in src.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules at cfx/_src's root: {loose}; put each in the layer package it belongs to"
+    packages = sorted(p.name for p in src.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert sorted(LAYERS) == packages, "every cfx/_src package is a layer: place a new one in LAYERS"
+
+
+def test_layers_import_only_downward():
+    wrong = []
+    for a, targets in EDGES.items():
+        for b in targets:
+            la, lb = layer(a), layer(b)
+            if la and lb and la != lb and LAYERS.index(lb) > LAYERS.index(la):
+                wrong.append(f"{a} ({la}) imports {b} ({lb}), a layer above it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circles_between_files():
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in EDGES[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in EDGES:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_implementations_never_import_the_public_modules():
+    up = sorted(f"{a} -> {b}" for a, bs in EDGES.items() for b in bs
+                if (layer(a) or a.startswith("cfx_kernels")) and b.startswith("cfx") and not layer(b)
+                and not b.startswith("cfx_kernels") and b != "cfx._src")
+    assert not up, "implementations importing public modules (import the cfx._src module instead):\n" + "\n".join(up)
+    kernels = sorted(f"{a} -> {b}" for a, bs in EDGES.items() if a.startswith("cfx_kernels") for b in bs
+                     if b.startswith("cfx."))
+    assert not kernels, f"cfx_kernels stands alone: {kernels}"
+
+
+def test_no_two_public_packages_import_each_other():
+    def package(m: str) -> str:
+        return m if (MODULES[m].name == "__init__.py") else m.rpartition(".")[0]
+    pkg_edges = collections.defaultdict(set)
+    for a, bs in EDGES.items():
+        if layer(a) or a.startswith("cfx_kernels"):
+            continue
+        for b in bs:
+            if not layer(b) and package(a) != package(b):
+                pkg_edges[package(a)].add(package(b))
+    pairs = sorted({tuple(sorted((a, b))) for a, bs in pkg_edges.items() for b in bs if a in pkg_edges.get(b, ())})
+    assert not pairs, f"packages importing each other: {pairs}"
+
+
+def _is_triton_kernel(fn: ast.FunctionDef) -> bool:
+    return any("jit" in ast.unparse(d) for d in fn.decorator_list) and fn.name.startswith("_")
+
+
+@pytest.mark.parametrize("top", ["cfx", "cfx_kernels"])
+def test_no_function_over_80_lines(top):
+    long = []
+    for name, tree in TREES.items():
+        if not name.startswith(top):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_kernel(node):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert not long, "split these by idea:\n" + "\n".join(long)
