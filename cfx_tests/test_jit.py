@@ -147,6 +147,18 @@ def test_only_the_signature_recompiles():
     assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (5, 5, 0, 24)
 
 
+def test_each_compile_says_so_on_stderr_unless_silenced(capfd):
+    jf = cfx.jit(lambda x: torch.tanh(x) * 2, backend="aot_eager")
+    jf(torch.randn(3))
+    jf(torch.randn(3))
+    jf(torch.randn(4))  # a new signature: compiles again
+    err = capfd.readouterr().err
+    assert err.count("compiling a new signature") == 2 and err.count("compiled in") == 2, err
+    quiet = cfx.jit(lambda x: torch.tanh(x) * 3, backend="aot_eager", verbose=False)
+    quiet(torch.randn(3))
+    assert "cfx.jit" not in capfd.readouterr().err
+
+
 def test_grad_of_jit_and_jit_of_grad_equal_grad():
     model = MODELS["llama"]()
     params = model.init(cfx.random.key(0))

@@ -83,6 +83,30 @@ def test_device_get_maps_a_tree_and_leaves_other_leaves_alone():
     assert torch.equal(got["a"], torch.arange(4.0)) and got["b"] is tree["b"] and got["c"] == 3
 
 
+def test_device_put_lays_out_a_pytree_by_a_spec_tree_or_one_spec():
+    model = cfx.models.gpt2("tiny", n_layer=1, vocab_size=64)
+    params = model.init(cfx.random.key(0))
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+    with cfx.Mesh({"data": 2, "model": 2}) as mesh:
+        specs = cfx.Rules(cfx.parallel.MEGATRON_RULES).specs(model.axes(), mesh=mesh)
+        put = cfx.device_put(params, mesh, specs)  # a spec per leaf
+        for (path, got), spec, want in zip(cfx.tree.flatten_with_path(put)[0], cfx.tree.leaves(specs, is_leaf=is_spec),
+                                           cfx.tree.leaves(params)):
+            assert isinstance(got, cfx.ShardedArray) and got.spec == spec and torch.equal(got.gather(), want), path
+        assert any(s != P() for s in cfx.tree.leaves(specs, is_leaf=is_spec))
+        one = cfx.device_put(params, mesh, P())  # one P for the whole tree: every leaf replicated
+        assert all(a.spec == P() for a in cfx.tree.leaves(one))
+        cfx.tree.assert_close(cfx.device_get(one), params, rtol=0, atol=0)
+        prefix = cfx.device_put(params, mesh, {**{k: P() for k in params}, "wte": P("model")})  # a prefix
+        assert prefix["wte"]["w"].spec == P("model") and prefix["ln_f"]["scale"].spec == P()
+        with pytest.raises(ValueError, match=r"cfx.device_put: leaf 'w' with shape \(3, 4\).*divisible"):
+            cfx.device_put({"w": torch.zeros(3, 4)}, mesh, P("data"))
+        with pytest.raises(ValueError, match=r"cfx.device_put: specs do not match the values at '<root>'.*prefix"):
+            cfx.device_put({"w": torch.zeros(4)}, mesh, {"b": P()})
+        with pytest.raises(ValueError, match=r"leaf 'n' is a int, not a torch.Tensor"):
+            cfx.device_put({"n": 3}, mesh, P())
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda m, other: cfx.device_put(torch.zeros(4), other, P("x")), "on Mesh.*'x': 2.*this call runs on"),
     (lambda m, other: {"w": torch.zeros(4)}, r"at 'args\[0\]'.*entries \['b', 'w'\].*entries \['w'\]"),

@@ -21,6 +21,7 @@ compiles, so it would hide a rank thread's context from that rank's eager code.
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 from typing import Any, Callable, Generic, TypeVar
 
@@ -30,6 +31,24 @@ T = TypeVar("T")
 _SEMANTIC: list["Var"] = []
 _NOTHING = object()  # Var.traced outside an in-trace set
 _BY_NAME: dict[str, "Var"] = {}
+_CONSTANT: list[Callable] = []  # the functions dynamo runs for real and bakes in (see constant_result)
+
+
+def constant_result(fn: Callable) -> Callable:
+    """``torch._dynamo.assume_constant_result`` without importing dynamo (a second of ``import cfx``):
+    the mark is put on now if dynamo is loaded, else by ``mark_constants``, which ``cfx.jit`` calls
+    before it compiles anything."""
+    _CONSTANT.append(fn)
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].assume_constant_result(fn)
+    return fn
+
+
+def mark_constants() -> None:
+    """Mark the ``constant_result`` functions for dynamo (idempotent; imports dynamo)."""
+    import torch._dynamo
+    for fn in _CONSTANT:
+        torch._dynamo.assume_constant_result(fn)
 
 
 class Var(Generic[T]):
@@ -67,7 +86,7 @@ class Var(Generic[T]):
 _TRACED = "cfx-traced-token"
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def _read_while_tracing(v: Var) -> Any:
     value = v.var.get()  # run for real by dynamo, in the tracing thread
     _note(("context", v.var.name, id(value)))
@@ -84,7 +103,7 @@ def _note(what: tuple) -> None:
     _reads.seen = getattr(_reads, "seen", frozenset()) | {what}
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def note_axis_index(names: tuple, index: int) -> bool:
     """Record (at trace time, for real) that the traced code computed with this rank's ``index``
     along ``names``."""

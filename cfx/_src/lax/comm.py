@@ -76,7 +76,7 @@ def axes(names: tuple[str, ...], where: str) -> Axes:
     return Axes(tuple(names), where)
 
 
-@torch._dynamo.assume_constant_result
+@context.constant_result
 def _axes_while_tracing(names: tuple[str, ...], where: str) -> Axes:
     return Axes(names, where, group=False)  # run for real by dynamo: reads this thread's rank context
 

@@ -16,22 +16,31 @@ from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.spmd.sharded import ShardedArray
+from cfx._src.spmd.spec_tree import broadcast_specs
 
 
 def _identity(x):
     return x
 
 
-def device_put(x: torch.Tensor, mesh, spec: P = P()) -> ShardedArray:
+def device_put(x: Any, mesh, spec: Any = P()) -> Any:
     """Lay global ``x`` out over ``mesh`` by ``spec`` (each addressed rank gets a copy of its block).
 
-    Differentiable: the gradient w.r.t. ``x`` is the global cotangent."""
-    if not isinstance(spec, P):
-        raise ValueError(f"cfx.device_put: spec must be a cfx.P, got {spec!r}.")
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"cfx.device_put: expected a torch.Tensor, got {type(x).__name__}.")
-    layout.check_spec("<array>", tuple(x.shape), spec, mesh, "cfx.device_put")
-    return shard_map(_identity, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+    ``x`` is a tensor or a pytree of them; ``spec`` a ``P``, or a pytree of them shaped like ``x``
+    or like a prefix of it (one ``P`` for a whole subtree, as ``shard_map``'s ``in_specs``), e.g.
+    ``device_put(params, mesh, rules.specs(model.axes()))``. Differentiable: the gradient w.r.t.
+    ``x`` is the global cotangent."""
+    if isinstance(x, torch.Tensor):
+        if not isinstance(spec, P):
+            raise ValueError(f"cfx.device_put: a tensor takes one cfx.P as its spec, got {spec!r}.")
+        layout.check_spec("<array>", tuple(x.shape), spec, mesh, "cfx.device_put")
+        return shard_map(_identity, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+    for path, leaf, s in broadcast_specs(spec, x, "specs", mesh, where="cfx.device_put"):
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"cfx.device_put: leaf {path!r} is a {type(leaf).__name__}, not a torch.Tensor; "
+                             "put tensors (cfx.device_get brings ShardedArrays back first).")
+        layout.check_spec(path, tuple(leaf.shape), s, mesh, "cfx.device_put")
+    return shard_map(_identity, mesh=mesh, in_specs=(spec,), out_specs=spec)(x)
 
 
 def reshard(arr: ShardedArray, spec: P) -> ShardedArray:

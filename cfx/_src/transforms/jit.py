@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 import time
 import types
@@ -45,9 +46,6 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import torch
-import torch._dynamo
-from torch._dynamo import convert_frame
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module, _use_lazy_graph_module
 
 from cfx._src.core import context, donation
@@ -111,8 +109,9 @@ class Jitted:
 
     def __init__(self, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
                  static_argnums: int | Sequence[int] = (), backend: str | Callable = "inductor",
-                 compile: bool = True):
+                 compile: bool = True, verbose: bool = True):
         self.fn = fn
+        self.verbose = verbose
         self.name = getattr(fn, "__name__", type(fn).__name__)
         self.donate = signature.argnums(self.name, "donate_argnums", donate_argnums)
         self.static = signature.argnums(self.name, "static_argnums", static_argnums)
@@ -136,6 +135,7 @@ class Jitted:
         t0 = time.perf_counter()
         if first:
             context.reads_reset()  # what the trace reads of this rank (see _Recorder)
+            self._say(f"compiling a new signature (graph {len(self._entries)}); the first call takes a while")
         try:
             with tracing.around_call(self.name):
                 out = entry.run(*call.dynamic, **call.kwargs)
@@ -143,8 +143,15 @@ class Jitted:
             entry.traced.set()  # a failed trace too: no rank waits for it forever
         if first:
             entry.compile_seconds = time.perf_counter() - t0
+            self._say(f"compiled in {entry.compile_seconds:.1f} s")
         entry.calls += 1
         return self._finish(call, out, entry)
+
+    def _say(self, what: str) -> None:
+        """A line on stderr while compiling (``verbose=False`` silences it), from one rank of a mesh."""
+        ctx = ctx_lib.current_or_none()
+        if self.verbose and (ctx is None or ctx.rank == 0):
+            print(f"cfx.jit({self.name}): {what}", file=sys.stderr, flush=True)
 
     def _check_context(self) -> None:
         inside = context.semantic_set()
@@ -175,6 +182,7 @@ class Jitted:
             if entry.owner == rank:
                 return entry
             entry.traced.wait()
+            from torch._dynamo import convert_frame  # dynamo is loaded on first use, not at import
             with convert_frame.compile_lock:  # the owner's graph is in dynamo's cache once this is free
                 pass
             if entry.reads is None:  # its trace failed: nothing to share
@@ -213,6 +221,7 @@ class Jitted:
         code = traced.__code__.replace(co_name=f"jit_{self.name}_{len(self._entries)}")
         own = types.FunctionType(code, traced.__globals__, code.co_name, None, traced.__closure__)
         entry = _Entry(None, code, graphs)
+        context.mark_constants()  # what the rank context bakes into the graph (cfx._src.core.context)
         entry.run = torch.compile(own, fullgraph=True, dynamic=False, backend=_Recorder(self.backend, entry))
         return entry
 
@@ -285,6 +294,7 @@ class Jitted:
 def _compiles(entry: _Entry) -> int:
     """How many graphs dynamo holds for this signature (its cache entries; an analysis dynamo
     restarted is not one)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     return len(_debug_get_cache_entry_list(entry.code))
 
 
@@ -298,6 +308,7 @@ class _Recorder:
     what its trace baked in of the rank compiling it (``context.reads``)."""
 
     def __init__(self, backend: str | Callable, entry: _Entry):
+        import torch._dynamo
         self.inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
         self.entry = entry
 
@@ -318,18 +329,19 @@ class _Recorder:
 
 def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),
         static_argnums: int | Sequence[int] = (), backend: str | Callable = "inductor",
-        compile: bool = True) -> Any:
+        compile: bool = True, verbose: bool = True) -> Any:
     """Compile ``fn`` (a pure function of pytrees of tensors) with ``torch.compile``.
 
     ``donate_argnums``: arguments whose buffers the outputs may take (they are deleted after the
     call). ``static_argnums``: hashable arguments the graph is specialised on. ``backend``: any
     ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces the same graph without
-    generating kernels). ``compile=False``: run eagerly with the same donation. Usable as a
-    decorator, bare or through ``functools.partial``.
+    generating kernels). ``compile=False``: run eagerly with the same donation. ``verbose``: a line
+    on stderr when a new signature compiles and when it is done (a compile takes seconds to
+    minutes; ``False`` silences it). Usable as a decorator, bare or through ``functools.partial``.
     """
     if fn is None:
         return functools.partial(jit, donate_argnums=donate_argnums, static_argnums=static_argnums,
-                                 backend=backend, compile=compile)
+                                 backend=backend, compile=compile, verbose=verbose)
     if not callable(fn):
         raise ValueError(f"cfx.jit: expected a function, got {type(fn).__name__}.")
     with_body = getattr(fn, "cfx_with_body", None)
@@ -338,12 +350,12 @@ def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[
 
         def transform(f):
             body.append(Jitted(f, donate_argnums=donate_argnums, static_argnums=static_argnums, backend=backend,
-                               compile=compile))
+                               compile=compile, verbose=verbose))
             return body[0]
         mapped = with_body(transform, body_donates=signature.argnums("jit", "donate_argnums", donate_argnums))
         return JittedShardMap(mapped, body[0])
     return Jitted(fn, donate_argnums=donate_argnums, static_argnums=static_argnums, backend=backend,
-                  compile=compile)
+                  compile=compile, verbose=verbose)
 
 
 class JittedShardMap:

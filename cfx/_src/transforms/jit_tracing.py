@@ -7,13 +7,13 @@ import ast
 import contextlib
 
 import torch
-import torch._dynamo
 
 
 @contextlib.contextmanager
 def around_call(name: str):
     """Around a compiled call: ``cfx.grad`` traced into the graph (dynamo's config is per thread),
     and a ``ValueError`` the traced code raised (a check of the user's input) raised as one."""
+    import torch._dynamo  # loaded when cfx.jit first compiles, not at import
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         try:
             yield
