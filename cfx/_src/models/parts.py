@@ -33,6 +33,12 @@ class ModelParts:
     head_loss: Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]   # (B, T, C), targets -> ()
     check: Callable[[torch.Tensor, torch.Tensor], None]                     # ValueError on bad inputs
     width: int                                                              # C: the blocks' activation width
+    # the blocks' activation shape for a microbatch of inputs of this shape: (b, T) tokens -> (b, T, C)
+    # by default; a model of feature rows says (b, D) -> (b, C)
+    act_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
+
+    def activation_shape(self, inputs: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.act_shape(tuple(inputs))) if self.act_shape is not None else (*inputs, self.width)
 
     @property
     def tied(self) -> tuple[str, ...]:
@@ -68,6 +74,8 @@ class Hooks(Protocol):
                                # field at all says the model can split its sequence (sequence_parallel)
     remat_plan: Any            # a cfx.remat.solve schedule the model runs over all its blocks
     batch_axes: tuple          # the logical axes of its batch's leading leaves (default ("batch", "length"))
+    param_specs: Any           # its params' specs over the plan's mesh (a P or a pytree prefix), instead of
+                               # those its logical axes get from the plan's rules (a LossModel's ``specs=``)
 
     def check_train_batch(self, batch: tuple, where: str) -> None: ...  # a batch of its own (not tokens)
     def tensor_parallel(self, axis: str) -> Any: ...  # its own split over a model axis (not TransformerBlocks)

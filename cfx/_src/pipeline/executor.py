@@ -177,13 +177,14 @@ class _Run:
         sched, plan = step.schedule, step.plan
         m = sched.n_microbatches
         self.tokens, self.targets = tokens.chunk(m), targets.chunk(m)  # m x (b, T)
-        self.valid = [t.numel() if is_abstract(t) else int((t != IGNORE_INDEX).sum())  # shape-only: all count
+        # a microbatch's share of the mean: its targets that count (-100 ignored; shapes only, or float
+        # targets: all of them)
+        self.valid = [t.numel() if is_abstract(t) or t.is_floating_point() else int((t != IGNORE_INDEX).sum())
                       for t in self.targets]
         total = max(sum(self.valid), 1)
         self.weights = [v / total for v in self.valid]  # microbatch shares of the mean loss
         w = _grad_leaf(tree_util.leaves(params)[0])
-        b, T = self.tokens[0].shape
-        self.msg = dict(shape=(b, T, step.parts.width), dtype=w.dtype, device=w.device)
+        self.msg = dict(shape=step.parts.activation_shape(self.tokens[0].shape), dtype=w.dtype, device=w.device)
         # this rank's params as fresh leaves, and each stage's list of them
         mine = sched.stages_of(rank)
         held = {k for s in mine for k in plan.extras(s)}

@@ -6,6 +6,7 @@ context, for specs and ``Plan.describe``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -15,7 +16,8 @@ from cfx._src.precision import amp
 from cfx._src.core import tree as tree_util
 from cfx._src.gemini.policy import auto as auto_policy, host as host_policy
 from cfx._src.mesh.context import Group, RankContext, installed
-from cfx._src.mesh.spec import P
+from cfx._src.mesh.spec import P, is_spec
+from cfx._src.models.function import LossModel
 from cfx._src.models.parts import has_hook, hook, parts_of
 from cfx._src.optim.base import chain
 from cfx._src.optim.clipping import clip_by_global_norm
@@ -34,10 +36,13 @@ from cfx._src.zero.placed import Placement
 
 def remat_blocks(model: Any, mode: str) -> Any:
     """``model`` with every block under ``cfx.remat``: ``blocks`` keeps only each block's input,
-    ``dots`` also its matmul outputs; ``none`` returns the model."""
+    ``dots`` also its matmul outputs; ``none`` returns the model. A loss function without blocks
+    (``LossModel``) is checkpointed whole."""
     if mode == "none":
         return model
     policy = {"blocks": cp.nothing_saveable, "dots": cp.dots_saveable}[mode]
+    if isinstance(model, LossModel):
+        return dataclasses.replace(model, loss_fn=remat(model.loss_fn, policy=policy))
     return model.map_blocks(lambda b: remat(b, policy=policy))
 
 
@@ -63,7 +68,7 @@ def wrap_blocks(plan, model: Any, remat_mode: str) -> Any:
     """Steps 1-4 of the module doc: the sequence-split, tensor-parallel model whose blocks are
     gathered (ZeRO-3) and checkpointed (``remat_mode``)."""
     local = parallel_model(plan, model)
-    if plan.zero == 3:
+    if plan.zero == 3 and not isinstance(local, LossModel):  # a loss function is gathered whole (_outer)
         local = local.map_blocks(lambda b: gathered(b, axis="data"))
     return remat_blocks(local, remat_mode)
 
@@ -118,6 +123,8 @@ def check_model(plan, model) -> None:
     """What the plan needs of the model, checked without a mesh: ValueErrors naming the two parts
     that do not fit and the fix."""
     where = f"Plan {str(plan)!r}"
+    if isinstance(model, LossModel):
+        _check_loss_function(plan, model, where)
     if hook(model, "check_train_batch") is not None:  # not a token model (cfx.diffusion.Denoiser)
         _check_own_batch_model(plan, model, where)
     if plan.has("seq"):
@@ -127,7 +134,7 @@ def check_model(plan, model) -> None:
         _check_ulysses_heads(plan, model, where)
     if plan.has("model"):
         n = plan.size("model")
-        for block in tensor_parallel(model, "model").blocks:
+        for block in getattr(tensor_parallel(model, "model"), "blocks", ()):
             block.check(n)
         vocab = getattr(hook(model, "config"), "vocab_size", None)
         if plan.sp != "megatron" and vocab is not None and vocab % n:
@@ -139,6 +146,24 @@ def check_model(plan, model) -> None:
             raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
         stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
         make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
+
+
+def _check_loss_function(plan, model: LossModel, where: str) -> None:
+    """What a bare loss function cannot take: the axes that need its structure, and a model axis
+    its specs do not use."""
+    name = model.name
+    if plan.has("pipe"):
+        raise ValueError(f"{where}: the pipe axis cuts a model into stages of blocks; the loss function {name!r} has "
+                         "none. Implement the parts protocol (cfx.models.ChainModel: blocks, map_blocks, parts(); "
+                         "the README's 'Your own model' section), or drop pipe=.")
+    if plan.remat == "auto":
+        raise ValueError(f"{where}: remat=auto schedules a chain of blocks; the loss function {name!r} has none. Use "
+                         "remat=blocks (the whole function recomputed in backward), or implement the parts protocol.")
+    if plan.has("model") and "model" not in {a for s in tree_util.leaves(model.param_specs, is_leaf=is_spec)
+                                             for a in s.all_axes()}:
+        raise ValueError(f"{where}: no spec of {name!r} names the model axis, so every model rank would compute the "
+                         "same; pass specs= laying params over 'model' (the function then gets each rank's blocks "
+                         "and does its own collectives), or drop model=.")
 
 
 def _check_own_batch_model(plan, model, where: str) -> None:

@@ -34,12 +34,13 @@ from cfx._src.core import tree as tree_util
 from cfx._src.spmd.arrays import device_get
 from cfx._src.spmd.init_sharded import init_sharded
 from cfx._src.lax import collectives as lax
-from cfx._src.mesh.layout import block_shape
+from cfx._src.mesh.layout import block_shape, check_spec
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.parallel.rules import Rules
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 from cfx._src.spmd.shard_map import shard_map
+from cfx._src.spmd.spec_tree import broadcast_specs
 from cfx._src.zero.flat import piece_size
 from cfx._src.zero.params import ZeroParams, gather_params, global_pieces, shard_params
 from cfx._src.zero.params import param_specs as zero_param_specs
@@ -55,7 +56,7 @@ class Layout:
         split = {k: "model" for k in MEGATRON_RULES if tp and not (k == "vocab" and cfg.sp == "megatron")}
         self.rules = Rules({"batch": "data" if cfg.has("data") else None, "length": cfg.sequence_axis, **split})
         self.model_shapes = eval_shape(model.init, random.key(0))
-        self.model_specs = self.rules.specs(model.axes(), mesh=mesh)
+        self.model_specs = self._model_specs(model, mesh)
         # tokens (B, T): the sequence split too; a model may name its batch's axes (a Denoiser's: rows)
         self.batch_spec = self.rules.spec(hook(model, "batch_axes", ("batch", "length")))
         self.stacked, self.zero3 = cfg.has("pipe"), cfg.zero == 3
@@ -74,6 +75,18 @@ class Layout:
             # one rank's ZeroParams: the model's tree with its own blocks, per-rank leaf shapes
             local_shapes = tree_util.unflatten(tree_util.structure(self.model_shapes), list(zp.shapes))
             self.local_shapes = self._local_tree(local_shapes)
+
+    def _model_specs(self, model, mesh) -> Any:
+        """The params' specs: the model's own (``param_specs``: a P or a pytree prefix, broadcast and
+        checked against every leaf's shape), else its logical axes through the plan's rules."""
+        own = hook(model, "param_specs")
+        if own is None:
+            return self.rules.specs(model.axes(), mesh=mesh)
+        where = f"Plan {str(self.cfg)!r}"
+        items = broadcast_specs(own, self.model_shapes, "specs", mesh, where=where)
+        for path, leaf, spec in items:
+            check_spec(path, tuple(leaf.shape), spec, mesh, where)
+        return tree_util.unflatten(tree_util.structure(self.model_shapes), [s for _, _, s in items])
 
     @property
     def rows_per_rank(self) -> int:

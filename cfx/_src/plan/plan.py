@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from cfx._src.mesh.mesh import Mesh
+from cfx._src.models.function import as_model
 from cfx._src.plan.config import PlanConfig
 from cfx._src.plan.describe import Description, describe
 from cfx._src.plan.build import check_model
@@ -39,29 +40,35 @@ class Plan(PlanConfig):
             raise ValueError("Plan: a single-device plan has no mesh; give it an axis, e.g. data=1.")
         return Mesh(self.mesh_shape, backend=backend, **kwargs)
 
-    def check(self, model: Any) -> None:
+    def check(self, model: Any, **function: Any) -> None:
         """ValueError, naming the parts that do not fit and the fix, unless this plan can train
         ``model`` (heads and vocabulary divisible by ``model``, blocks by ``pipe`` x ``chunks``,
-        the parts protocol under a pipe axis, ...). Needs no mesh."""
-        check_model(self, model)
+        the parts protocol under a pipe axis, ...). Needs no mesh. ``model`` may be a loss
+        function with ``params=`` or ``init=`` (and ``specs=``), as for ``step``."""
+        check_model(self, as_model(model, **function))
 
-    def describe(self, model: Any, tx: Any = None, *, batch: tuple[int, int] | None = None) -> Description:
+    def describe(self, model: Any, tx: Any = None, *, batch: tuple[int, int] | None = None,
+                 **function: Any) -> Description:
         """Per-rank bytes by kind and tier -- params, grads, optimizer state (``tx``, default
         AdamW), one gathered ZeRO-3 block, offload's device chunks and, given ``batch=(rows, seq)``,
         activations -- and the collectives per axis and phase, computed on shapes before anything
-        runs (``print`` it)."""
-        return describe(self, model, tx, batch=batch)
+        runs (``print`` it). ``model`` may be a loss function with ``params=`` / ``init=``."""
+        return describe(self, as_model(model, **function), tx, batch=batch)
 
-    def step(self, model: Any, tx: Any, *, mesh: Mesh, grad_clip: float = 0.0,
-             nvme_dir: str | None = None, jit: bool | str = False) -> Program:
+    def step(self, model: Any, tx: Any, *, mesh: Mesh, params: Any = None, init: Any = None, specs: Any = None,
+             grad_clip: float = 0.0, nvme_dir: str | None = None, jit: bool | str = False) -> Program:
         """The train step ``step(state, batch) -> (state, metrics)`` (a ``Program``, which also
         has ``init``, ``params``, ``put``, ``loss`` and ``sample``); every check runs here, before
-        any rank starts. ``grad_clip > 0`` clips by the global norm over every shard;
-        ``nvme_dir``: where ``offload=nvme`` keeps the state's files (default: a new temporary
-        directory); ``jit``: compile each rank's step with ``cfx.jit`` (True: inductor, or a
-        ``torch.compile`` backend name), the state donated to it."""
+        any rank starts. ``model`` is a cfx model, or your own pure ``loss_fn(params, *batch)`` (a
+        mean over the batch rows) with its starting ``params`` or an ``init(key)``, and optionally
+        ``specs`` laying the params over the mesh (``cfx._src.models.function``).
+        ``grad_clip > 0`` clips by the global norm over every shard; ``nvme_dir``: where
+        ``offload=nvme`` keeps the state's files (default: a new temporary directory); ``jit``:
+        compile each rank's step with ``cfx.jit`` (True: inductor, or a ``torch.compile`` backend
+        name), the state donated to it."""
+        model = as_model(model, params=params, init=init, specs=specs)
         return Program(self, model, tx, mesh, grad_clip=grad_clip, nvme_dir=nvme_dir, jit=jit)
 
-    def init(self, model: Any, tx: Any, key, *, mesh: Mesh) -> TrainState:
+    def init(self, model: Any, tx: Any, key, *, mesh: Mesh, **function: Any) -> TrainState:
         """Sharded params and optimizer state; ``plan.step(model, tx, mesh=mesh).init(key)``."""
-        return self.step(model, tx, mesh=mesh).init(key)
+        return self.step(model, tx, mesh=mesh, **function).init(key)
