@@ -15,7 +15,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
-from hypothesis import strategies as st
+from hypothesis import assume, strategies as st
 
 from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
@@ -30,14 +30,27 @@ PLAN_AXES = ("pipe", "data", "seq", "model")
 
 
 @st.composite
-def meshes(draw, max_ranks: int = 8, max_axes: int = 3, names: Sequence[str] = AXIS_NAMES) -> dict[str, int]:
-    """A mesh shape of 1..max_axes named axes with at most ``max_ranks`` ranks in all."""
-    n_axes = draw(st.integers(1, min(max_axes, len(names))))
+def meshes(draw, max_ranks: int = 8, max_axes: int = 3, names: Sequence[str] = AXIS_NAMES, *,
+           required: Sequence[str] = (), min_ranks: int = 1, divides: Sequence[int] = ()) -> dict[str, int]:
+    """A mesh shape of 1..max_axes named axes with at most ``max_ranks`` ranks in all (and at least
+    ``min_ranks``). ``required``: axes every draw has (each of 2 ranks or more); ``divides``: sizes
+    (your tensors' dims) every axis size must divide, so any one-axis split of them fits."""
+    unknown = [a for a in required if a not in names]
+    if unknown:
+        raise ValueError(f"cfx.testing.meshes: required axes {unknown} are not among names={tuple(names)}.")
+    others = [a for a in names if a not in required]
+    n_axes = draw(st.integers(max(1, len(required)), max(len(required), min(max_axes, len(names)))))
+    chosen = list(required) + others[:n_axes - len(required)]
     shape, total = {}, 1
-    for name in names[:n_axes]:
-        size = draw(st.integers(1, max(1, min(4, max_ranks // total))))
-        shape[name] = size
-        total *= size
+    for name in chosen:
+        low = 2 if name in required else 1
+        sizes = [n for n in range(low, 5) if total * n <= max_ranks and all(d % n == 0 for d in divides)]
+        if not sizes:
+            raise ValueError(f"cfx.testing.meshes: no size of axis {name!r} fits max_ranks={max_ranks} and divides "
+                             f"{tuple(divides)}; raise max_ranks or drop a required axis.")
+        shape[name] = draw(st.sampled_from(sizes))
+        total *= shape[name]
+    assume(total >= min_ranks)
     return shape
 
 
@@ -80,7 +93,7 @@ def pytrees(draw, leaf_shapes: Sequence[tuple[int, ...]], *, dtype=torch.float32
 
 
 @st.composite
-def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, length: int | None = None,
+def plans(draw, model: Any, *, max_ranks: int = 8, min_ranks: int = 2, batch: int = 8, length: int | None = None,
           zero: Sequence[int] = (0, 1, 2, 3),
           remat: Sequence[str] = ("none", "blocks", "dots", "auto"), remat_budget: str = "64MiB",
           offload: Sequence[str] = ("none", "host", "auto"), offload_budget: str = "64MiB"):
@@ -91,13 +104,11 @@ def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, length: int |
     an offload (``auto`` places chunks within ``offload_budget`` device bytes), a remat mode
     (``auto`` solves for ``remat_budget``) and, with a pipe axis, a schedule and microbatches.
     Draws that the model or sequences of ``length`` rule out (heads not divisible, ...) are
-    rejected.
+    rejected, and so are meshes of fewer than ``min_ranks`` ranks (one rank shards nothing).
 
         @given(cfx.testing.plans(my_model))
         def test_my_model_trains_the_same_sharded(plan): ...
     """
-    from hypothesis import assume
-
     from cfx._src.plan.config import SCHEDULES
     from cfx._src.plan.plan import Plan
     axes = draw(st.permutations(PLAN_AXES))[:draw(st.integers(1, len(PLAN_AXES)))]
@@ -107,6 +118,7 @@ def plans(draw, model: Any, *, max_ranks: int = 8, batch: int = 8, length: int |
         mesh.append((a, size))
         total *= size
     shape = dict(mesh)
+    assume(total >= min_ranks)
     fields: dict[str, Any] = dict(mesh=tuple(mesh), remat=draw(st.sampled_from(list(remat))))
     if fields["remat"] == "auto":
         fields["remat_budget"] = remat_budget

@@ -127,3 +127,24 @@ def test_a_bf16_unet_with_int8_convs_computes_in_bf16(pipes):
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     # measured max |diff| 0.018 (bf16 alone: 0.015) with outputs up to 1.16
     assert float((got.float() - want).abs().max()) < 0.05
+
+
+@pytest.mark.timeout(120)
+def test_tiny_pipeline_drives_the_sample_cli_offline(tmp_path, capsys):
+    from PIL import Image
+
+    from cfx.diffusion.sample import main
+    p = cfx.diffusion.tiny_pipeline(tmp_path / "sd")
+    again = cfx.diffusion.load_pipeline(tmp_path / "sd")  # diffusers' layout, read back the same
+    cfx.tree.assert_close(again.unet_params, p.unet_params, rtol=0, atol=0)
+    tok = transformers.CLIPTokenizer.from_pretrained(tmp_path / "sd" / "tokenizer")
+    assert max(tok("a red square").input_ids) < p.text_encoder.config.vocab_size
+    out = tmp_path / "a.png"
+    assert main(["--pipeline", str(tmp_path / "sd"), "--prompt", "a red square", "--steps", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    with Image.open(out) as image:
+        assert image.size == (32, 32)
+    # a missing output directory is refused before a single step is sampled
+    assert main(["--pipeline", str(tmp_path / "sd"), "--prompt", "x", "--steps", "2",
+                 "--out", str(tmp_path / "nodir" / "a.png"), "--no-progress"]) == 2
+    assert "does not exist or is not writable" in capsys.readouterr().err

@@ -76,6 +76,12 @@ def test_scalar_conversion_only_for_replicated_single_values():
             float(v)
 
 
+def test_print_shows_the_global_value_and_repr_the_layout():
+    with cfx.Mesh({"data": 2}) as mesh:
+        arr = cfx.device_put(torch.arange(6.0).reshape(2, 3), mesh, P("data"))
+        assert str(arr).startswith(repr(arr)) and "[3., 4., 5.]" in str(arr) and "tensor" not in repr(arr)
+
+
 def test_device_get_maps_a_tree_and_leaves_other_leaves_alone():
     with cfx.Mesh({"data": 2}) as mesh:
         tree = {"a": cfx.device_put(torch.arange(4.0), mesh, P("data")), "b": torch.ones(2), "c": 3}

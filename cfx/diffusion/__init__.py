@@ -15,7 +15,8 @@ are its command lines.
 ``load_pipeline(dir)`` / ``save_pipeline(dir, pipeline)`` read and write diffusers' pipeline layout
 (``unet/``, ``vae/``, ``text_encoder/``, ``scheduler/``); ``sample_images`` draws images (DDIM
 with classifier-free guidance, as ``StableDiffusionPipeline``), and ``python -m cfx.diffusion.sample``
-is its command line (the module ``cfx.diffusion.sample``).
+is its command line (the module ``cfx.diffusion.sample``); ``tiny_pipeline(dir)`` writes a tiny random
+pipeline with a tokenizer to try the command lines offline.
 """
 from cfx.diffusion import clip_text, schedulers, unet, vae
 from cfx._src.diffusion.train import Denoiser, denoising_loss, draw
@@ -25,10 +26,11 @@ from cfx._src.diffusion.sampling import sample as sample_images
 from cfx._src.diffusion.sampling import text_states
 from cfx._src.diffusion.schedulers import Schedule, add_noise, ddim_step, ddim_timesteps, ddpm_step, guidance, target
 from cfx._src.diffusion.unet import UNet2DCondition, UNet2DConditionConfig
+from cfx._src.diffusion.tiny import tiny_pipeline
 from cfx._src.diffusion.vae import AutoencoderKL, AutoencoderKLConfig
 
 __all__ = ["AutoencoderKL", "AutoencoderKLConfig", "CLIPTextConfig", "CLIPTextEncoder", "Denoiser", "Pipeline", "Schedule",
            "UNet2DCondition", "load_pipeline", "sample_images", "save_pipeline", "text_states",
            "UNet2DConditionConfig", "add_noise", "clip_text", "ddim_step", "ddim_timesteps", "ddpm_step", "denoising_loss",
            "draw", "guidance",
-           "schedulers", "target", "unet", "vae"]
+           "schedulers", "target", "tiny_pipeline", "unet", "vae"]

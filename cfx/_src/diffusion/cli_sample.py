@@ -9,6 +9,7 @@ the VAE stays in floating point).
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -23,7 +24,8 @@ from cfx._src.precision.quant import quantize
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cfx.diffusion.sample", description=__doc__.splitlines()[0])
-    p.add_argument("--pipeline", required=True, help="a Stable Diffusion pipeline directory (diffusers' layout)")
+    p.add_argument("--pipeline", required=True, help="a Stable Diffusion pipeline directory (diffusers' layout, with "
+                   "tokenizer/); cfx.diffusion.tiny_pipeline(DIR) writes a tiny random one to try")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default="", help="what guidance steers away from (default: empty)")
     p.add_argument("--steps", type=int, default=25)
@@ -45,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(a: argparse.Namespace) -> str:
     """Draws the image the flags describe and writes it to ``--out``; returns that path."""
+    folder = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {a.out!r}: the directory {folder!r} does not exist or is not writable; create it "
+                         "first, or write the image elsewhere (checked before sampling).")
     pipe = load_pipeline(a.pipeline)
     if a.int8:
         pipe.unet_params = quantize(pipe.unet_params, "int8", axes=pipe.unet.axes())

@@ -23,6 +23,8 @@ import bisect
 import dataclasses
 from typing import Sequence
 
+from cfx._src.core.text import format_bytes
+
 
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -124,8 +126,10 @@ def plan_auto(access_sequence: Sequence[Sequence[int]], chunk_bytes: int | Seque
         t = max(range(len(needs)), key=needs.__getitem__)
         raise ValueError(f"auto placement needs at least {max(needs)} bytes of device memory: access {t} "
                          f"uses chunks {sorted(accesses[t])} ({needs[t] - non_model_bytes[t]} bytes) with "
-                         f"{non_model_bytes[t]} non-model bytes live, but the budget is {budget} bytes. "
-                         f"Raise device_budget_bytes to >= {max(needs)}, use smaller chunks, or host().")
+                         f"{non_model_bytes[t]} non-model bytes live, but the budget is {budget} bytes "
+                         f"({format_bytes(budget)}). Raise the device budget to at least {format_bytes(max(needs))} "
+                         "(offload=auto:<bytes> in a Plan, cfx.gemini.auto(bytes) in code), use smaller chunks, "
+                         "or place one chunk at a time (offload=host, cfx.gemini.host()).")
     uses: dict[int, list[int]] = {}
     for t, a in enumerate(accesses):
         for c in a:

@@ -184,6 +184,15 @@ class ShardedArray(ArrayShape):
         gone = f", {self._deleted}" if self._deleted else ""
         return f"ShardedArray(shape={self.shape}, dtype={dtype}, spec={self.spec!r}, {self.mesh!r}{extra}{gone})"
 
+    def __str__(self) -> str:
+        """``repr`` and the global value (``print(arr)``), as a JAX Array prints; only where this
+        process holds every block (``local``; under ``dist`` values live on other processes)."""
+        if self._deleted or self.partial or not self.is_fully_addressable:
+            return repr(self)
+        with torch.no_grad():
+            value = str(self.gather()).replace("\n", "\n  ")
+        return f"{self!r}\n  {value}"
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d ShardedArray")

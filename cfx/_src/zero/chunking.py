@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from cfx._src.gemini.packing import ChunkLayout, ChunkSearch, search_chunk_size
+from cfx._src.core.text import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +61,11 @@ def pack_groups(numels: list[int], *, max_size: int | None = None) -> Chunking:
 
 
 def check_budget(chunking: Chunking, itemsize: int, n: int, budget: int, first_paths: list[str], *,
-                 where: str = "GeminiEngine: auto placement", knob: str = "device_budget_bytes") -> None:
+                 where: str = "GeminiEngine: auto placement", knob: str = "device_budget_bytes",
+                 other_fixes: str = "give the engine a smaller max_chunk_size, split the layer, or use "
+                                    "cfx.gemini.host()") -> None:
     """ValueError unless ``budget`` bytes hold every chunk with its largest gathered payload;
-    the message starts with ``where`` and names ``knob`` as what to raise."""
+    the message starts with ``where``, names ``knob`` as what to raise and ``other_fixes``."""
     chunk_bytes = chunking.size * itemsize
     need = [chunk_bytes + max(chunking.numels[g] for g in gs) * itemsize * n for gs in chunking.groups]
     k = max(range(len(need)), key=need.__getitem__)
@@ -71,6 +74,5 @@ def check_budget(chunking: Chunking, itemsize: int, n: int, budget: int, first_p
             f"{where} needs at least {need[k]} bytes of device memory for chunk {k} "
             f"(groups {list(chunking.groups[k])}: {first_paths[k]!r}...): the chunk of {chunk_bytes} B "
             f"({chunking.size} elements) plus its largest gathered payload of {need[k] - chunk_bytes} B, "
-            f"before any activation, but the budget is {budget} bytes. Raise {knob} to well "
-            f"above {need[k]}, give the engine a smaller max_chunk_size, split the layer, or use "
-            "cfx.gemini.host().")
+            f"before any activation, but the budget is {budget} bytes ({format_bytes(budget)}). Raise {knob} to "
+            f"well above {need[k]} ({format_bytes(need[k])}), or {other_fixes}.")

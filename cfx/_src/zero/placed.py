@@ -53,7 +53,8 @@ class Placement:
         if hasattr(policy, "device_budget_bytes"):  # before any rank runs
             check_budget(self.chunks, dtype.itemsize, self.n, policy.device_budget_bytes,
                          [paths[self.groups[gs[0]][0]] for gs in self.chunks.groups],
-                         where=f"{where}: offload=auto", knob="the offload budget (offload=auto:<bytes>)")
+                         where=f"{where}: offload=auto", knob="the offload budget (offload=auto:<bytes>)",
+                         other_fixes="offload=host (one chunk on the device at a time)")
         self.start = {}  # per leaf: where it starts in its group's shard
         for idx in self.groups:
             at = 0

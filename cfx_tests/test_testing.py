@@ -1,0 +1,41 @@
+"""cfx.testing's strategies draw what they promise: meshes with required axes and sizes dividing the
+user's dims, plans over more than one rank, specs that fit."""
+import math
+
+import pytest
+from hypothesis import given, strategies as st
+
+import cfx
+
+
+@given(cfx.testing.meshes(max_ranks=8, required=("model",), divides=(12, 8)))
+def test_meshes_have_the_required_axes_and_divide_the_dims(shape):
+    assert shape["model"] >= 2 and math.prod(shape.values()) <= 8
+    assert all(12 % n == 0 and 8 % n == 0 for n in shape.values())
+
+
+@given(cfx.testing.meshes(max_ranks=4, min_ranks=2))
+def test_meshes_honour_min_ranks(shape):
+    assert 2 <= math.prod(shape.values()) <= 4
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(required=("seq",)), r"required axes \['seq'\] are not among names"),
+                                          (dict(required=("model",), divides=(3, 5)), "no size of axis 'model' fits")])
+def test_meshes_refuse_what_cannot_be_drawn(kwargs, match):
+    @given(cfx.testing.meshes(**kwargs))
+    def draw(shape):
+        pass
+    with pytest.raises(ValueError, match=match):
+        draw()
+
+
+@given(st.data())
+def test_plans_shard_over_more_than_one_rank_and_specs_fit(data):
+    plan = data.draw(cfx.testing.plans(cfx.models.gpt2("tiny", n_layer=2, vocab_size=64), max_ranks=4,
+                                       remat=("none",), offload=("none",)))
+    assert math.prod(dict(plan.mesh).values()) >= 2
+    shape = data.draw(cfx.testing.meshes(max_ranks=4))
+    spec = data.draw(cfx.testing.specs_for((8, 12), shape))
+    for dim, axes in zip((8, 12), spec):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        assert dim % math.prod(shape[a] for a in axes) == 0
