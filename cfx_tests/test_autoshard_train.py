@@ -54,6 +54,7 @@ def test_train_auto_tracks_one_device_and_prints_its_plan(text_file, capsys):
     out = capsys.readouterr().out
     assert "cfx.autoshard on mesh {'data': 2, 'model': 2}" in out and "Megatron's plan:" in out
     assert "auto (cfx.autoshard)" in out
+    assert "--verbose)" in out and "bytes per rank" not in out  # the summary; the tables behind --verbose
     torch.testing.assert_close(torch.tensor([l for _, l in got["history"]["train"]]),
                                torch.tensor([l for _, l in ref["history"]["train"]]), rtol=1e-4, atol=1e-5)
     cfx.tree.assert_tree_close(got["params"], ref["params"], rtol=1e-4, atol=1e-5)

@@ -186,3 +186,10 @@ def test_your_own_model_with_the_parts_protocol_trains_on_pipe_stages(text):
         for b in batches:
             state, _ = step(state, b)
         cfx.tree.assert_close(step.params(state), want)
+
+
+def test_grad_clip_in_front_of_loss_scaling_is_refused_with_the_fix():
+    tx = cfx.optim.dynamic_loss_scale(cfx.optim.adamw(1e-3))
+    plan = cfx.parallel.Plan.parse("data=2")
+    with plan.make_mesh() as mesh, pytest.raises(ValueError, match=r"would clip the loss-scaled gradients.*clip inside"):
+        plan.step(loss_fn, tx, mesh=mesh, params=mlp_params(), grad_clip=1.0)

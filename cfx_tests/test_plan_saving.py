@@ -141,11 +141,33 @@ def test_a_zero3_checkpoint_is_the_single_device_state_and_resumes_on_any_plan(t
 
 def test_another_models_checkpoint_is_refused_naming_the_difference(tmp_path):
     run("data=2", 0, save=tmp_path / "a")
-    with pytest.raises(ValueError, match="does not match the template: missing.*saved by plan 'data=2'"):
+    with pytest.raises(ValueError, match="is not this program's state: the checkpoint has 4 blocks, the model 2.*"
+                                         "saved by plan 'data=2'"):
         run("data=2", 0, model=gpt2(n_layer=2), load=tmp_path / "a")
-    with pytest.raises(ValueError, match="'params.blocks.0.attn.k.b' is float32 \\(32,\\).*but float32 \\(48,\\) here: it "
-                                         "was saved with another model config"):
+    with pytest.raises(ValueError, match="'params.blocks.0.attn.k.b' is float32 \\(32,\\) in the checkpoint, float32 "
+                                         "\\(48,\\) in the model"):
         run("data=2", 0, model=gpt2(n_embd=48), load=tmp_path / "a")
+    with Plan.parse("data=2").make_mesh() as mesh:  # another optimizer: its state's tensors
+        program = Plan.parse("data=2").step(gpt2(), cfx.optim.sgd(0.1, momentum=0.9), mesh=mesh)
+        with pytest.raises(ValueError, match="the checkpoint's optimizer state has 137 tensors "
+                                             "\\('opt_state.0.count'.* where the optimizer's has 68 "
+                                             "\\('opt_state.1.trace"):
+            program.load(tmp_path / "a", program.init(cfx.random.key(0)))
+
+
+@pytest.mark.timeout(300)
+def test_a_plans_single_file_is_the_single_device_state_and_loads_on_any_plan(tmp_path):
+    """``save`` to a ``.safetensors`` path: the regions put together into whole tensors (padding cut),
+    the same as the directory holds; ``load`` reads a file -- a plan's or one device's -- as it reads
+    a directory."""
+    _, params = run("data=4 zero=3", 2, save=tmp_path / "z.safetensors")
+    run("data=4 zero=3", 2, save=tmp_path / "z")
+    cfx.tree.assert_tree_close(canonical(tmp_path / "z.safetensors"), canonical(tmp_path / "z"), rtol=0, atol=0)
+    cfx.checkpoint.save(tmp_path / "one.safetensors", single_device(2), metadata={"step": 2, "plan": "one device"})
+    for text in ["pipe=2,data=2 zero=1", "data=2,model=2"]:
+        for source in ("z.safetensors", "one.safetensors"):
+            _, loaded = run(text, 0, load=tmp_path / source, save=tmp_path / "again")
+            cfx.tree.assert_tree_close(canonical(tmp_path / "again"), canonical(tmp_path / source), rtol=0, atol=0)
 
 
 @pytest.mark.timeout(120)

@@ -58,7 +58,27 @@ class Report:
             return None
         return "equal" if self.estimated_s >= self.reference.estimated_s * (1 - 1e-9) else "cheaper"
 
+    def summary(self) -> str:
+        """The estimate, the comparison with the reference and the notes (``str``: also every param's spec
+        and the collectives)."""
+        return "\n".join(self._head() + [f"  ({len(self.specs)} params' specs and {len(self.collectives)} "
+                                         "collectives: print(report), or --verbose)"])
+
     def __str__(self) -> str:
+        lines = self._head()
+        rows = [(path, str(s), format_bytes(self.param_bytes[path])) for path, s in self.specs.items()]
+        lines += ["", format_table(rows, ["param", "spec", "bytes per rank"]), ""]
+        totals: dict[tuple, list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+        for c in self.collectives:
+            for key in ((c.phase, c.op, c.axis), (c.phase, "all", "-")):
+                totals[key][0] += 1
+                totals[key][1] += c.nbytes
+                totals[key][2] += c.seconds
+        rows = [(ph, op, ax, n, format_bytes(b), f"{t * 1e3:.3f}") for (ph, op, ax), (n, b, t) in sorted(totals.items())]
+        lines.append(format_table(rows, ["phase", "collective", "axis", "count", "bytes per rank", "ms"]))
+        return "\n".join(lines)
+
+    def _head(self) -> list[str]:
         lines = [f"cfx.autoshard on mesh {self.mesh}: {self.ops} ops searched in {self.solve_s:.1f} s "
                  "(within 1% of the cost model's optimum)",
                  f"  estimated step {self.estimated_s * 1e3:.3f} ms, {format_bytes(self.memory_bytes)} per rank"
@@ -72,17 +92,7 @@ class Report:
         if self.gathered:
             lines.append(f"  stored split and gathered at use (ZeRO-3): {len(self.gathered)} params")
         lines.extend(f"  note: {n}" for n in self.notes)
-        rows = [(path, str(s), format_bytes(self.param_bytes[path])) for path, s in self.specs.items()]
-        lines += ["", format_table(rows, ["param", "spec", "bytes per rank"]), ""]
-        totals: dict[tuple, list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-        for c in self.collectives:
-            for key in ((c.phase, c.op, c.axis), (c.phase, "all", "-")):
-                totals[key][0] += 1
-                totals[key][1] += c.nbytes
-                totals[key][2] += c.seconds
-        rows = [(ph, op, ax, n, format_bytes(b), f"{t * 1e3:.3f}") for (ph, op, ax), (n, b, t) in sorted(totals.items())]
-        lines.append(format_table(rows, ["phase", "collective", "axis", "count", "bytes per rank", "ms"]))
-        return "\n".join(lines)
+        return lines
 
 
 def collectives(graph: Graph, choices: list[Strategy], mesh_shape: dict[str, int], cost: CostModel) -> list[Collective]:

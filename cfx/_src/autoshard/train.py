@@ -24,6 +24,7 @@ from cfx._src.plan.layout import put_tree
 from cfx._src.core.random import key
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 from cfx._src.spmd.shard_map import shard_map
+from cfx._src.plan.build import check_clip_outside_scaling
 
 
 class TrainState(NamedTuple):
@@ -46,6 +47,8 @@ class AutoProgram:
                                                 memory_budget=memory_budget, cost=cost, reference=reference,
                                                 reference_name=reference_name)
         self.param_specs = self.step_auto.param_specs
+        if grad_clip > 0:
+            check_clip_outside_scaling(tx, self.shapes, "cfx.train --auto")
         self.tx = chain(clip_by_global_norm(grad_clip), tx) if grad_clip > 0 else tx
         self.state_specs = state_specs(eval_shape(self.tx.init, self.shapes), self.shapes, self.param_specs)
         split = [tuple(s.all_axes()) for s in tree_util.leaves(self.param_specs, is_leaf=is_spec)]

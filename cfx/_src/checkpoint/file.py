@@ -8,7 +8,8 @@ of a template tree (e.g. ``{"params": model.init(key), "opt_state": tx.init(para
 checks every leaf's shape and dtype.
 
 A tree of ShardedArrays is saved as a directory instead, each process writing its own blocks,
-and loads onto any mesh (``checkpoint_sharded``).
+and loads onto any mesh (``checkpoint_sharded``). ``open_stored`` opens either kind for reading
+rectangles of its leaves by path (``FileStored``, ``sharded.Stored``: one interface).
 
 Every tensor's CRC-32 is written into the file's metadata and verified on load, so a file that
 was truncated, is not safetensors, or had bytes changed is a one-line ``ValueError`` naming the
@@ -113,55 +114,107 @@ def load(path: str | os.PathLike, like: Any, *, mesh=None, specs: Any = P()) -> 
     checkpoint (a directory) loads onto any ``mesh`` with any ``specs`` (ShardedArray leaves of
     ``like`` bring theirs), each process reading only its blocks' slices, or as whole tensors.
     """
-    from safetensors import safe_open
-
     if os.path.isdir(path):
         return sharded.load(path, like, mesh=mesh, specs=specs)
     if mesh is not None:
         raise ValueError(f"cfx.checkpoint.load: {os.fspath(path)!r} is a single-file checkpoint of whole tensors; "
                          "load it without mesh= and device_put the leaves (or save a sharded checkpoint).")
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ValueError(f"cfx.checkpoint.load: no checkpoint at {path!r}.")
     items, treedef = tree_util.flatten_with_path(like)
-    try:
-        with safe_open(path, framework="pt") as f:
-            return _read(f, path, items, treedef)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the parser's errors (SafetensorError, OSError, ...)
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"cfx.checkpoint.load: {path!r} is not a readable checkpoint ({reason}); it may be "
-                         "truncated (a copy or a save cut short) or another format. Restore it from another copy "
-                         "or point at a file cfx.checkpoint.save wrote.") from None
-
-
-def _read(f, path: str, items: list, treedef) -> tuple[Any, dict[str, Any]]:
-    """``load``'s body on an open safetensors file ``f``."""
-    stored = set(f.keys())
     wanted = [p or _ROOT for p, _ in items]
-    missing = [p for p in wanted if p not in stored]
-    extra = sorted(stored - set(wanted))
-    if missing or extra:
-        raise ValueError(f"cfx.checkpoint.load: {path!r} does not match the template: missing "
-                         f"{missing[:5]}, unexpected {extra[:5]}. Build the template with the same "
-                         "model config and optimizer that wrote the checkpoint.")
-    stored_meta = f.metadata() or {}
-    crcs = _json(stored_meta, _CRC_KEY, path)
-    leaves = []
-    for (p, ref), key in zip(items, wanted):
-        t = f.get_tensor(key)
-        if key in crcs and crc32(t.contiguous()) != crcs[key]:
-            raise ValueError(f"cfx.checkpoint.load: leaf {key!r} in {path!r} is corrupted (its bytes do not "
-                             "match the checksum written with them); restore the file from another copy.")
-        if hasattr(ref, "shape") and hasattr(ref, "dtype"):  # a tensor or a ShapeDtype (eval_shape)
-            if t.shape != tuple(ref.shape) or t.dtype != ref.dtype:
-                raise ValueError(f"cfx.checkpoint.load: leaf {key!r} is {t.dtype} {tuple(t.shape)} in the "
-                                 f"checkpoint but {ref.dtype} {tuple(ref.shape)} in the template.")
-            if isinstance(ref, torch.Tensor):
-                t = t.to(ref.device)
-        leaves.append(t)
-    return tree_util.unflatten(treedef, leaves), _json(stored_meta, _META_KEY, path)
+    with FileStored(path) as stored:
+        stored.check_leaves(wanted)
+        leaves = []
+        for (_, ref), key in zip(items, wanted):
+            t = stored.read(key)
+            if hasattr(ref, "shape") and hasattr(ref, "dtype"):  # a tensor or a ShapeDtype (eval_shape)
+                if t.shape != tuple(ref.shape) or t.dtype != ref.dtype:
+                    raise ValueError(f"cfx.checkpoint.load: leaf {key!r} is {t.dtype} {tuple(t.shape)} in the "
+                                     f"checkpoint but {ref.dtype} {tuple(ref.shape)} in the template.")
+                if isinstance(ref, torch.Tensor):
+                    t = t.to(ref.device)
+            leaves.append(t)
+        return tree_util.unflatten(treedef, leaves), stored.metadata
+
+
+def open_stored(path: str | os.PathLike) -> "FileStored | sharded.Stored":
+    """The checkpoint at ``path`` opened for reading rectangles of its leaves: a directory's
+    ``sharded.Stored`` or a file's ``FileStored`` (the same interface; a context manager)."""
+    return sharded.Stored(path) if os.path.isdir(path) else FileStored(path)
+
+
+class FileStored:
+    """One checkpoint file opened for reading, with ``sharded.Stored``'s interface: ``path``,
+    ``leaves`` (its leaf paths), ``shape`` / ``dtype``, ``metadata``, ``check_leaves`` and
+    ``region``, so that code reading rectangles of leaves (a Plan's load in model coordinates)
+    reads a file or a directory alike. A leaf is read whole once, checked against its CRC-32, and
+    kept until the file is closed. A context manager. A missing, truncated or foreign file is a
+    one-line ValueError naming the path."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise ValueError(f"cfx.checkpoint.load: no checkpoint at {self.path!r}.")
+        self._file = self._parsed(lambda: safe_open(self.path, framework="pt"))
+        header = self._parsed(lambda: (self._file.metadata() or {},
+                                       {k: self._file.get_slice(k) for k in self._file.keys()}))
+        self.metadata = _json(header[0], _META_KEY, self.path)
+        self._crcs = _json(header[0], _CRC_KEY, self.path)
+        self.leaves = {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in header[1].items()}
+        self._whole: dict[str, torch.Tensor] = {}
+
+    def _parsed(self, fn):
+        try:
+            return fn()
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the parser's errors (SafetensorError, OSError, ...)
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"cfx.checkpoint.load: {self.path!r} is not a readable checkpoint ({reason}); it may be "
+                             "truncated (a copy or a save cut short) or another format. Restore it from another copy "
+                             "or point at a file cfx.checkpoint.save wrote.") from None
+
+    def shape(self, path: str) -> tuple[int, ...]:
+        return self.leaves[path][0]
+
+    def dtype(self, path: str) -> torch.dtype:
+        name = self.leaves[path][1]
+        return _DTYPES[name] if name in _DTYPES else self.read(path).dtype
+
+    def check_leaves(self, wanted: list[str]) -> None:
+        """A ValueError unless the file holds exactly the leaves ``wanted``."""
+        missing, extra = [p for p in wanted if p not in self.leaves], sorted(set(self.leaves) - set(wanted))
+        if missing or extra:
+            raise ValueError(f"cfx.checkpoint.load: {self.path!r} does not match the template: missing "
+                             f"{missing[:5]}, unexpected {extra[:5]}. Build the template with the same "
+                             "model config and optimizer that wrote the checkpoint.")
+
+    def read(self, path: str) -> torch.Tensor:
+        """Leaf ``path`` whole, checked against the CRC-32 written with it."""
+        if path not in self._whole:
+            t = self._parsed(lambda: self._file.get_tensor(path))
+            if path in self._crcs and crc32(t.contiguous()) != self._crcs[path]:
+                raise ValueError(f"cfx.checkpoint.load: leaf {path!r} in {self.path!r} is corrupted (its bytes do "
+                                 "not match the checksum written with them); restore the file from another copy.")
+            self._whole[path] = t
+        return self._whole[path]
+
+    def region(self, path: str, lo: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+        """The rectangle ``[lo, lo + size)`` of leaf ``path`` (a view of the leaf read whole)."""
+        return self.read(path)[tuple(slice(a, a + n) for a, n in zip(lo, size))]
+
+    def __enter__(self) -> "FileStored":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._whole.clear()
+        self._file.__exit__(None, None, None)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
 
 
 def _json(meta: dict, key: str, path: str) -> Any:

@@ -151,12 +151,13 @@ def load(directory: str | os.PathLike, like: Any, *, mesh=None, specs: Any = P()
 
 
 class Stored:
-    """A committed checkpoint opened for reading: ``shape`` / ``dtype`` of its leaves, ``metadata``,
-    and ``region``, which reads any rectangle of a leaf from the overlapping slices of the stored
-    blocks. A context manager (closing its files)."""
+    """A committed checkpoint opened for reading: its ``path``, ``leaves`` (by path), ``shape`` /
+    ``dtype`` of each, ``metadata``, and ``region``, which reads any rectangle of a leaf from the
+    overlapping slices of the stored blocks. A context manager (closing its files). One file of
+    whole tensors opens with the same interface (``checkpoint.file.FileStored``)."""
 
     def __init__(self, directory: str | os.PathLike):
-        self.directory = os.fspath(directory)
+        self.path = self.directory = os.fspath(directory)
         index = _current(self.directory)
         if not index:
             raise ValueError(f"cfx.checkpoint.load: no committed checkpoint in {self.directory!r} (no {INDEX}: "

@@ -10,6 +10,7 @@ is read by ``cfx._src.plan.config.parse_mesh``.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any, Callable, Sequence
 
@@ -27,3 +28,31 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
     if report is not None:
         report(args, result)
     return 0
+
+
+class _ShowDefaults(argparse.HelpFormatter):
+    """``(default: X)`` after an option's help, unless it has none to show or already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and _shown(action) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text.strip()
+
+
+def _shown(action: argparse.Action) -> bool:
+    """An option's default worth a word: a value (not a switch's True/False, not None)."""
+    return action.nargs != 0 and action.default is not None and action.default != argparse.SUPPRESS
+
+
+def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser of a command: ``--help`` shows every option's default (``parse`` finishes it)."""
+    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=_ShowDefaults)
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, every option with a line in ``--help`` (its default, if nothing else)."""
+    for action in parser._actions:
+        if action.help is None and action.option_strings and _shown(action):
+            action.help = "default: %(default)s"
+    return parser.parse_args(argv)

@@ -1,7 +1,9 @@
-"""Text for people: plain-text tables for CLI summaries and benchmarks, and byte counts both ways
-(``format_bytes`` / ``parse_bytes``) for budgets, reports and flags."""
+"""Text for people: plain-text tables for CLI summaries and benchmarks, byte counts both ways
+(``format_bytes`` / ``parse_bytes``) for budgets, reports and flags, and model output made safe to
+print to a terminal (``printable``)."""
 from __future__ import annotations
 
+import unicodedata
 from typing import Any, Sequence
 
 _BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
@@ -58,3 +60,9 @@ def parse_bytes(value: int | str, *, what: str = "budget") -> int:
     except (ValueError, KeyError):
         raise ValueError(f"{what} {value!r}: expected bytes as an int or a string like '512MiB', "
                          "'1.5GB' or '4096'.") from None
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters other than newline and tab shown as U+FFFD: a model's raw bytes
+    (escape sequences, bells, backspaces) cannot move the cursor, recolour or clear the terminal."""
+    return "".join("\ufffd" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)

@@ -26,7 +26,7 @@ from cfx._src.diffusion.cli_train import arguments, optimizer, plan_of, report
 from cfx._src.diffusion.finetune import encode, fine_tune
 from cfx._src.diffusion.pipeline import load_pipeline, tokenizer
 from cfx._src.diffusion.sampling import latent_shape
-from cfx._src.core.cli import run_command
+from cfx._src.core.cli import parse, run_command
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -40,7 +40,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prior-loss-weight", type=float, default=1.0, help="0: no prior, plain fine-tuning")
     p.add_argument("--sample-steps", type=int, default=25, help="DDIM steps per class image")
     p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale of the class images")
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,12 +18,12 @@ from cfx._src.core import random
 from cfx._src.diffusion.data import write_png
 from cfx._src.diffusion.pipeline import load_pipeline, tokenizer
 from cfx._src.diffusion.sampling import sample, text_states
-from cfx._src.core.cli import run_command
+from cfx._src.core.cli import command_parser, parse, run_command
 from cfx._src.precision.quant import quantize
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cfx.diffusion.sample", description=__doc__.splitlines()[0])
+    p = command_parser("python -m cfx.diffusion.sample", __doc__.splitlines()[0])
     p.add_argument("--pipeline", required=True, help="a Stable Diffusion pipeline directory (diffusers' layout, with "
                    "tokenizer/); cfx.diffusion.tiny_pipeline(DIR) writes a tiny random one to try")
     p.add_argument("--prompt", required=True)
@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="int8 weight-only Linear and convolution layers in the UNet and text encoder (cfx.quant; "
                         "the VAE stays in floating point)")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

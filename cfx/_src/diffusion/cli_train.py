@@ -20,7 +20,7 @@ from cfx._src.diffusion.finetune import batch_at, encode, fine_tune, rows_of
 from cfx._src.diffusion.pipeline import load_pipeline, tokenizer
 from cfx._src.optim.alias import adamw
 from cfx._src.optim.loss_scale import dynamic_loss_scale
-from cfx._src.core.cli import run_command
+from cfx._src.core.cli import command_parser, parse, run_command
 from cfx._src.plan.config import parse_mesh
 from cfx._src.plan.plan import Plan
 from cfx._src.precision.amp import policy
@@ -31,7 +31,7 @@ MESH_FIX = ("; a UNet trains over data ranks and tensor-parallel model ranks (--
 
 def arguments(description: str, *, prog: str) -> argparse.ArgumentParser:
     """The flags ``train`` and ``dreambooth`` share: the pipeline, the output, the plan, AdamW."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = command_parser(prog, description)
     p.add_argument("--pipeline", required=True, help="a Stable Diffusion pipeline directory (diffusers' layout)")
     p.add_argument("--out", required=True, help="where the fine-tuned pipeline (and --save-every's state) goes")
     p.add_argument("--steps", type=int, default=100)
@@ -59,7 +59,7 @@ def arguments(description: str, *, prog: str) -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = arguments(__doc__.splitlines()[0], prog="python -m cfx.diffusion.train")
     p.add_argument("--data", required=True, help="images with captions (metadata.jsonl, or NAME.txt beside NAME.png)")
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def plan_of(a: argparse.Namespace) -> Plan:

@@ -9,8 +9,9 @@ outputs (all_gather, psum_scatter, all_to_all, ppermute, pvary) have their per-r
 summed by the transpose.
 
 Each result is tagged with the mesh axes it varies over (``vma``): reductions drop their axes,
-the others add them. While a differentiated ``shard_map`` body runs, an input that does not
-vary over a collective's axes is first implicitly ``pvary``'d, as JAX does.
+the others add them. While a tracking ``shard_map`` body runs (differentiated from outside, or
+``check_vma=True``), a differentiable input that does not vary over a collective's axes is first
+implicitly ``pvary``'d, as JAX does.
 """
 from __future__ import annotations
 
@@ -74,9 +75,9 @@ class _PExtremum(torch.autograd.Function):
 
 
 def _in(x: torch.Tensor, ax: comm.Axes) -> torch.Tensor:
-    """``x`` as a collective over ``ax`` receives it: implicitly pvary'd where a differentiated
-    shard_map body passes a value that does not vary over the axes (JAX's rule)."""
-    if vma.inserting() and x.requires_grad and torch.is_grad_enabled():
+    """``x`` as a collective over ``ax`` receives it: implicitly pvary'd where a tracking shard_map
+    body passes a differentiable value that does not vary over the axes (JAX's rule)."""
+    if vma.is_tracking() and x.requires_grad and torch.is_grad_enabled():
         return vma.lift(x, frozenset(ax.names), ax.where)
     return x
 

@@ -4,20 +4,24 @@ A value *varies* over a mesh axis when ranks along it may hold different values;
 *invariant* (the same on every rank of the axis). Inputs vary over the axes their in_spec names;
 constants made in the body vary over nothing; an op's result varies over the union of its
 operands' axes; the collectives change it (``psum`` removes its axes, ``pvary``, ``all_gather``,
-``psum_scatter``, ``all_to_all`` and ``ppermute`` add theirs), as in JAX's ``shard_map`` with
-``check_vma=True``. ``cfx.lax.varying_axes(x)`` reads it.
+``psum_scatter``, ``all_to_all`` and ``ppermute`` add theirs), and a gradient (the result of
+``torch.autograd.grad``, so of ``cfx.grad``) varies over exactly the axes of its primal, as in
+JAX's ``shard_map`` with ``check_vma=True``. ``cfx.lax.varying_axes(x)`` reads it.
 
 Tracking costs a Python hook per op, so it is on where it is needed: in bodies differentiated from
-outside (``insert``) and in ``shard_map(..., check_vma=True)``; elsewhere ``varying_axes`` raises.
+outside and in ``shard_map(..., check_vma=True)``; elsewhere ``varying_axes`` raises.
 
-It matters for gradients through ``shard_map``: where an invariant value meets a varying one, JAX
-implicitly ``pvary``s the invariant operand, so its cotangent -- which then differs per rank -- is
-``psum``'d back into an invariant one. ``tracking(insert=True)`` does the same: while a
-differentiated ``shard_map`` body runs, every op whose operands disagree gets those implicit
-``pvary``s (one per leaf input per axis set, however often the input is used). Without
-``insert`` (a body nobody differentiates from outside) values are only tagged: a ``cfx.grad``
-*inside* such a body returns each rank's own partial gradients, to be reduced explicitly (which
-is what lets data parallelism bucket its all-reduce).
+It matters for gradients: where an invariant value meets a varying one, JAX implicitly ``pvary``s
+the invariant operand, so its cotangent -- which then differs per rank -- is ``psum``'d back into
+an invariant one. A tracking body does the same: every op whose differentiable operands disagree
+gets those implicit ``pvary``s (one per leaf input per axis set, however often the input is
+used), so a gradient of an invariant value comes out invariant, summed over the axes it met, both
+from outside the ``shard_map`` and from a ``cfx.grad`` inside the body (JAX's ``check_vma=True``).
+A body that does not track (``check_vma=False``, not differentiated from outside) inserts
+nothing: a ``cfx.grad`` inside it returns each rank's own partial gradients, to be reduced
+explicitly (which is what lets data parallelism bucket its all-reduce), as JAX's
+``check_vma=False`` does -- but the explicit collectives keep the transposes above (``psum``'s is
+the identity), where JAX's ``check_vma=False`` transposes a ``psum`` to a ``psum``.
 
 Values whose variation comes from Python (``axis_index`` turned into a tensor, a key folded with
 it) are not seen; wrap them in ``cfx.lax.pvary`` to say so.
@@ -37,12 +41,6 @@ _ATTR = "_cfx_vma"
 _tracker: context.Var["_Tracking | None"] = context.Var("cfx_vma", None, semantic="a shard_map body tracking varying axes")
 
 
-def inserting() -> bool:
-    """True inside a differentiated ``shard_map`` body (implicit pvarys are inserted)."""
-    t = _tracker.get()
-    return t is not None and t.insert
-
-
 def varying_axes(x) -> frozenset:
     """The mesh axes over which ``x`` may differ between ranks (as tagged; see ``checked``)."""
     return getattr(x, _ATTR, EMPTY) if isinstance(x, torch.Tensor) else EMPTY
@@ -58,12 +56,22 @@ def checked_varying_axes(x) -> frozenset:
 
 
 def is_tracking() -> bool:
+    """True inside a ``shard_map`` body that tracks varying axes (and inserts implicit pvarys)."""
     return _tracker.get() is not None
 
 
 def mark(x: torch.Tensor, axes) -> torch.Tensor:
     """Tag ``x`` as varying over exactly ``axes``; returns ``x``."""
     setattr(x, _ATTR, frozenset(axes))
+    return x
+
+
+def declare_varying(x, axes) -> torch.Tensor:
+    """Where this thread tracks: ``x`` typed (in place) as also varying over ``axes``, with no
+    pvary -- for a value that differs per rank by construction (this rank's own copy of a param
+    whose gradient its caller reduces explicitly, a shard cut by ``axis_index``); returns ``x``."""
+    if _tracker.get() is not None and isinstance(x, torch.Tensor):
+        mark(x, varying_axes(x) | frozenset(axes))
     return x
 
 
@@ -128,23 +136,39 @@ def _tag(out, union) -> None:
             _tag(o, union)
 
 
-class _Tracking(TorchFunctionMode):
-    """Tags every op's tensor results with the union of its operands' varying axes; with
-    ``insert``, first lifts differentiable operands that vary over fewer axes (module doc)."""
+def _typed_grads(grads, inputs) -> tuple:
+    """``torch.autograd.grad``'s results typed as in JAX: a cotangent varies over its primal's axes."""
+    out = []
+    for g, x in zip(grads, inputs):
+        if isinstance(g, torch.Tensor):
+            want = varying_axes(x)
+            if getattr(g, _ATTR, want) != want:  # one tensor returned for two inputs of two types
+                g = g.view_as(g)
+            mark(g, want)
+        out.append(g)
+    return tuple(out)
 
-    def __init__(self, insert: bool):
+
+class _Tracking(TorchFunctionMode):
+    """Tags every op's tensor results with the union of its operands' varying axes, after lifting
+    differentiable operands that vary over fewer axes (implicit pvarys, module doc); gradients
+    get their primals' types."""
+
+    def __init__(self):
         super().__init__()
-        self.insert = insert
         self.lifted: dict = {}  # (id(leaf), axes) -> (leaf, its lifted value), for this body call
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.autograd.grad:  # (outputs, inputs, ...): differentiate what was used, unlifted
+            inputs = args[1] if len(args) > 1 else kwargs["inputs"]
+            return _typed_grads(func(*args, **kwargs), inputs)
         union = _scan(args, EMPTY)
         if kwargs:
             union = _scan(kwargs.values(), union)
         if not union:
             return func(*args, **kwargs)
-        if self.insert and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             args = _lift_all(args, union)
             if kwargs:
                 kwargs = dict(zip(kwargs, _lift_all(kwargs.values(), union)))
@@ -157,9 +181,9 @@ class _Tracking(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def tracking(*, insert: bool):
-    """Track varying axes in this thread (a ``shard_map`` body); ``insert``: implicit pvarys."""
-    mode = _Tracking(insert)
+def tracking():
+    """Track varying axes in this thread (a ``shard_map`` body), with implicit pvarys."""
+    mode = _Tracking()
     token = _tracker.set(mode)
     try:
         with mode:

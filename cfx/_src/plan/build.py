@@ -21,6 +21,7 @@ from cfx._src.models.function import LossModel
 from cfx._src.models.parts import has_hook, hook, parts_of
 from cfx._src.optim.base import chain
 from cfx._src.optim.clipping import clip_by_global_norm
+from cfx._src.optim.loss_scale import LossScaleState
 from cfx._src.parallel.megatron import tensor_parallel
 from cfx._src.parallel.sequence import SequenceSplit, sequence_parallel
 from cfx._src.parallel.state import state_specs
@@ -92,10 +93,21 @@ def make_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> sched
     raise ValueError(f"schedule {name!r}: expected gpipe, 1f1b, interleaved or zb-h1.")
 
 
+def check_clip_outside_scaling(tx, shapes: Any, where: str) -> None:
+    """ValueError if ``tx`` scales the loss (fp16): a clip in front of it would see the scaled grads."""
+    state = eval_shape(tx.init, shapes)
+    if any(isinstance(x, LossScaleState) for x in tree_util.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))):
+        raise ValueError(f"{where}: grad_clip= would clip the loss-scaled gradients of a dynamic_loss_scale "
+                         "optimizer (by the scale, e.g. 65536x too hard); clip inside it instead: "
+                         "cfx.optim.dynamic_loss_scale(cfx.optim.chain(cfx.optim.clip_by_global_norm(c), tx)), "
+                         "and drop grad_clip=.")
+
+
 def make_optimizer(plan, tx, layout: Layout, mesh, *, grad_clip: float = 0.0) -> tuple[Any, Any]:
     """``(the optimizer a step runs, its state's specs)``: ``tx`` itself over the stored layout,
     or wrapped in ZeRO 1/2 over it, or ZeRO-3 over each rank's view of the model's tree."""
     if grad_clip > 0:  # the global norm over every shard (cfx.optim.sharded)
+        check_clip_outside_scaling(tx, layout.shapes, f"Plan {str(plan)!r}")
         tx = chain(clip_by_global_norm(grad_clip), tx)
     if plan.zero and layout.opt_on_local:  # ZeRO over each rank's view: its blocks, its pieces
         split, total = layout.norm_axes()

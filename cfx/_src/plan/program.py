@@ -159,14 +159,16 @@ class Program:
 
     def save(self, directory: str, state: TrainState, *, metadata: dict | None = None) -> None:
         """``state`` as a sharded checkpoint directory in model coordinates (``plan.saving``): every
-        process writes the regions its ranks own and none gathers anything (every process calls it)."""
+        process writes the regions its ranks own and none gathers anything (every process calls it);
+        a ``.safetensors`` path writes one file of whole tensors instead (process 0 writes it)."""
         self._files.save(directory, state, metadata=metadata)
 
     def load(self, directory: str, like: TrainState) -> tuple[TrainState, dict]:
         """``(state, metadata)`` from a checkpoint ``save`` wrote under any plan of this model and
         optimizer (another mesh, ZeRO stage or pipe axis), read into ``like`` (this program's state,
         e.g. ``init``'s, donated as the step donates its state: its buffers receive the checkpoint,
-        so no second copy is made); each process reads only its blocks' slices."""
+        so no second copy is made); each process reads only its blocks' slices. ``directory`` may
+        also be a ``.safetensors`` file (read whole tensors) or an opened checkpoint."""
         params, opt_state, meta = self._files.load(directory, like)
         return TrainState(params, opt_state), meta
 

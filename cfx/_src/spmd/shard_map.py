@@ -21,9 +21,13 @@ Differentiation. ``cfx.grad`` of a function that calls ``shard_map`` differentia
 (JAX's ``check_vma=True`` semantics): the body runs with varying-axes tracking that implicitly
 ``pvary``s invariant values where they meet varying ones, each rank's backward runs in that rank
 (the collectives' transposes pair up), and gradients come back laid out like the inputs
-(``sharded``'s anchors and cells). Inside a body nobody differentiates from outside, ``cfx.grad`` gives each
-rank's partial gradients, to be reduced explicitly (``tree_pmean``), which lets data
-parallelism bucket its all-reduce.
+(``sharded``'s anchors and cells). Inside a body, ``cfx.grad`` follows the call's ``check_vma``
+as JAX's does: with ``check_vma=True`` (or in a body differentiated from outside) the gradient of
+an input invariant over an axis is ``psum``'d over the axes it met varying values on (the implicit
+``pvary``'s transpose) and is typed invariant; with ``check_vma=False`` (the default) nothing is
+inserted and each rank gets its own partial gradients, to be reduced explicitly (``tree_pmean``),
+which lets data parallelism bucket its all-reduce. (Explicit collectives transpose the same way in
+both modes: ``psum``'s transpose is the identity, where JAX's ``check_vma=False`` psums.)
 
 ``donate_argnums``: those arguments' ShardedArrays are given up to the call (JAX's donation).
 Each output block takes over the storage of a donated input block with the same shape, dtype
@@ -150,7 +154,7 @@ class _Call:
                 if inp.diff and self.differentiable:
                     proxies.append(proxy)
             if self.track:
-                stack.enter_context(vma.tracking(insert=self.differentiable))
+                stack.enter_context(vma.tracking())
             if self.donated:  # the body may overwrite these blocks
                 stack.enter_context(donation.donated([a._blocks[rank] for a in self.donated]))
             out = self.f(*tree_util.unflatten(self.treedef, leaves))
@@ -325,7 +329,9 @@ def shard_map(f: Callable[..., Any], *, mesh, in_specs: Any, out_specs: Any, che
     ``"full"`` compares every element; ``False`` trusts the out_specs.
 
     ``check_vma``: track every value's varying axes (``cfx.lax.varying_axes``) even when the call
-    is not differentiated from outside (where it always is); a Python hook per op.
+    is not differentiated from outside (where it always is), with JAX's implicit ``pvary``s, so a
+    ``cfx.grad`` in the body sums an invariant input's gradient as ``jax.shard_map`` does (module
+    doc); a Python hook per op.
     """
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     return _mapped(f, mesh, in_specs, out_specs, replication.check_mode(check_rep), check_vma, donate, ())

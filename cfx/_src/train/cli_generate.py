@@ -13,6 +13,7 @@ quantizes the Linear weights first (``cfx.quant.quantize``).
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 from typing import Any, Sequence
 
@@ -26,15 +27,16 @@ from cfx._src.mesh.spec import P
 from cfx._src.models.hf_dir import from_pretrained
 from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
 from cfx._src.parallel.rules import Rules
-from cfx._src.core.cli import run_command
+from cfx._src.core.cli import command_parser, parse, run_command
 from cfx._src.plan.config import parse_mesh
 from cfx._src.precision.quant import quantize
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.train.saving import read_params
+from cfx._src.core.text import printable
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cfx.generate", description="Stream text from a cfx or HF model.")
+    p = command_parser("python -m cfx.generate", "Stream text from a cfx or HF model.")
     p.add_argument("--checkpoint", required=True, help="a Hugging Face directory, or a cfx.train checkpoint (file or directory)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -45,7 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eos-id", type=int, default=None, help="stop at this token id (default: the tokenizer's eos)")
     p.add_argument("--mesh", default=None, help="model=N: tensor-parallel decoding over N ranks")
     p.add_argument("--int8", action="store_true", help="int8 weight-only Linear layers")
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,12 +87,18 @@ class _Stream:
 
     def __init__(self, codec):
         self.codec, self.ids, self.text = codec, [], ""
+        # bytes: decoded as they come (a character split over tokens appears once it is whole)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if isinstance(codec, _Bytes) else None
 
     def __call__(self, tokens) -> None:
-        self.ids.append(int(tokens[0]))
-        text = self.codec.decode(self.ids)
-        print(text[len(self.text):], end="", flush=True)
-        self.text = text
+        token = int(tokens[0])
+        if self.utf8 is not None:
+            piece = self.utf8.decode(bytes([token]) if token < 256 else b"")
+        else:
+            self.ids.append(token)
+            piece = self.codec.decode(self.ids)[len(self.text):]
+        self.text += piece
+        print(printable(piece), end="", flush=True)
 
 
 class _Bytes:
@@ -102,7 +110,7 @@ class _Bytes:
 
     @staticmethod
     def decode(ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="ignore")
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class _HFTokenizer:

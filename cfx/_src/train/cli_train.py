@@ -8,12 +8,11 @@ before anything runs (``check_flags``). The run shows a progress bar and prints 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any, Sequence
 
 from cfx._src.core.runtime import keep_host_memory
-from cfx._src.core.cli import run_command
+from cfx._src.core.cli import command_parser, parse, run_command
 from cfx._src.train.config import TrainConfig, check_flags
 from cfx._src.train.loop import train
 from cfx._src.train.model import FAMILIES
@@ -21,10 +20,9 @@ from cfx._src.train.model import FAMILIES
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m cfx.train",
-                                description="Train a cfx language model on byte-level text (CPU-friendly defaults).")
+    p = command_parser("python -m cfx.train", "Train a cfx language model on byte-level text (CPU-friendly defaults).")
     p.add_argument("--model", choices=list(FAMILIES), default=d.model)
-    p.add_argument("--preset", default=d.preset, help="model size preset, e.g. tiny, small (default: %(default)s)")
+    p.add_argument("--preset", default=d.preset, help="model size preset, e.g. tiny, small")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
     p.add_argument("--seq", type=int, default=d.seq, help="sequence length in bytes")
@@ -38,10 +36,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--save", default=d.save,
-                   help="checkpoint path: FILE.safetensors (gathered), or on a --mesh a DIR each process writes "
-                        "its own blocks into (--resume DIR loads it onto another data / seq / model layout)")
+                   help="checkpoint path: FILE.safetensors (whole tensors), or on a --mesh a DIR each process "
+                        "writes its own blocks into; either resumes under any --mesh and strategy, or none")
     p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--resume", default=d.resume, help="checkpoint to resume from")
+    p.add_argument("--resume", default=d.resume,
+                   help="checkpoint to resume from: any run's (one device, any --mesh and strategy, --auto)")
     p.add_argument("--stop-after", type=int, default=d.stop_after,
                    help="stop and save after N steps of this run (resume later with --resume)")
     p.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
@@ -79,10 +78,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--auto-budget", default=d.auto_budget,
                    help="memory per rank the --auto plan must fit, e.g. 2GiB (params, grads, AdamW moments, saved "
                         "activations)")
+    p.add_argument("--verbose", action="store_true",
+                   help="with --auto: print every param's spec and the plan's collectives, not only its summary")
     p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     cfg = TrainConfig(**vars(a))
     for name in ("steps", "batch", "seq"):
         if getattr(cfg, name) <= 0:

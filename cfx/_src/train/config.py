@@ -45,6 +45,7 @@ class TrainConfig:
     sp: str | None = None          # ring | ulysses over a seq axis, megatron over model (None: ring with seq)
     auto: bool = False             # search the plan over --mesh with cfx.autoshard
     auto_budget: str | None = None # memory per rank for --auto's search (params, grads, moments, activations)
+    verbose: bool = False          # --auto: print every param's spec and the collectives too
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
     json: str | None = None        # write the summary as JSON here
@@ -84,11 +85,10 @@ def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
                              "data are ZeRO-3's layout); drop it, or drop --auto.")
         if cfg.precision != "fp32":
             raise ValueError("--auto searches an fp32 step; drop --precision or drop --auto.")
-        if cfg.save and not cfg.save.endswith(".safetensors") or cfg.resume and not cfg.resume.endswith(
-                ".safetensors"):
-            raise ValueError("--auto saves and resumes one .safetensors file (gathered): give --save / --resume "
-                             "PATH.safetensors.")
+        if cfg.save and not cfg.save.endswith(".safetensors"):  # (it resumes any checkpoint)
+            raise ValueError("--auto saves one .safetensors file (gathered): give --save PATH.safetensors.")
     rules.append((("auto_budget",), not cfg.auto, "applies to --auto only"))
+    rules.append((("verbose",), not cfg.auto, "prints --auto's whole plan; applies to --auto only"))
     for names, ignored, why in rules:
         for name in names:
             if ignored and name in set_:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from cfx._src.core import random as jr
 from cfx._src.core import tree as tree_util
-from cfx._src.core.text import format_table
+from cfx._src.core.text import format_table, printable
 from cfx._src.plan.plan import Plan
 from cfx._src.precision.amp import policy as amp_policy
 from cfx._src.train import data as data_lib
@@ -96,32 +96,35 @@ def _start(cfg: TrainConfig, plan: Plan, stack: contextlib.ExitStack) -> Run:
     if not cfg.auto:  # every flag combination trains or is refused here, before any rank starts
         plan.check(model)
         plan.check_batch(cfg.batch, cfg.seq)
+    saving.check_resume(cfg, model, shapes)
     mesh = stack.enter_context(plan.make_mesh()) if plan.mesh else None
     program = program_of(cfg, plan, model, mesh)
     state = program.init(k_init)  # on a mesh ShardedArrays: each process builds only its blocks
-    state, start = saving.resume(cfg, program, state, shapes)
+    state, start = saving.resume(cfg, program, state, model, shapes)  # from any program's checkpoint
     return Run(cfg, program, state, start, train_data, val_batches, k_data, k_drop,
                n_params=tree_util.size(shapes), is_main=mesh is None or 0 in mesh.local_ranks)
 
 
 def program_of(cfg: TrainConfig, plan: Plan, model, mesh) -> Any:
-    """The program the loop drives (module doc): one device's, ``--auto``'s, or the plan's."""
+    """The program the loop drives (module doc): one device's, ``--auto``'s, or the plan's, each
+    over the same optimizer (its global-norm clip included: ``build_optimizer``), so that each
+    one's state is the same in model coordinates and a checkpoint resumes under any of them."""
     tx = build_optimizer(cfg, model)
     if mesh is None:
         return LocalProgram(plan, model, tx)
     if cfg.auto:  # the searched plan (cfx.autoshard), shown before the first step
         return auto_program(cfg, model, tx, mesh)
-    return plan.step(model, tx, mesh=mesh, grad_clip=cfg.grad_clip, nvme_dir=cfg.nvme_dir)
+    return plan.step(model, tx, mesh=mesh, nvme_dir=cfg.nvme_dir)
 
 
 def auto_program(cfg: TrainConfig, model, tx, mesh):
     """``--auto``: ``cfx.autoshard``'s plan for this model, batch and mesh, compared with Megatron's."""
     from cfx._src.autoshard.train import AutoProgram, megatron_reference
     program = AutoProgram(model, tx, mesh, batch=cfg.batch, seq=cfg.seq, memory_budget=cfg.auto_budget,
-                          grad_clip=cfg.grad_clip, reference=megatron_reference(model, mesh),
+                          reference=megatron_reference(model, mesh),
                           reference_name="Megatron's plan")
     if 0 in mesh.local_ranks:
-        tqdm.write(str(program.report))
+        tqdm.write(str(program.report) if cfg.verbose else program.report.summary())
     return program
 
 
@@ -184,6 +187,8 @@ def _finish(run: Run, tally: Tally) -> dict[str, Any]:
         "eval_loss_first": history["eval"][0][1], "eval_loss_last": history["eval"][-1][1],
         "tokens_per_s": tally.tokens / tally.time if tally.time else 0.0, "train_time_s": tally.time,
         "history": history, "params": run.program.params(run.state),
+        "data": cfg.data or "the Python standard library's source text", "threads": torch.get_num_threads(),
+        "saved": cfg.save or None,
     }
     if cfg.sample_bytes > 0:  # on a mesh every process joins the sharded sample; rank 0 prints it
         text = run.program.sample(run.state, b"def ", steps=cfg.sample_bytes, key=jr.fold_in(run.k_drop, -1),
@@ -193,7 +198,8 @@ def _finish(run: Run, tally: Tally) -> dict[str, Any]:
         return summary
     print_summary(summary)
     if cfg.sample_bytes > 0:
-        print(f"\nsample ({cfg.sample_bytes} bytes after 'def ', temperature 0.8):\n{summary['sample']}", flush=True)
+        print(f"\nsample ({cfg.sample_bytes} bytes after 'def ', temperature 0.8):\n{printable(summary['sample'])}",
+              flush=True)
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump({k: v for k, v in summary.items() if k != "params"}, f, indent=1)
@@ -216,10 +222,23 @@ def launched_config(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -
     if world > 1 and not cfg.mesh:
         cfg = dataclasses.replace(cfg, mesh=f"data={world}")
         notes.append(f"note: {world} processes and no --mesh: training data parallel, --mesh data={world}.")
+    busy = _busy_cores(environ)
+    if cfg.threads == 0 and busy is not None:
+        notes.append(f"note: the machine is busy (load {busy[0]:.1f} on {busy[1]} cores): {torch.get_num_threads()} intra-op "
+                     "threads will wait on each other; --threads 1 ran the demo ~5x faster on a loaded 2-core machine.")
     if cfg.precision == "fp16":
         notes.append("note: --precision fp16 on the CPU has no fast fp16 matmuls here (about 11x slower than fp32 "
                      "in our measurement); --precision bf16 halves activation memory at fp32's speed.")
     return cfg, "\n".join(notes) or None
+
+
+def _busy_cores(environ: Mapping[str, str]) -> tuple[float, int] | None:
+    """``(1-minute load, cores)`` when the load leaves this process less than its threads' worth, else None."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):  # no load average on this platform
+        return None
+    return (load, cores) if torch.get_num_threads() > 1 and load >= cores - 0.5 else None
 
 
 def strategy(cfg: TrainConfig) -> str:
@@ -244,9 +263,12 @@ def strategy(cfg: TrainConfig) -> str:
 def print_summary(s: dict[str, Any]) -> None:
     rows = [
         ("model", s["model"]), ("strategy", s["strategy"]), ("parameters", f"{s['n_params']:,}"),
+        ("data", s["data"]), ("threads", f"{s['threads']} intra-op (--threads; 1 is fastest on a busy machine)"),
         ("steps", s["steps"]), ("tokens", f"{s['tokens']:,}"),
         ("train loss (first -> last, EMA)", f"{s['train_loss_first']:.3f} -> {s['train_loss_last']:.3f}"),
         ("eval loss (first -> last)", f"{s['eval_loss_first']:.3f} -> {s['eval_loss_last']:.3f}"),
         ("tokens/s (train steps)", f"{s['tokens_per_s']:,.0f}"), ("train time", f"{s['train_time_s']:.1f} s"),
     ]
+    if s.get("saved"):
+        rows.append(("saved", f"{s['saved']} (continue with --resume {s['saved']})"))
     print(format_table(rows, ["summary", "value"]), flush=True)

@@ -10,7 +10,7 @@ from cfx._src.models.gpt2 import gpt2
 from cfx._src.models.llama import llama
 from cfx._src.models.opt import opt
 from cfx._src.optim.alias import adamw
-from cfx._src.optim.base import GradientTransformation, chain
+from cfx._src.optim.base import GradientTransformation, chain, identity
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.loss_scale import dynamic_loss_scale
 from cfx._src.optim.schedules import warmup_cosine_decay_schedule
@@ -48,16 +48,20 @@ def decay_mask(model) -> Any:
     return mask
 
 
-def build_optimizer(cfg: TrainConfig, model) -> GradientTransformation:
-    """AdamW with warmup + cosine; clipping here only on one device (a mesh step clips by the
-    global norm across shards itself)."""
+def build_optimizer(cfg: TrainConfig, model, *, clip_slot: bool = True) -> GradientTransformation:
+    """AdamW with warmup + cosine after a global-norm clip (``--grad-clip``), inside fp16's loss
+    scaling (the clip sees the unscaled grads). Every program runs this same optimizer -- on a mesh
+    the clip's norm spans every shard (``cfx.optim.sharded``) -- so its state over the model's params
+    is a checkpoint's ``opt_state`` whatever the mesh (``saving``). The clip keeps its place as
+    ``identity`` under ``--grad-clip 0``: the state's structure depends on the model and the
+    precision only. ``clip_slot=False``: the chain without that place, as runs before it saved
+    (``saving`` reads their checkpoints)."""
     schedule = warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup, cfg.steps),
         decay_steps=max(cfg.steps, 1), end_value=cfg.lr * cfg.min_lr_ratio)
-    parts = []
-    if cfg.grad_clip > 0 and not cfg.mesh:
-        parts.append(clip_by_global_norm(cfg.grad_clip))
-    parts.append(adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(model)))
+    parts = [adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(model))]
+    if clip_slot:
+        parts.insert(0, clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else identity())
     tx = chain(*parts)
     if policy(cfg.precision).needs_loss_scaling:
         tx = dynamic_loss_scale(tx)

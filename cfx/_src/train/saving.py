@@ -1,38 +1,45 @@
 """The training job's checkpoints: ``--save`` (with ``--save-every``) writes them, ``--resume``
 continues from one, and ``python -m cfx.generate`` reads the params back (``read_params``).
 
-A checkpoint holds ``params`` and ``opt_state``, with the step and the run's config as metadata.
-A Plan's program on a mesh writes ``--save DIR`` as a sharded directory: every process writes its
-own blocks, in the model's coordinates (``Program.save``), and ``--resume DIR`` reads them onto any
-other plan of the same model and optimizer. ``--save FILE.safetensors`` -- and any path of a
-one-device or ``--auto`` run -- is one file of whole tensors (every process joins the gather,
-process 0 writes), whose optimizer state is the running program's.
+Every program saves the same thing, its state in *model coordinates*: ``params``, the model's tree,
+and ``opt_state``, ``build_optimizer``'s state over those params -- what one device holds -- with
+the step and the run's config as metadata. So a checkpoint resumes under any program: one device's,
+any Plan's (another mesh, ZeRO stage or pipe axis), ``--auto``'s, and back. A Plan's program writes
+``--save DIR`` as a sharded directory, every process its own regions, and ``--save FILE.safetensors``
+as one file of whole tensors (``Program.save``); one device and ``--auto`` write one file at any
+path (process 0). ``--resume`` reads either kind: a Plan's program each region its ranks hold
+(``Program.load``), the others whole tensors (``put``).
+
+A checkpoint of another model or optimizer is a ValueError that says what differs ("the checkpoint
+has 4 blocks, the model 8") and the flags it was saved with. One written before every program ran
+the same optimizer -- a mesh's, without the clip's place in the chain, or a Plan's or ``--auto``'s
+file, with the program's clip in front -- holds the same leaves under other names: it is read under
+today's (``_older_names``).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
-from cfx._src.checkpoint.file import check_writable, load, save as save_file
-from cfx._src.checkpoint.sharded import Stored
+from cfx._src.checkpoint.file import check_writable, open_stored, save as save_file
 from cfx._src.core import random as jr
 from cfx._src.core import tree as tree_util
+from cfx._src.optim.base import chain, identity
+from cfx._src.plan.program import Program
+from cfx._src.plan.saving import model_leaves, state_differences
 from cfx._src.spmd.arrays import device_get
 from cfx._src.train.config import TrainConfig
-from cfx._src.train.model import build_model
-from cfx._src.transforms.shapes import ShapeDtype, eval_shape
+from cfx._src.train.model import build_model, build_optimizer
+from cfx._src.transforms.shapes import eval_shape
 
-
-def _plan_on_mesh(cfg: TrainConfig) -> bool:
-    """A Plan's program (``Program``: sharded save and load), not one device's nor ``--auto``'s."""
-    return bool(cfg.mesh) and not cfg.auto
+# the flags that decide the state's leaves (the others -- learning rate, clip, mesh, ... -- do not)
+STATE_FLAGS = ("model", "preset", "precision")
 
 
 def sharded_save(cfg: TrainConfig) -> bool:
-    """``--save`` names a directory of every process's blocks (module doc), not one file."""
-    return _plan_on_mesh(cfg) and not cfg.save.endswith(".safetensors")
+    """``--save`` names a directory of every process's regions (module doc), not one file."""
+    return bool(cfg.mesh) and not cfg.auto and not cfg.save.endswith(".safetensors")
 
 
 def check_save(cfg: TrainConfig) -> None:
@@ -41,24 +48,37 @@ def check_save(cfg: TrainConfig) -> None:
         check_writable(os.path.join(cfg.save, "index.json") if sharded_save(cfg) else cfg.save, what="--save")
 
 
-def resume(cfg: TrainConfig, program: Any, state: Any, shapes: Any) -> tuple[Any, int]:
-    """``(state, the step to start from)``: ``--resume``'s checkpoint read into ``program``'s
-    ``state`` (the model's params are ``shapes``), or ``(state, 0)`` without ``--resume``."""
+def check_resume(cfg: TrainConfig, model: Any, shapes: Any) -> None:
+    """ValueError now, before any state is built, if ``--resume``'s checkpoint is missing, damaged
+    or holds another model's or optimizer's state (its index or header is all that is read)."""
+    if cfg.resume:
+        with open_stored(cfg.resume) as stored:
+            _checked(stored, cfg, model, shapes)
+
+
+def resume(cfg: TrainConfig, program: Any, state: Any, model: Any, shapes: Any) -> tuple[Any, int]:
+    """``(state, the step to start from)``: ``--resume``'s checkpoint, written by any program,
+    read into ``program``'s ``state`` (the model's params are ``shapes``), or ``(state, 0)`` without
+    ``--resume``; ValueError naming what differs if it holds another model's or optimizer's state."""
     if not cfg.resume:
         return state, 0
-    if _plan_on_mesh(cfg) and os.path.isdir(cfg.resume):  # a sharded checkpoint: each process reads its blocks
-        state, meta = program.load(cfg.resume, state)
-    else:  # one file of whole tensors: the saved optimizer state is this program's
-        like = {"params": shapes, "opt_state": tree_util.map(lambda a: ShapeDtype(a.shape, a.dtype), state.opt_state)}
-        restored, meta = load(cfg.resume, like)
-        state = program.put(restored["params"], restored["opt_state"])
+    with open_stored(cfg.resume) as stored:
+        stored = _checked(stored, cfg, model, shapes)
+        if isinstance(program, Program):  # each process reads the regions its ranks hold
+            state, meta = program.load(stored, state)
+        else:  # one device's state is the model coordinates; --auto's is laid out by put
+            like = model_state(cfg, model, shapes)
+            items, treedef = tree_util.flatten_with_path(like)
+            whole = tree_util.unflatten(treedef, [stored.region(p, (0,) * len(x.shape), tuple(x.shape))
+                                                  for p, x in items])
+            state, meta = program.put(whole["params"], whole["opt_state"]), stored.metadata
     return state, int(meta.get("step", 0))
 
 
 def save(cfg: TrainConfig, program: Any, state: Any, step: int, *, is_main: bool) -> None:
-    """``state`` at ``step`` to ``--save`` (every process calls it; module doc)."""
+    """``state`` at ``step`` to ``--save`` in model coordinates (every process calls it; module doc)."""
     meta = {"step": step, "config": dataclasses.asdict(cfg)}
-    if sharded_save(cfg):  # every process writes its own blocks
+    if isinstance(program, Program):  # a directory of every process's regions, or one file
         program.save(cfg.save, state, metadata=meta)
         return
     out = {"params": program.params(state), "opt_state": device_get(state.opt_state)}  # every process joins
@@ -66,20 +86,68 @@ def save(cfg: TrainConfig, program: Any, state: Any, step: int, *, is_main: bool
         save_file(cfg.save, out, metadata=meta)
 
 
+def model_state(cfg: TrainConfig, model: Any, shapes: Any) -> dict[str, Any]:
+    """The shapes of a checkpoint's trees: ``{"params": shapes, "opt_state": its optimizer's state}``."""
+    return {"params": shapes, "opt_state": eval_shape(build_optimizer(cfg, model).init, shapes)}
+
+
+def _checked(stored: Any, cfg: TrainConfig, model: Any, shapes: Any) -> Any:
+    """``stored`` (an open checkpoint) if it holds this run's model and optimizer state, under
+    today's names (module doc); else a ValueError saying what differs."""
+    want = model_leaves(shapes, build_optimizer(cfg, model))
+    have = {path: (stored.shape(path), stored.dtype(path)) for path in stored.leaves}
+    if have == want:
+        return stored
+    for names in _older_names(cfg, model, shapes):
+        if set(names.values()) == set(have) and all(have[theirs] == want[ours] for ours, theirs in names.items()):
+            return _Renamed(stored, names)
+    saved = stored.metadata.get("config") or {}
+    flags = [f for f in STATE_FLAGS if f in saved and saved[f] != getattr(cfg, f)]
+    said = (f" (it was saved with {_flags(saved.get, flags)}; this run has {_flags(lambda f: getattr(cfg, f), flags)})"
+            if flags else "")
+    raise ValueError(f"--resume {stored.path!r}: {state_differences(have, want)}{said}. Resume with the --model, "
+                     "--preset and --precision that saved it (the mesh and the strategy flags may differ).")
+
+
+def _flags(value, names: list[str]) -> str:
+    return " ".join(f"--{n} {value(n)}" for n in names)
+
+
+def _older_names(cfg: TrainConfig, model: Any, shapes: Any) -> list[dict[str, str]]:
+    """``{today's path: the path an earlier version saved the same leaf under}`` for each way it
+    did: a mesh's state of the optimizer without the clip's place (the clip was the program's),
+    and a Plan's or ``--auto``'s file of its own state, that clip chained in front. The clips hold
+    no state, so the leaves are the same, in the same order."""
+    ours = list(model_leaves(shapes, build_optimizer(cfg, model)))
+    bare = build_optimizer(cfg, model, clip_slot=False)
+    return [dict(zip(ours, model_leaves(shapes, tx))) for tx in (bare, chain(identity(), bare))]
+
+
+class _Renamed:
+    """An open checkpoint (``stored``) whose leaves read under today's names (``names``: ours -> its)."""
+
+    def __init__(self, stored: Any, names: dict[str, str]):
+        self._stored, self._names = stored, names
+        self.path, self.metadata, self.leaves = stored.path, stored.metadata, list(names)
+
+    def shape(self, path: str) -> tuple[int, ...]:
+        return self._stored.shape(self._names[path])
+
+    def dtype(self, path: str):
+        return self._stored.dtype(self._names[path])
+
+    def region(self, path: str, lo: tuple[int, ...], size: tuple[int, ...]):
+        return self._stored.region(self._names[path], lo, size)
+
+
 def read_params(path: str) -> tuple[Any, Any]:
     """``(model, params)`` of a checkpoint ``python -m cfx.train`` wrote: one file, or the directory
     of a run on a mesh under any plan (its params are in the model's own coordinates), as whole
     tensors; ValueError if ``path`` is not one."""
-    if os.path.isdir(path):
-        with Stored(path) as stored:
-            model, items, treedef = _params_of(path, stored.metadata)
-            return model, tree_util.unflatten(treedef, [stored.region(f"params.{p}", (0,) * x.dim(), tuple(x.shape))
-                                                        for p, x in items])
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        model, items, treedef = _params_of(path, json.loads((f.metadata() or {}).get("cfx", "{}")))
-        return model, tree_util.unflatten(treedef, [f.get_tensor(f"params.{p}") for p, _ in items])
+    with open_stored(path) as stored:
+        model, items, treedef = _params_of(path, stored.metadata)
+        return model, tree_util.unflatten(treedef, [stored.region(f"params.{p}", (0,) * x.dim(), tuple(x.shape))
+                                                    for p, x in items])
 
 
 def _params_of(path: str, meta: dict) -> tuple[Any, list, Any]:

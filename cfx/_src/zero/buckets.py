@@ -7,7 +7,9 @@ packs them into rows (n, S), reduce-scatters, and hands this rank's shard to the
 group's full gradient lives only inside that call, and ``value_and_grad`` returns the sinks'
 gradients: ``ShardGrads``, one shard per group of the gradient averaged over the axis. Parameters without a
 gradient contribute zeros; a group none of whose leaves is used is never reduced (on any rank)
-and its shard is zero.
+and its shard is zero. Where the body tracks varying axes, the leaves are this rank's own copies
+(typed as varying over the axis: no implicit pvary sums their gradients first) and a shard is
+typed as ``psum_scatter`` types it: its group's leaves' axes and the ZeRO axis.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
+from cfx._src.lax import vma
 from cfx._src.transforms.autodiff import value_and_grad
 
 
@@ -43,10 +46,12 @@ def bucketed_value_and_grad(fun: Callable[..., Any], layout, axis: str, params: 
                             kwargs: dict, *, has_aux: bool):
     """``(out, ShardGrads)`` for ``fun(params, *args, **kwargs)`` (see the module doc)."""
     leaves, treedef = tree_util.flatten(params)
-    sinks = tuple(torch.zeros(lay.size, dtype=dt) for _, lay, dt in layout.groups)
+    sinks = tuple(vma.declare_varying(torch.zeros(lay.size, dtype=dt),
+                                      frozenset({axis}).union(*(vma.varying_axes(leaves[i]) for i in idx)))
+                  for idx, lay, dt in layout.groups)
 
     def through_buckets(sinks, *args, **kwargs):
-        new = [x.detach() for x in leaves]
+        new = [vma.declare_varying(x.detach(), (axis,)) for x in leaves]
         for (idx, lay, dt), sink in zip(layout.groups, sinks):
             outs = _BucketScatter.apply(sink, (lay, dt, axis), *[new[i] for i in idx])
             for i, o in zip(idx, outs):

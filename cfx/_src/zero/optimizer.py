@@ -32,6 +32,10 @@ the mean over each rank's batch, the step is the single-device step on the whole
 averages it in the all-reduce / reduce-scatter it needs anyway), at stage 2 ``ShardGrads`` (this
 rank's shard of the mean gradient) and at stage 3 ``ZeroParams`` of the mean gradient's pieces
 (the gathered layers' backward averages): each equal to that slice of the single-device gradient.
+In a body that tracks varying axes (``shard_map(..., check_vma=True)``) the params ``fun`` sees
+are this rank's own copies, typed as varying over the axis, so no implicit ``pvary`` sums their
+gradients before ZeRO averages them (the values are the same in both modes); ``update``'s
+updates are typed as their params, the master shards as varying over the axis.
 
 Mixed precision is the ZeRO paper's: params (and grads) in fp16/bf16, an fp32 master shard in
 the state (``ZeroState.master``); fp32 params are their own master (no copy).
@@ -49,6 +53,7 @@ from cfx._src.core import donation
 from cfx._src.mesh import memory
 from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
+from cfx._src.lax import vma
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.optim import reduction
 from cfx._src.mesh.spec import is_spec
@@ -156,7 +161,8 @@ class ZeroTransformation:
         for idx, lay, _ in layout.groups:
             xs = [leaves[i] for i in idx]
             shard = lay.shard_of(xs, r) if self.stage in (1, 2) else concat_flat(xs)
-            out.append(shard.detach().to(torch.float32))
+            shard = shard.detach().to(torch.float32)
+            out.append(vma.declare_varying(shard, (self.axis,)) if self.stage in (1, 2) else shard)
         return out
 
     # -- the transformation -------------------------------------------------------------------
@@ -267,6 +273,8 @@ class ZeroTransformation:
             for i, part in zip(idx, parts):
                 part = part.view(leaves[i].shape)
                 out[i] = part if m is None else part - leaves[i].detach()
+                if vma.is_tracking():  # typed as its param, as the leafwise pmean-then-update would be
+                    vma.mark(out[i], vma.varying_axes(leaves[i]))  # a fresh view or difference
         if isinstance(params, ZeroParams):
             return ZeroParams(tree_util.unflatten(tree_util.structure(params.pieces), out), params.shapes, params.n)
         return tree_util.unflatten(tree_util.structure(params), out)
@@ -319,13 +327,25 @@ class ZeroTransformation:
                                                      kwargs, has_aux=has_aux)
             elif self.stage == 3:  # the gathered layers' reduce-scatters complete at the end of backward
                 with grads_captured():
-                    out, grads = _value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
+                    out, grads = _value_and_grad(_own_copies(fun, self.axis), has_aux=has_aux)(params, *args,
+                                                                                              **kwargs)
             else:
-                out, grads = _value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
+                out, grads = _value_and_grad(_own_copies(fun, self.axis), has_aux=has_aux)(params, *args, **kwargs)
             _watch(grads, "grad", self.tier)
             return out, grads
 
         return wrapped
+
+
+def _own_copies(fun: Callable[..., Any], axis: str) -> Callable[..., Any]:
+    """``fun`` seeing the params it is differentiated w.r.t. as this rank's own copies: where the
+    body tracks varying axes, typed as varying over ``axis`` (ZeRO averages their gradients)."""
+    @functools.wraps(fun)
+    def on_copies(params, *args, **kwargs):
+        for x in tree_util.leaves(params):  # cfx.grad's fresh leaves, not the caller's tensors
+            vma.declare_varying(x, (axis,))
+        return fun(params, *args, **kwargs)
+    return on_copies
 
 
 def _piece_tree(shards: list[torch.Tensor], layout: ZeroLayout) -> Any:

@@ -24,6 +24,7 @@ import torch
 from cfx._src.mesh import memory
 from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
+from cfx._src.lax import vma
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.zero.flat import piece_of, piece_size
 
@@ -87,8 +88,10 @@ def shard_params(params: Any, *, axis: str) -> ZeroParams:
                              f"{type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}; "
                              "ZeRO shards floating-point tensors only. Keep other values out of the params.")
     pieces = [piece_of(x.detach().reshape(-1), piece_size(x.numel(), n), r) for _, x in items]
-    for p in pieces:
+    for (_, x), p in zip(items, pieces):
         memory.watch(p, tier="device", kind="param")
+        if vma.is_tracking():  # each rank's own piece: varying over the axis as well as where its leaf varies
+            vma.mark(p, vma.varying_axes(x) | {axis})
     return ZeroParams(tree_util.unflatten(treedef, pieces), [tuple(x.shape) for _, x in items], n)
 
 
@@ -153,7 +156,10 @@ def gather_params(zparams: ZeroParams, *, axis: str) -> Any:
     with torch.no_grad():
         for x, shape in zip(items, zparams.shapes):
             full = lax.all_gather(x.detach(), axis, tiled=True)
-            out.append(full[:math.prod(shape)].view(shape).clone())
+            leaf = full[:math.prod(shape)].view(shape).clone()
+            if vma.is_tracking():  # the same on every rank of the axis (JAX's all_gather_invariant)
+                vma.mark(leaf, vma.varying_axes(full) - {axis})
+            out.append(leaf)
     return tree_util.unflatten(treedef, out)
 
 
