@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 import cfx
 from cfx import P
 from cfx_tests.budget import examples
+from cfx._src.core.text import printable
 
 V = 96
 
@@ -150,7 +151,8 @@ def test_cli_streams_what_the_function_generates(tmp_path, capsys):
     want = cfx.generate(model, params, torch.tensor([list(b"def ")]), max_new_tokens=6)[0, 4:].tolist()
     assert main(["--checkpoint", str(tmp_path / "hf"), "--prompt", "def ", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
-    assert out == bytes(want).decode("utf-8", errors="ignore") + "\n"
+    # streamed as UTF-8 (an invalid byte as U+FFFD), control characters shown as U+FFFD too
+    assert out == printable(bytes(want).decode("utf-8", errors="replace")) + "\n"
     assert main(["--checkpoint", str(tmp_path / "hf"), "--prompt", "def ", "--max-new-tokens", "6",
                  "--mesh", "model=2"]) == 0
     assert capsys.readouterr().out == out  # tensor-parallel: the same text

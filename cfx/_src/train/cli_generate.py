@@ -38,11 +38,11 @@ from cfx._src.core.text import printable
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = command_parser("python -m cfx.generate", "Stream text from a cfx or HF model.")
     p.add_argument("--checkpoint", required=True, help="a Hugging Face directory, or a cfx.train checkpoint (file or directory)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None, help="sample among the likeliest tokens whose probability reaches p (default: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
     p.add_argument("--eos-id", type=int, default=None, help="stop at this token id (default: the tokenizer's eos)")
     p.add_argument("--mesh", default=None, help="model=N: tensor-parallel decoding over N ranks")
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> str:
     stream = _Stream(codec)
     if not mesh:
         generate(model, quantize(params, "int8", axes=model.axes()) if args.int8 else params, prompt, on_token=stream, **kw)
-        return stream.text
+        return stream.finish()
     (_, n), = mesh
     tp = tensor_parallel(model, "model")
     with Mesh({"model": n}) as m:
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> str:
             first = axis_index("model") == 0  # one rank streams
             return generate(tp, p, x, on_token=stream if first else None, **kw)
         shard_map(body, mesh=m, in_specs=(specs, P()), out_specs=P())(params, prompt)
-    return stream.text
+    return stream.finish()
 
 
 class _Stream:
@@ -99,6 +99,14 @@ class _Stream:
             piece = self.codec.decode(self.ids)[len(self.text):]
         self.text += piece
         print(printable(piece), end="", flush=True)
+
+    def finish(self) -> str:
+        """The text, a character cut off by the last token shown as U+FFFD."""
+        if self.utf8 is not None:
+            piece = self.utf8.decode(b"", final=True)
+            self.text += piece
+            print(printable(piece), end="", flush=True)
+        return self.text
 
 
 class _Bytes:
