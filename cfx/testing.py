@@ -157,3 +157,7 @@ def assert_matches_reference(per_rank_fn: Callable[..., Any], reference_fn: Call
     sharded = device_get(shard_map(per_rank_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args))
     expected = reference_fn(*args)
     tree_util.assert_close(sharded, expected, rtol=rtol, atol=atol)
+
+
+def __dir__() -> list[str]:  # dir(cfx.testing): its strategies, not its imports
+    return list(__all__)

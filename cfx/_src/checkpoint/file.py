@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from cfx._src.checkpoint import sharded
-from cfx._src.checkpoint.io import cpu_unshared, crc32, write_atomic
+from cfx._src.checkpoint.io import check_leaves, cpu_unshared, crc32, write_atomic
 from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
 from cfx._src.spmd.sharded import ShardedArray
@@ -184,11 +184,7 @@ class FileStored:
 
     def check_leaves(self, wanted: list[str]) -> None:
         """A ValueError unless the file holds exactly the leaves ``wanted``."""
-        missing, extra = [p for p in wanted if p not in self.leaves], sorted(set(self.leaves) - set(wanted))
-        if missing or extra:
-            raise ValueError(f"cfx.checkpoint.load: {self.path!r} does not match the template: missing "
-                             f"{missing[:5]}, unexpected {extra[:5]}. Build the template with the same "
-                             "model config and optimizer that wrote the checkpoint.")
+        check_leaves(self.path, self.leaves, wanted)
 
     def read(self, path: str) -> torch.Tensor:
         """Leaf ``path`` whole, checked against the CRC-32 written with it."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import tempfile
 import zlib
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -55,3 +55,13 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_leaves(where: str, held: Iterable[str], wanted: list[str]) -> None:
+    """A ValueError unless the checkpoint at ``where`` holds exactly the leaves ``wanted``."""
+    held = set(held)
+    missing, extra = [p for p in wanted if p not in held], sorted(held - set(wanted))
+    if missing or extra:
+        raise ValueError(f"cfx.checkpoint.load: {where!r} does not match the template: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}. Build the template with the model config and optimizer that wrote "
+                         "the checkpoint.")

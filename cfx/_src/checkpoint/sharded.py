@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from cfx._src.mesh import memory
-from cfx._src.checkpoint.io import cpu_unshared, crc32, fsync_dir, write_atomic
+from cfx._src.checkpoint.io import check_leaves, cpu_unshared, crc32, fsync_dir, write_atomic
 from cfx._src.core import tree as tree_util
 from cfx._src.mesh.layout import is_primary
 from cfx._src.mesh.spec import P, is_spec
@@ -173,11 +173,7 @@ class Stored:
 
     def check_leaves(self, wanted: list[str]) -> None:
         """A ValueError unless the checkpoint holds exactly the leaves ``wanted``."""
-        missing, extra = [p for p in wanted if p not in self.leaves], sorted(set(self.leaves) - set(wanted))
-        if missing or extra:
-            raise ValueError(f"cfx.checkpoint.load: {self.directory!r} does not match the template: missing "
-                             f"{missing[:5]}, unexpected {extra[:5]}. Build the template with the model config and "
-                             "optimizer that wrote the checkpoint.")
+        check_leaves(self.directory, self.leaves, wanted)
 
     def region(self, path: str, lo: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
         """The rectangle ``[lo, lo + size)`` of leaf ``path``."""
