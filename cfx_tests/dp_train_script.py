@@ -90,6 +90,8 @@ if __name__ == "__main__":
     jit_losses = data_parallel("dist", jit=True, n_layer=1)
     z_losses, z_held = zero3("dist")
     if os.environ.get("RANK", "0") == "0":
+        import torch.distributed as dist
+        print("BACKEND", dist.get_backend(), flush=True)  # the world cfx's dist backend made
         print("LOSSES", json.dumps(losses), flush=True)
         print("JIT", json.dumps(jit_losses), flush=True)
         print("ZERO3", json.dumps({"losses": z_losses, "held": z_held}), flush=True)

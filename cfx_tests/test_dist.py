@@ -31,6 +31,8 @@ def test_torchrun_gloo_matches_local_backend():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    backend = next(l for l in proc.stdout.splitlines() if l.startswith("BACKEND "))[len("BACKEND "):]
+    assert "gloo" in backend and ("nccl" in backend) == torch.cuda.is_available()  # CPU tensors: gloo; CUDA: NCCL
     line = next(l for l in proc.stdout.splitlines() if l.startswith("LOSSES "))
     torch.testing.assert_close(json.loads(line[len("LOSSES "):]), dp_train_script.data_parallel("local"))
     jitted = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("JIT "))[len("JIT "):])

@@ -5,7 +5,9 @@ over the world), one per non-empty subset of mesh axes and slice, so a collectiv
 tuple finds its group ready. ``run`` executes the body for this process's own rank and returns
 its output only: nothing is exchanged outside the collectives the body issues (SPMD).
 
-The first mesh of a process initialises the world (gloo) if nobody has; closing a mesh releases
+The first mesh of a process initialises the world if nobody has: gloo for CPU tensors and, where
+CUDA is available, NCCL for CUDA tensors in the same groups (torch's ``"cpu:gloo,cuda:nccl"``), each
+process on its ``LOCAL_RANK``'s device (``world_backend``). Closing a mesh releases
 its groups but leaves the world up for the next mesh, because torch cannot re-initialise a world
 on the same rendezvous store (the second world finds the first one's stale addresses there).
 """
@@ -15,9 +17,20 @@ import datetime
 import itertools
 from typing import Any, Callable
 
+import os
+
+import torch
 import torch.distributed as dist
 
 from cfx._src.mesh import context as ctx_lib
+
+
+def world_backend() -> str:
+    """gloo for CPU tensors, plus NCCL for CUDA tensors where CUDA and NCCL are there (one world,
+    groups that route each tensor to its device's library)."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
 
 
 class DistBackend:
@@ -26,7 +39,10 @@ class DistBackend:
     def __init__(self, mesh):
         self.mesh = mesh
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=mesh.timeout))
+            backend = world_backend()
+            if "nccl" in backend:  # a process per GPU: its collectives' CUDA tensors live there
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=mesh.timeout))
         world = dist.get_world_size()
         if world != mesh.size:
             raise ValueError(f"{mesh.shape} needs {mesh.size} ranks but the process group has {world}; "
