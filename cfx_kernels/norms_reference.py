@@ -8,11 +8,13 @@ import torch.nn.functional as F
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          eps: float) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (``F.layer_norm``), computed
-    in fp32 and returned in ``x.dtype`` -- the kernel's contract, and what CPU's mixed-dtype layer norm
-    does; CUDA's refuses a bf16 ``x`` with fp32 params, so the reference does the promotion itself."""
-    w = None if weight is None else weight.float()
-    b = None if bias is None else bias.float()
-    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+    in fp32 (fp64 for fp64 ``x``) and returned in ``x.dtype``: the kernel's contract, and what CPU's
+    mixed-dtype layer norm does; CUDA's refuses a bf16 ``x`` with fp32 params, so the reference promotes
+    itself."""
+    dt = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+    w = None if weight is None else weight.to(dt)
+    b = None if bias is None else bias.to(dt)
+    return F.layer_norm(x.to(dt), (x.shape[-1],), w, b, eps).to(x.dtype)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
