@@ -10,11 +10,12 @@ one name.
 import sys
 
 from cfx._src.core.modules import callable_module
+from cfx._src.generate.compiled import compiled_graphs
 from cfx._src.generate.decode import generate
 from cfx._src.nn.kv_cache import KVCache
 from cfx._src.train.cli_generate import main, parse_args
 
-__all__ = ["KVCache", "generate", "main", "parse_args"]
+__all__ = ["KVCache", "compiled_graphs", "generate", "main", "parse_args"]
 
 callable_module(__name__, generate)
 

@@ -1,6 +1,7 @@
 """cfx.generate: greedy decoding equals transformers' generate token for token (GPT-2, Llama, OPT,
 left-padded batches); the KV cache's logits equal a full forward's; tensor-parallel decoding equals
-one device; sampling is reproducible from its key; int8 params decode; bad input is refused."""
+one device; sampling is reproducible from its key; int8 params decode; bad input is refused; decode
+steps read nothing back to the host."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,8 @@ import cfx
 from cfx import P
 from cfx_tests.budget import examples
 from cfx._src.core.text import printable
+from cfx._src.generate.decode import EOS_POLL
+from torch.utils._python_dispatch import TorchDispatchMode
 
 V = 96
 
@@ -51,19 +54,49 @@ def test_greedy_equals_transformers_generate_on_a_left_padded_batch(name):
 
 @pytest.mark.timeout(120)
 @examples(ci=5)
-@given(name=st.sampled_from(NAMES), T=st.integers(1, 12), steps=st.integers(1, 6), seed=st.integers(0, 99))
-def test_cached_decoding_gives_the_full_forward_logits(name, T, steps, seed):
+@given(name=st.sampled_from(NAMES), T=st.integers(1, 12), steps=st.integers(1, 6), seed=st.integers(0, 99),
+       static=st.booleans(), spare=st.integers(0, 5))
+def test_cached_decoding_gives_the_full_forward_logits(name, T, steps, seed, static, spare):
     model = tiny(name)
     params = model.init(cfx.random.key(seed))
     tokens = cfx.random.randint(cfx.random.key(seed + 1), (2, T + steps), 0, V)
     full = model.apply(params, tokens)  # (2, T + steps, V)
-    cache = cfx.nn.KVCache(2, T + steps, len(model.blocks))
+    # a static cache reads every slot, the unwritten ``spare`` ones masked
+    cache = cfx.nn.KVCache(2, T + steps + static * spare, len(model.blocks), static=static)
     with torch.no_grad():
         got = [model.apply(params, tokens[:, :T], positions=torch.arange(T).expand(2, T), cache=cache)]
         for t in range(T, T + steps):
             got.append(model.apply(params, tokens[:, t:t + 1], positions=torch.full((2, 1), t), cache=cache))
     assert cache.length == T + steps
     torch.testing.assert_close(torch.cat(got, 1), full.detach())
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value back to the host (a stall per op on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += str(func) in ("aten._local_scalar_dense.default", "aten.is_nonzero.default")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_steps_read_nothing_back_to_the_host(name):
+    model = tiny(name)
+    params = model.init(cfx.random.key(0))
+    prompt, mask = padded_prompts()
+    reads = []
+    for n in (1, 9):
+        with HostReads() as h:
+            cfx.generate(model, params, prompt, mask=mask, max_new_tokens=n)
+        reads.append(h.n)
+    assert reads[1] == reads[0]  # the eight steps after the first add no read: only the prefill's checks
+    with HostReads() as h:
+        cfx.generate(model, params, prompt, mask=mask, max_new_tokens=17, eos_id=V + 5)  # never emitted
+    assert h.n - reads[0] == 16 // EOS_POLL  # a look every EOS_POLL steps (the 17th is the last: no look)
 
 
 @pytest.mark.timeout(120)
@@ -105,10 +138,13 @@ def test_rows_that_emit_eos_are_padded_and_generation_stops_early():
     first = out[0, 10:]
     hit = int((first == eos).nonzero()[0])
     assert hit <= 2 and (first[hit + 1:] == 1).all()
+    stops = []
     for row in range(3):  # each row: its free run up to and including its first eos
         new, ref = out[row, 10:], free[row, 10:]
         stop = int((ref == eos).nonzero()[0]) + 1 if (ref == eos).any() else len(ref)
         assert torch.equal(new[:stop], ref[:stop][:len(new)])
+        stops.append(stop)
+    assert out.shape[1] == 10 + max(stops)  # it ends with the step where the last row finished
 
 
 def test_int8_params_decode():

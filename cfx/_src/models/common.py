@@ -208,6 +208,17 @@ class DecoderLM:
         (``sequence_parallel``)."""
         return table[:T] if self.seq is None else table[self.seq.positions(T, table.device)]
 
+    def check_call(self, where: str, params: Any, tokens: Any, mask: Any, cache: Any = None) -> None:
+        """``apply``'s checks of its tokens, mask and params -- skipped for the calls with a KV cache
+        whose caller checked them (``KVCache.validated``: ``cfx.generate``'s decode steps), since the
+        token check reads the ids back to the host, a sync per token on a GPU."""
+        if cache is not None and cache.validated:
+            return
+        name = self.max_len_name
+        check_inputs(where, tokens, mask, vocab_size=self.config.vocab_size, max_len=getattr(self.config, name),
+                     max_len_name=name)
+        check_params(where, self, params)
+
     def check_batch(self, where: str, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """``check_inputs`` and ``check_targets`` against this model's vocabulary and context."""
         name = self.max_len_name

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cfx._src.models.common import (DecoderLM, check_inputs, check_params, config_from_preset,
-                                     dropout_keys)
+from cfx._src.models.common import DecoderLM, config_from_preset, dropout_keys
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.dropout import dropout
@@ -108,9 +107,7 @@ class GPT2(DecoderLM):
         ``cache`` (a ``cfx.nn.KVCache``): decode after the cached positions (``cfx.generate``).
         """
         c = self.config
-        check_inputs("GPT2.apply", tokens, mask, vocab_size=c.vocab_size, max_len=c.n_positions,
-                     max_len_name="n_positions")
-        check_params("GPT2.apply", self, params)
+        self.check_call("GPT2.apply", params, tokens, mask, cache)
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
         x = dropout(self._embed(params, tokens, positions), c.dropout, keys[0])  # (B, T, C)
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:], cache=cache)  # (B, T, C)

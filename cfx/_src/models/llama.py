@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cfx._src.models.common import DecoderLM, check_inputs, check_params, config_from_preset
+from cfx._src.models.common import DecoderLM, config_from_preset
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
@@ -128,10 +128,7 @@ class Llama(DecoderLM):
         accepted for a uniform signature and unused.
         """
         del key
-        c = self.config
-        check_inputs("Llama.apply", tokens, mask, vocab_size=c.vocab_size,
-                     max_len=c.max_position_embeddings, max_len_name="max_position_embeddings")
-        check_params("Llama.apply", self, params)
+        self.check_call("Llama.apply", params, tokens, mask, cache)
         x = self._embed(params, tokens)  # (B, T, C)
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=[None] * len(self.blocks), positions=positions,
                             cache=cache)

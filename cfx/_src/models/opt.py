@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cfx._src.models.common import DecoderLM, check_inputs, check_params, config_from_preset, dropout_keys
+from cfx._src.models.common import DecoderLM, config_from_preset, dropout_keys
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
@@ -170,9 +170,7 @@ class OPT(DecoderLM):
         positions (``cfx.generate``).
         """
         c = self.config
-        check_inputs("OPT.apply", tokens, mask, vocab_size=c.vocab_size, max_len=c.max_position_embeddings,
-                     max_len_name="max_position_embeddings")
-        check_params("OPT.apply", self, params)
+        self.check_call("OPT.apply", params, tokens, mask, cache)
         if mask is not None and self.seq is not None:
             raise ValueError("OPT.apply: a padding mask under sequence parallelism: OPT numbers positions by the "
                              "real tokens over the whole sequence, which one rank's share cannot count. Right-pad "

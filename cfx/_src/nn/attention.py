@@ -103,8 +103,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if Hkv != H:
         k_ = k_.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
         v_ = v_.repeat_interleave(H // Hkv, dim=1)
-    if mask is None and (not causal or T == S):
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=scale)
+    if mask is None and (not causal or T == S or T == 1):  # one query at the end sees every key
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal and T > 1, scale=scale)
         return out.transpose(1, 2)  # (B, T, H, D)
     allowed = _allowed(mask, causal, B, T, S, q.device)  # (B, 1, T, S)
     row_ok = allowed.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
@@ -209,11 +209,12 @@ class Attention:
             if self.seq is not None:
                 raise ValueError("Attention: a KV cache with the sequence split over a mesh axis; decode with "
                                  "the unsplit (or tensor-parallel) model.")
-            k, v, mask = cache.update(k, v, mask)
+            k, v, mask = cache.update(k, v, mask)  # a (B, T, S) mask holds the causal rule too
+        causal = self.causal and (cache is None or mask is None)
         if self.seq is not None:  # the other ranks' positions: ring / ulysses
-            out = self.seq.attend(q, k, v, causal=self.causal, mask=mask, impl=self.impl)  # (B, T, H, D)
+            out = self.seq.attend(q, k, v, causal=causal, mask=mask, impl=self.impl)  # (B, T, H, D)
         else:
-            out = attention(q, k, v, causal=self.causal, mask=mask, impl=self.impl)  # (B, T, H, D)
+            out = attention(q, k, v, causal=causal, mask=mask, impl=self.impl)  # (B, T, H, D)
         return out.reshape(B, T, H * D)
 
     def axes(self) -> dict:
