@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 
 class CrossEntropyStats(NamedTuple):
-    """Per-row pieces of the loss over one vocab shard, all fp32 with the rows' shape.
+    """Per-row pieces of the loss over one vocab shard, fp32 (fp64 for fp64 logits, in the
+    reference) with the rows' shape.
 
     ``max``: the shard's largest logit; ``sum_exp``: ``sum(exp(z - max))`` over the shard;
     ``target_logit``: the target's logit if the target lies in this shard, else 0;
@@ -31,6 +32,11 @@ def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, *, igno
     return loss.view(targets.shape) if reduction == "none" else loss
 
 
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """The logits in fp32, or in fp64 if they are fp64 (parity tests compute in fp64 throughout)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def _local_targets(targets: torch.Tensor, vocab_start: int, V: int):
     t = targets.long() - vocab_start
     ok = (t >= 0) & (t < V)
@@ -39,19 +45,22 @@ def _local_targets(targets: torch.Tensor, vocab_start: int, V: int):
 
 def stats_reference(logits: torch.Tensor, targets: torch.Tensor, *,
                     vocab_start: int) -> CrossEntropyStats:
-    z = logits.float()  # (..., V)
+    z = _at_least_fp32(logits)  # (..., V)
     m = z.amax(-1)
     t, ok = _local_targets(targets, vocab_start, z.shape[-1])
     zt = z.gather(-1, t.unsqueeze(-1)).squeeze(-1)
-    return CrossEntropyStats(m, torch.exp(z - m.unsqueeze(-1)).sum(-1),
+    return CrossEntropyStats(m, (z - m.unsqueeze(-1)).exp_().sum(-1),
                              torch.where(ok, zt, torch.zeros_like(zt)), z.sum(-1))
 
 
 def shard_grad_reference(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                          grad_rows: torch.Tensor, *, vocab_start: int, vocab_size: int,
                          label_smoothing: float) -> torch.Tensor:
-    z = logits.float()  # (..., V)
-    d = torch.exp(z - lse.unsqueeze(-1)) - label_smoothing / vocab_size
+    z = _at_least_fp32(logits)  # (..., V)
+    d = (z - lse.unsqueeze(-1)).exp_()  # softmax; in place from here on: one (..., V) buffer
+    if label_smoothing:
+        d -= label_smoothing / vocab_size
     t, ok = _local_targets(targets, vocab_start, z.shape[-1])
-    onehot = F.one_hot(t, z.shape[-1]).to(d.dtype) * ok.unsqueeze(-1)
-    return ((d - (1.0 - label_smoothing) * onehot) * grad_rows.unsqueeze(-1)).to(logits.dtype)
+    # minus (1 - eps) at each owned target: the one-hot term, without an (..., V) one-hot tensor
+    d.scatter_add_(-1, t.unsqueeze(-1), -(1.0 - label_smoothing) * ok.unsqueeze(-1).to(d.dtype))
+    return d.mul_(grad_rows.unsqueeze(-1)).to(logits.dtype)

@@ -40,9 +40,18 @@ def _row_json(r: Row) -> dict:
     return dict(dataclasses.asdict(r), value=float(r.value), ok=bool(r.ok))
 
 
+def skipped(metric: str, target: str = "", why: str = "no CUDA device") -> Row:
+    """A row that was not measured: value 0, ok False (never passing), the reason in its unit."""
+    return Row(metric, 0.0, f"skipped: {why}", target, False)
+
+
+def _verdict(r: Row) -> str:
+    return "yes" if r.ok else "skip" if r.unit.startswith("skipped") else "NO"
+
+
 def report(bench: str, rows: Sequence[Row], json_path: str | None = None) -> dict:
     out = {"bench": bench, "rows": [_row_json(r) for r in rows]}
-    print(format_table([(r.metric, r.value, r.unit, r.target or "-", "yes" if r.ok else "NO") for r in rows],
+    print(format_table([(r.metric, r.value, r.unit, r.target or "-", _verdict(r)) for r in rows],
                        ["metric", "value", "unit", "target", "ok"]), flush=True)
     if json_path:
         with open(json_path, "w") as f:

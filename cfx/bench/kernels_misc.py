@@ -118,7 +118,7 @@ CUDA_SIZES = {  # size -> (norms' (M, C), AdamW's n, cross-entropy's (N, V)); sm
 }
 
 
-def _cuda_rows(size: str) -> list[Row]:
+def cuda_rows(size: str) -> list[Row]:
     rows = []
     (M, C), n, (N, V) = CUDA_SIZES[size]
     x = _randn(M, C, device="cuda", dtype=torch.bfloat16)
@@ -169,5 +169,5 @@ def rows(size: str) -> list[Row]:
     """The table's rows: CPU always, CUDA when a GPU is present."""
     out = _cpu_rows(size)
     if torch.cuda.is_available():
-        out += _cuda_rows(size)
+        out += cuda_rows(size)
     return out

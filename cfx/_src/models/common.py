@@ -10,7 +10,7 @@ import torch
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
 from cfx._src.lax.collectives import pvary
-from cfx._src.nn.embedding import vocab_parallel_embed
+from cfx._src.nn.embedding import Embedding, vocab_parallel_embed
 from cfx._src.nn.sublayers import keep_sublayers
 from cfx._src.nn.loss import IGNORE_INDEX, cross_entropy, mean_over_sequence, vocab_parallel_cross_entropy
 from cfx._src.precision.quant import is_quantized, quantized_as_leaves
@@ -189,7 +189,31 @@ class DecoderLM:
         where = f"{type(self).__name__}.loss"
         _check_int_2d(where, "tokens", tokens)
         check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
-        return self.logits_loss(self.apply(params, tokens, mask=mask, key=key), targets)
+        return self.head_loss(params, self.hidden(params, tokens, mask=mask, key=key), targets)
+
+    def _logits(self, params: Any, x: torch.Tensor) -> torch.Tensor:
+        """The head's logits ``(B, T, V)`` (this rank's ``(B, T, V/n)`` under ``vocab_axis``) for the
+        last block's output ``x`` (B, T, C); ``_head_parts`` says what the head is."""
+        h, head, p = self._head_parts(params, x)
+        return head.attend(p, h) if isinstance(head, Embedding) else head.apply(p, h)
+
+    def head_loss(self, params: Any, x: torch.Tensor, targets: torch.Tensor, *,
+                  fused: bool | None = None) -> torch.Tensor:
+        """The mean loss of the last block's output ``x`` (B, T, C) against ``targets`` (B, T).
+
+        ``fused`` (default: on CUDA) computes the head's matmul and the loss together in chunks
+        (``cfx_kernels.linear_cross_entropy``), so the (B T, V) logits never exist; a head split
+        over ``vocab_axis``, a sequence split over an axis and an int8 head take the unfused path."""
+        h, head, p = self._head_parts(params, x)
+        w = p["w"]
+        if fused is None:
+            fused = h.is_cuda
+        if not fused or self.vocab_axis is not None or self.seq is not None or not isinstance(w, torch.Tensor):
+            return self.logits_loss(head.attend(p, h) if isinstance(head, Embedding) else head.apply(p, h), targets)
+        from cfx_kernels.linear_cross_entropy import linear_cross_entropy
+
+        weight = w if isinstance(head, Embedding) else w.T  # (V, C): an embedding's rows; a Linear's (C, V).T
+        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), bias=p.get("b"))
 
     def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of logits (B, T, V) -- this rank's (B, T, V/n) under ``vocab_axis``."""

@@ -106,12 +106,18 @@ class GPT2(DecoderLM):
         ``0..T-1`` as in HF without ``position_ids``, unless ``positions`` (int ``(B, T)``) says.
         ``cache`` (a ``cfx.nn.KVCache``): decode after the cached positions (``cfx.generate``).
         """
+        x = self.hidden(params, tokens, mask=mask, key=key, positions=positions, cache=cache)  # (B, T, C)
+        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+
+    def hidden(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
+               key: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+               cache: Any = None) -> torch.Tensor:
+        """``apply`` up to the last block's output ``(B, T, C)``, before the head."""
         c = self.config
         self.check_call("GPT2.apply", params, tokens, mask, cache)
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
         x = dropout(self._embed(params, tokens, positions), c.dropout, keys[0])  # (B, T, C)
-        x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:], cache=cache)  # (B, T, C)
-        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+        return self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:], cache=cache)  # (B, T, C)
 
     def _embed(self, params: dict, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # tokens (B, T) -> token + position embeddings (B, T, C)
@@ -119,15 +125,15 @@ class GPT2(DecoderLM):
         rows = self.position_rows(wpe, tokens.shape[1]) if positions is None else F.embedding(positions, wpe)
         return self.embed(self._layers()["wte"], params["wte"], tokens) + rows  # + (T | B, T, C)
 
-    def _logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
-        # the last block's output (B, T, C) -> ln_f -> the tied head: (B, T, V) or this rank's (B, T, V/n)
+    def _head_parts(self, params: dict, x: torch.Tensor) -> tuple:
+        # the last block's output (B, T, C) -> ln_f; the head is the tied embedding
         layers = self._layers()
-        return layers["wte"].attend(params["wte"], self.head_input(layers["ln_f"].apply(params["ln_f"], x)))
+        return self.head_input(layers["ln_f"].apply(params["ln_f"], x)), layers["wte"], params["wte"]
 
     def parts(self) -> ModelParts:
         """Embeddings (wte + wpe) | blocks | ln_f + the tied head + loss (dropout off)."""
         return ModelParts(("wte", "wpe"), ("ln_f", "wte"), self._embed,
-                          lambda params, x, targets: self.logits_loss(self._logits(params, x), targets),
+                          self.head_loss,
                           lambda x, y: self.check_batch("GPT2 stage", x, y), self.config.n_embd)
 
     def hf_config(self) -> Any:

@@ -127,29 +127,34 @@ class Llama(DecoderLM):
         decode after the cached positions (``cfx.generate``). Llama has no dropout: ``key`` is
         accepted for a uniform signature and unused.
         """
+        x = self.hidden(params, tokens, mask=mask, key=key, positions=positions, cache=cache)  # (B, T, C)
+        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+
+    def hidden(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
+               key: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+               cache: Any = None) -> torch.Tensor:
+        """``apply`` up to the last block's output ``(B, T, C)``, before the head."""
         del key
         self.check_call("Llama.apply", params, tokens, mask, cache)
         x = self._embed(params, tokens)  # (B, T, C)
-        x = self.run_blocks(params["blocks"], x, mask=mask, keys=[None] * len(self.blocks), positions=positions,
-                            cache=cache)
-        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+        return self.run_blocks(params["blocks"], x, mask=mask, keys=[None] * len(self.blocks),
+                               positions=positions, cache=cache)
 
     def _embed(self, params: dict, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(self._layers()["embed"], params["embed"], tokens)  # (B, T) -> (B, T, C)
 
-    def _logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
-        # the last block's output (B, T, C) -> norm -> the head (tied to the embedding, or lm_head)
+    def _head_parts(self, params: dict, x: torch.Tensor) -> tuple:
+        # the last block's output (B, T, C) -> norm; the head is tied to the embedding, or lm_head
         layers = self._layers()
         x = self.head_input(layers["norm"].apply(params["norm"], x))  # (B, T, C)
-        if self.config.tie_embeddings:
-            return layers["embed"].attend(params["embed"], x)  # (B, T, V) or (B, T, V/n)
-        return layers["lm_head"].apply(params["lm_head"], x)  # (B, T, V) or (B, T, V/n)
+        name = "embed" if self.config.tie_embeddings else "lm_head"
+        return x, layers[name], params[name]
 
     def parts(self) -> ModelParts:
         """The embedding | blocks | norm + head (tied to the embedding or ``lm_head``) + loss."""
         tied = self.config.tie_embeddings
         return ModelParts(("embed",), ("norm", "embed" if tied else "lm_head"), self._embed,
-                          lambda params, x, targets: self.logits_loss(self._logits(params, x), targets),
+                          self.head_loss,
                           lambda x, y: self.check_batch("Llama stage", x, y), self.config.hidden_size)
 
     def hf_config(self) -> Any:

@@ -169,6 +169,13 @@ class OPT(DecoderLM):
         ``(B, T)``) overrides that. ``cache`` (a ``cfx.nn.KVCache``): decode after the cached
         positions (``cfx.generate``).
         """
+        x = self.hidden(params, tokens, mask=mask, key=key, positions=positions, cache=cache)  # (B, T, C)
+        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+
+    def hidden(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
+               key: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+               cache: Any = None) -> torch.Tensor:
+        """``apply`` up to the last block's output ``(B, T, C)``, before the head."""
         c = self.config
         self.check_call("OPT.apply", params, tokens, mask, cache)
         if mask is not None and self.seq is not None:
@@ -177,9 +184,8 @@ class OPT(DecoderLM):
                              "and pass mask=None (causal attention keeps trailing padding out of the real tokens), "
                              "or split the batch instead of the sequence.")
         x = self._embed(params, tokens, mask, positions)  # (B, T, C)
-        x = self.run_blocks(params["blocks"], x, mask=mask, keys=dropout_keys(key, c.dropout, len(self.blocks)),
-                            cache=cache)
-        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+        return self.run_blocks(params["blocks"], x, mask=mask, keys=dropout_keys(key, c.dropout, len(self.blocks)),
+                               cache=cache)  # (B, T, C)
 
     def _embed(self, params: dict, tokens: torch.Tensor, mask: torch.Tensor | None,
                positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,17 +204,15 @@ class OPT(DecoderLM):
         positions = mask.long().cumsum(1) * mask - 1  # (B, T): 0, 1, ... over real tokens, -1 on padding
         return x + F.embedding(positions + POSITION_OFFSET, table)  # + (B, T, C)
 
-    def _logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
-        # the last block's output (B, T, C) -> logits (B, T, V), or this rank's (B, T, V/n)
+    def _head_parts(self, params: dict, x: torch.Tensor) -> tuple:
+        # the last block's output (B, T, C) -> [ln_f] [project_out]; the head is lm_head or the tied wte
         layers = self._layers()
         if "ln_f" in layers:
             x = layers["ln_f"].apply(params["ln_f"], x)
         if "project_out" in layers:
             x = layers["project_out"].apply(params["project_out"], x)  # (B, T, E)
-        x = self.head_input(x)
-        if "lm_head" in layers:
-            return layers["lm_head"].apply(params["lm_head"], x)
-        return layers["wte"].attend(params["wte"], x)
+        name = "lm_head" if "lm_head" in layers else "wte"
+        return self.head_input(x), layers[name], params[name]
 
     def parts(self) -> ModelParts:
         """Embeddings (wte [+ project_in] + wpe) | blocks | [ln_f] [+ project_out] + the head + loss
@@ -222,10 +226,7 @@ class OPT(DecoderLM):
         def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
             return self._embed(params, tokens, None)  # (B, T) -> (B, T, C)
 
-        def head_loss(params: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return self.logits_loss(self._logits(params, x), targets)
-
-        return ModelParts(first, last, embed, head_loss, lambda x, y: self.check_batch("OPT stage", x, y),
+        return ModelParts(first, last, embed, self.head_loss, lambda x, y: self.check_batch("OPT stage", x, y),
                           self.config.hidden_size)
 
     def hf_config(self) -> Any:

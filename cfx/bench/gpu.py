@@ -1,0 +1,169 @@
+"""``python -m cfx.bench gpu``: the figures the GPU issues ask for, in one command (about 6 minutes on
+one H100), printed and, with ``--json``, written.
+
+* Training, GPT-2 small, bf16 compute, fused AdamW, the same math on every side
+  (``cfx.bench.torch_gpt2.TorchGPT2`` as the Module): the Module eager under autocast, cfx eager
+  (donated, ``cfx.amp.policy("bf16")``), ``torch.compile(Module)`` and ``cfx.jit(step,
+  donate_argnums=0)``, at B16 x 1024 (all four) and B2 x 256 (the eager pair, where launches
+  dominate): step time, tokens/s, MFU = tokens/s x (6 N + 12 L C T) / 989e12 (N without wpe; H100
+  SXM bf16 dense), peak memory, compile time, and each side's first loss against the Module's.
+  Rows ``jit_vs_compiled_gpu``, ``jit_tokens_per_s_gpu``, ``eager_vs_module_gpu_small`` / ``_large``,
+  ``peak_memory_vs_module_gpu``.
+* Generation (``cfx.bench.gpu_generate``) and the kernels' CUDA rows (``cfx.bench.kernels``).
+
+It runs on a GPU machine's stock image (torch preinstalled; optree carried as a wheel). Without
+CUDA every GPU row is printed as skipped (value 0, ok false in the JSON), never as passing; ``--smoke`` then
+runs the same measuring code on the CPU at toy sizes (rows marked "cpu smoke": the code runs, the
+figures mean nothing), so the command cannot rot between the sessions that have a GPU.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, NamedTuple
+
+import torch
+
+import cfx
+from cfx import optim
+from cfx.bench import gpu_generate, kernels_attention, kernels_linear_xent, kernels_misc
+from cfx.bench.common import Row, report, size_of, skipped
+from cfx.bench.torch_gpt2 import TorchGPT2
+
+HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+PEAK_FLOPS = 989e12  # H100 SXM, bf16 dense
+SIZES = {"full": ({}, (16, 1024), (2, 256), 20), "quick": ({}, (8, 1024), (2, 256), 10),
+         "smoke": (dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32), (2, 32), (1, 16), 2)}
+
+
+class State(NamedTuple):
+    params: dict
+    opt: tuple
+
+
+class Side(NamedTuple):
+    name: str
+    step: Callable[[], torch.Tensor]  # one training step; returns the loss
+
+
+def sides(model, batch: int, seq: int, device: str, *, compiled: bool) -> list[Side]:
+    """The step four ways (two without ``compiled``), from the same weights and batch."""
+    params = cfx.tree.map(lambda x: x.to(device), model.init(cfx.random.key(0)))
+    k = cfx.random.split(cfx.random.key(1), 2)
+    tokens, targets = (cfx.random.randint(kk, (batch, seq), 0, model.config.vocab_size).to(device) for kk in k)
+    tx = optim.adamw(HP["lr"], b1=HP["betas"][0], b2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"])
+    policy = cfx.amp.policy("bf16")
+
+    def step(state, tokens, targets):
+        loss, grads = cfx.value_and_grad(lambda p: model.loss(policy.cast_to_compute(p), tokens, targets))(
+            state.params)
+        return State(*optim.apply_gradients(tx, grads, state.opt, state.params)), loss
+
+    def cfx_side(name: str, stepper) -> Side:
+        box = [State(cfx.tree.map(torch.clone, params), tx.init(params))]
+
+        def run():
+            box[0], loss = stepper(box[0], tokens, targets)
+            return loss
+        return Side(name, run)
+
+    def module_side(name: str, compile_it: bool) -> Side:
+        module = TorchGPT2(model.config).load_cfx(params).to(device)
+        forward = torch.compile(module) if compile_it else module
+        opt = torch.optim.AdamW(module.parameters(), fused=True, **HP)
+
+        def run():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = forward(tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        return Side(name, run)
+
+    out = [module_side("module", False), cfx_side("cfx", cfx.jit(step, donate_argnums=0, compile=False))]
+    if compiled:
+        out += [module_side("compiled", True), cfx_side("jit", cfx.jit(step, donate_argnums=0, verbose=False))]
+    return out
+
+
+def measure(side: Side, steps: int, device: str) -> dict:
+    """First loss, first-call seconds (the compile, for compiled sides), median step seconds, peak bytes."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    first = float(side.step())
+    first_s = time.perf_counter() - t0
+    for _ in range(2):
+        side.step()
+    times = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        side.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    return dict(loss=first, first_s=first_s, step_s=statistics.median(times), peak=peak)
+
+
+def flops_per_token(model, T: int) -> float:
+    """6 N + 12 L C T: N the params without the position table (PaLM's MFU, nanoGPT's estimate)."""
+    c = model.config
+    n = sum(x.numel() for x in cfx.tree.leaves(model.init(cfx.random.key(0)))) - c.n_positions * c.n_embd
+    return 6 * n + 12 * c.n_layer * c.n_embd * T
+
+
+def training_rows(size: str, device: str) -> list[Row]:
+    kw, (B, T), (b, t), steps = SIZES[size]
+    model = cfx.models.gpt2("small", **kw)
+    tag = "" if device == "cuda" else " [cpu smoke]"
+    rows, res = [], {}
+    for (bb, tt), label, compiled in (((B, T), "large", True), ((b, t), "small", False)):
+        flops = flops_per_token(model, tt)
+        for side in sides(model, bb, tt, device, compiled=compiled):
+            res[side.name, label] = r = measure(side, steps, device)
+            tokens_s = bb * tt / r["step_s"]
+            mfu = tokens_s * flops / PEAK_FLOPS
+            rows.append(Row(f"  {side.name} B{bb}x{tt}: step ms / tokens/s / MFU / peak GiB / first call s{tag}",
+                            r["step_s"] * 1e3, f"ms; {tokens_s:,.0f} tok/s; MFU {mfu:.1%}; "
+                            f"{r['peak'] / 2**30:.2f} GiB; {r['first_s']:.1f} s"))
+            rows.append(Row(f"  {side.name} B{bb}x{tt}: |first loss - the Module's|{tag}",
+                            abs(r["loss"] - res["module", label]["loss"]), "nats"))
+    ratio = lambda a, b, label, key="step_s": res[a, label][key] / res[b, label][key]  # noqa: E731
+    jit_tokens = B * T / res["jit", "large"]["step_s"]
+    rows += [
+        Row(f"jit_vs_compiled_gpu (cfx.jit / torch.compile(Module), B{B}x{T} bf16){tag}",
+            ratio("jit", "compiled", "large"), "x", "<= 1.00", ratio("jit", "compiled", "large") <= 1.0),
+        Row(f"jit_tokens_per_s_gpu (GPT-2 small, B{B}x{T}){tag}", jit_tokens, "tok/s", ">= 460,000",
+            jit_tokens >= 460_000),
+        Row(f"eager_vs_module_gpu_small (B{b}x{t}){tag}", ratio("cfx", "module", "small"), "x", "<= 1.10",
+            ratio("cfx", "module", "small") <= 1.10),
+        Row(f"eager_vs_module_gpu_large (B{B}x{T}){tag}", ratio("cfx", "module", "large"), "x", "<= 1.02",
+            ratio("cfx", "module", "large") <= 1.02),
+        Row("  MFU formula: tokens/s x (6 N + 12 L C T) / 989e12, N = params without wpe", 0.0, "-")]
+    if device == "cuda":
+        peak = ratio("jit", "compiled", "large", "peak")
+        rows.append(Row("peak_memory_vs_module_gpu (cfx.jit / compiled Module)", peak, "x", "<= 1.00", peak <= 1.0))
+    return rows
+
+
+GPU_ROWS = [("jit_vs_compiled_gpu", "<= 1.00"), ("jit_tokens_per_s_gpu", ">= 460,000"),
+            ("eager_vs_module_gpu_small", "<= 1.10"), ("eager_vs_module_gpu_large", "<= 1.02"),
+            ("peak_memory_vs_module_gpu", "<= 1.00")]
+
+
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
+    if torch.cuda.is_available():
+        rows = [Row(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", 0.0, "-")]
+        rows += training_rows(size, "cuda") + gpu_generate.rows(size, "cuda")
+        ksize = "smoke" if size == "smoke" else "quick"
+        rows += kernels_attention.cuda_rows(ksize) + kernels_misc.cuda_rows(ksize)
+        rows += kernels_linear_xent.cuda_rows(ksize)
+    else:
+        rows = [skipped(m, t) for m, t in GPU_ROWS + gpu_generate.GPU_ROWS]
+        if smoke:  # the measuring code, on the CPU at toy sizes
+            rows += training_rows("smoke", "cpu") + gpu_generate.rows("smoke", "cpu")
+    return report("gpu", rows, json_path)

@@ -1,0 +1,44 @@
+"""What the decoders share (``cfx._src.models.common.DecoderLM``): the head's loss fused with its matmul
+(``head_loss(..., fused=True)``, what CUDA runs) equals the unfused loss in value and in every
+gradient, for a tied head (GPT-2), an untied one (Llama) and one behind a projection (OPT)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cfx
+
+V = 96
+
+
+def models():
+    return {
+        "gpt2": cfx.models.gpt2("tiny", n_layer=1, vocab_size=V, n_positions=32),
+        "llama": cfx.models.llama("tiny", n_layer=1, vocab_size=V, max_position_embeddings=32,
+                                  tie_embeddings=False),
+        "opt": cfx.models.opt("tiny", n_layer=1, vocab_size=V, max_position_embeddings=32,
+                              word_embed_proj_dim=16),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt"])
+def test_fused_head_loss_equals_the_unfused_loss_and_gradients(name):
+    model = models()[name]
+    params = cfx.tree.map(lambda x: x.double(), model.init(cfx.random.key(0)))
+    tokens = cfx.random.randint(cfx.random.key(1), (2, 12), 0, V)
+    targets = cfx.random.randint(cfx.random.key(2), (2, 12), 0, V)
+    targets[0, :3] = -100  # ignored positions
+
+    def fused(p):
+        return model.head_loss(p, model.hidden(p, tokens), targets, fused=True)
+
+    def textbook(p):  # in fp64 (the unfused loss computes in fp32)
+        logits = model._logits(p, model.hidden(p, tokens))  # (B, T, V)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    want, want_grads = cfx.value_and_grad(textbook)(params)
+    got, got_grads = cfx.value_and_grad(fused)(params)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grads, want_grads, rtol=1e-10, atol=1e-12)
+    unfused = model.head_loss(params, model.hidden(params, tokens), targets, fused=False)  # the CPU's default
+    torch.testing.assert_close(model.loss(params, tokens, targets), unfused)
+    torch.testing.assert_close(unfused.double(), want, rtol=1e-6, atol=1e-6)
