@@ -1,5 +1,8 @@
 """Attention kernels: the reference path against naive PyTorch on CPU, the Triton flash-attention
-kernel against ``F.scaled_dot_product_attention`` (flash backend) on CUDA.
+kernel against ``F.scaled_dot_product_attention`` (flash backend) on CUDA, and ``auto_vs_best``: what
+``cfx.nn.attention(impl="auto")`` runs (``cfx_kernels.attention_choice``'s table) against the faster of
+the Triton kernel and SDPA with torch's own backend choice; the row names the faster, which is what
+the table for that GPU family should say.
 
 CPU: median forward+backward time of ``attention_reference`` (what CPU users get from
 ``cfx_kernels.flash_attention``) over naive ``softmax(q k^T) v`` with repeated kv heads, as a ratio
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cfx._src.nn.attention import attention
 from cfx.bench.common import Row, interleaved_medians
 from cfx_kernels.attention_reference import attention_reference
 from cfx_kernels.flash_attention import flash_attention
@@ -80,11 +84,20 @@ def cuda_rows(size: str) -> list[Row]:
         ours = _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, impl="triton"), q, k, v,
                         sync=torch.cuda.synchronize)
         theirs = _fwd_bwd(sdpa, qs, ks, vs, sync=torch.cuda.synchronize)
-        t_ours, t_theirs = interleaved_medians([ours, theirs], rounds=rounds, warmup=2)
+        # cfx.nn.attention as the models call it: auto's pick, and SDPA with torch's own backend choice
+        auto, any_sdpa = (_fwd_bwd(lambda q, k, v, i=i: attention(q, k, v, causal=True, impl=i), q, k, v,
+                                   sync=torch.cuda.synchronize) for i in ("auto", "sdpa"))
+        t_ours, t_theirs, t_auto, t_sdpa = interleaved_medians([ours, theirs, auto, any_sdpa], rounds=rounds,
+                                                               warmup=2)
+        best = min(t_ours, t_sdpa)
         rows += [Row(f"flash attention fwd+bwd T={T} (B={B} H={H} D={D} bf16 causal)",
                      flops / t_ours / 1e12, "TFLOP/s"),
                  Row(f"SDPA flash fwd+bwd T={T}", flops / t_theirs / 1e12, "TFLOP/s"),
-                 Row(f"flash attention / SDPA throughput T={T}", t_theirs / t_ours, "ratio")]
+                 Row(f"SDPA (torch's backend choice) fwd+bwd T={T}", flops / t_sdpa / 1e12, "TFLOP/s"),
+                 Row(f"flash attention / SDPA throughput T={T}", t_theirs / t_ours, "ratio"),
+                 Row(f"auto_vs_best T={T} (auto's pick / the faster of Triton and SDPA; faster: "
+                     f"{'triton' if t_ours < t_sdpa else 'sdpa'})", best / t_auto, "x", ">= 0.98",
+                     best / t_auto >= 0.98)]
     return rows
 
 

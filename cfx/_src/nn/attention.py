@@ -58,7 +58,8 @@ def _allowed(mask: torch.Tensor | None, causal: bool, B: int, T: int, S: int,
 _IMPLS = ("auto", "sdpa", "triton", "reference")
 
 
-def _pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+def _pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+               mask: torch.Tensor | None) -> str:
     if impl not in _IMPLS:
         raise ValueError(f"cfx.nn.attention: impl must be one of {_IMPLS}, got {impl!r}.")
     if impl != "auto":
@@ -67,7 +68,11 @@ def _pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         return "sdpa"
     from cfx_kernels.flash_attention import triton_unsupported  # lazily: triton loads only here
 
-    return "triton" if triton_unsupported(q, k, v) is None else "sdpa"
+    if triton_unsupported(q, k, v) is not None:
+        return "sdpa"
+    from cfx_kernels.attention_choice import choose
+
+    return choose(q, causal=causal, masked=mask is not None)  # the faster one, as measured
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -83,11 +88,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     ``impl``: ``"sdpa"`` (``F.scaled_dot_product_attention``), ``"triton"`` (the flash-attention
     kernel of ``cfx_kernels.flash_attention``), ``"reference"`` (its plain-PyTorch reference), or
-    ``"auto"``: the Triton kernel for CUDA tensors it supports (fp32/fp16/bf16, head_dim <= 128),
-    SDPA otherwise.
+    ``"auto"``: on CUDA the faster of the two for the device, as measured
+    (``cfx_kernels.attention_choice``: SDPA wherever nothing measured says the Triton kernel wins),
+    SDPA elsewhere.
     """
     _check_qkv(q, k, v)
-    impl = _pick_impl(impl, q, k, v)
+    impl = _pick_impl(impl, q, k, v, causal=causal, mask=mask)
     if impl in ("triton", "reference"):
         if mask is not None and mask.dtype != torch.bool:
             raise ValueError(f"cfx.nn.attention: mask must be a bool tensor (True = attend), "
