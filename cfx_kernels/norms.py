@@ -15,7 +15,7 @@ import triton.language as tl
 
 from cfx_kernels._common import resolve_impl
 from cfx_kernels._jit import lazy_jit
-from cfx_kernels.norms_reference import layer_norm_reference, rms_norm_reference
+from cfx_kernels.norms_reference import add_norm_reference, layer_norm_reference, rms_norm_reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FEATURES = 65536  # one row lives in one program's registers
@@ -71,16 +71,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
     return _RMSNorm.apply(x, weight, float(eps))
 
 
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None, *, eps: float = 1e-5,
+                   impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` and ``layer_norm(s)``, both in ``x.dtype``: a pre-norm block's residual
+    add and the next norm in one pass over the rows (and one in backward)."""
+    _check_add("add_layer_norm", x, residual)
+    _check("add_layer_norm", x, weight, bias)
+    tensors = (x, residual, weight) if bias is None else (x, residual, weight, bias)
+    if resolve_impl(impl, *tensors) == "reference" or x.numel() == 0:
+        return add_norm_reference(x, residual, lambda s: layer_norm_reference(s, weight, bias, eps))
+    _check_triton("add_layer_norm", x, weight, bias)
+    return _AddNorm.apply(x, residual, weight, bias, float(eps), False)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
+                 impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` and ``rms_norm(s)`` in one pass (see ``add_layer_norm``)."""
+    _check_add("add_rms_norm", x, residual)
+    _check("add_rms_norm", x, weight, None)
+    if resolve_impl(impl, x, residual, weight) == "reference" or x.numel() == 0:
+        return add_norm_reference(x, residual, lambda s: rms_norm_reference(s, weight, eps))
+    _check_triton("add_rms_norm", x, weight, None)
+    return _AddNorm.apply(x, residual, weight, None, float(eps), True)
+
+
+def _check_add(where: str, x, residual) -> None:
+    if not isinstance(residual, torch.Tensor) or not isinstance(x, torch.Tensor) or residual.shape != x.shape \
+            or residual.dtype != x.dtype:
+        got = (f"{tuple(residual.shape)} {residual.dtype}" if isinstance(residual, torch.Tensor)
+               else type(residual).__name__)
+        want = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else "x's"
+        raise ValueError(f"{where}: residual must have x's shape and dtype ({want}), got {got}; cast or "
+                         "broadcast it first.")
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels. X/DY/DX are (M, N) with unit stride along N; Mean/Rstd are (M,) fp32.
 
 @lazy_jit
-def _norm_fwd_kernel(X, W, B, Y, Mean, Rstd, stride_x, stride_y, N, eps,
-                     RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_fwd_kernel(X, R, S, W, B, Y, Mean, Rstd, stride_x, stride_r, stride_s, stride_y, N, eps,
+                     RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # s = x + r, rounded to x's dtype as the unfused add would, is what gets normalised
+        x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(S.dtype.element_ty)
+        tl.store(S + row * stride_s + cols, x, mask=mask)
+        x = x.to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if RMS:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
@@ -99,8 +139,8 @@ def _norm_fwd_kernel(X, W, B, Y, Mean, Rstd, stride_x, stride_y, N, eps,
 
 
 @lazy_jit
-def _norm_bwd_kernel(X, W, DY, DX, DW, DB, Mean, Rstd, stride_x, stride_dy, stride_dx, M, N,
-                     rows_per_program, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _norm_bwd_kernel(X, W, DY, DS, DX, DW, DB, Mean, Rstd, stride_x, stride_dy, stride_ds, stride_dx, M, N,
+                     rows_per_program, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DS: tl.constexpr,
                      BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # int64 row offsets: M * N may pass 2**31
     cols = tl.arange(0, BLOCK)
@@ -130,6 +170,8 @@ def _norm_bwd_kernel(X, W, DY, DX, DW, DB, Mean, Rstd, stride_x, stride_dy, stri
             c1 = tl.sum(g * xhat, axis=0) / N
             c2 = tl.sum(g, axis=0) / N
             dx = (g - (xhat * c1 + c2)) * rstd
+        if HAS_DS:  # the fused residual add: the sum's own gradient joins the norm's
+            dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW + pid * N + cols, dw, mask=mask)
     if HAS_BIAS:
@@ -141,18 +183,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _forward(x, weight, bias, eps, rms):
+def _forward(x, weight, bias, eps, rms, residual=None):
+    """The normalised rows; with ``residual``, of ``s = x + residual``, also returned (else None)."""
     x2 = _rows(x)  # (M, N)
     M, N = x2.shape
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if rms else x.dtype
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    r2 = x2 if residual is None else _rows(residual)
+    s = x2 if residual is None else torch.empty_like(x2, memory_format=torch.contiguous_format)
     BLOCK = triton.next_power_of_2(N)
-    _norm_fwd_kernel[(M,)](x2, weight, bias if bias is not None else weight, y, mean, rstd,
-                           x2.stride(0), y.stride(0), N, eps, RMS=rms, HAS_BIAS=bias is not None,
-                           BLOCK=BLOCK, num_warps=_warps(BLOCK))
-    return x2, y.view(*x.shape[:-1], N), mean, rstd
+    _norm_fwd_kernel[(M,)](x2, r2, s, weight, bias if bias is not None else weight, y, mean, rstd,
+                           x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), N, eps, RMS=rms,
+                           HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=BLOCK,
+                           num_warps=_warps(BLOCK))
+    return (x2 if residual is None else s), y.view(*x.shape[:-1], N), mean, rstd
 
 
 def _warps(block: int) -> int:
@@ -165,18 +211,22 @@ def _programs(x: torch.Tensor, M: int) -> int:
     return min(M, 4)  # the interpreter runs programs one after another
 
 
-def _backward(ctx, dy, rms):
+def _backward(ctx, dy, rms, ds=None):
+    """dx (with ``ds``, the fused add's sum gradient, added: the gradient of x and of the residual),
+    dweight, dbias."""
     x2, weight, bias, mean, rstd = ctx.saved_tensors
     M, N = x2.shape
     dy2 = _rows(dy)
+    ds2 = dy2 if ds is None else _rows(ds)
     dx = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     G = _programs(x2, M)
     dw = torch.empty((G, N), dtype=torch.float32, device=x2.device)
     db = torch.empty((G, N), dtype=torch.float32, device=x2.device) if bias is not None else dw
     BLOCK = triton.next_power_of_2(N)
-    _norm_bwd_kernel[(G,)](x2, weight, dy2, dx, dw, db, mean, rstd, x2.stride(0), dy2.stride(0),
-                           dx.stride(0), M, N, triton.cdiv(M, G), RMS=rms,
-                           HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=_warps(BLOCK))
+    _norm_bwd_kernel[(G,)](x2, weight, dy2, ds2, dx, dw, db, mean, rstd, x2.stride(0), dy2.stride(0),
+                           ds2.stride(0), dx.stride(0), M, N, triton.cdiv(M, G), RMS=rms,
+                           HAS_BIAS=bias is not None, HAS_DS=ds is not None, BLOCK=BLOCK,
+                           num_warps=_warps(BLOCK))
     dweight = dw.sum(0).to(weight.dtype)
     dbias = db.sum(0).to(bias.dtype) if bias is not None else None
     return dx.view(ctx.x_shape), dweight, dbias
@@ -208,3 +258,21 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         dx, dweight, _ = _backward(ctx, dy, rms=True)
         return dx, dweight, None
+
+
+class _AddNorm(torch.autograd.Function):
+    """``s = x + residual`` and ``norm(s)`` in one pass; backward, one pass for both gradients."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms):
+        s, y, mean, rstd = _forward(x, weight, bias, eps, rms, residual=residual)
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.x_shape, ctx.rms = x.shape, rms
+        return s.view(x.shape), y
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        if dy is None:  # only the sum was used
+            return ds, ds, None, None, None, None
+        dx, dweight, dbias = _backward(ctx, dy, ctx.rms, ds=ds)  # ds None: only the norm was used
+        return dx, dx, dweight, dbias, None, None

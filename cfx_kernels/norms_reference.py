@@ -25,3 +25,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
+
+
+def add_norm_reference(x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (in x's dtype) and ``norm(s)``: the fused kernels' contract."""
+    s = x + residual
+    return s, norm(s)

@@ -45,6 +45,50 @@ def test_kernel_matches_reference(kind, dtype, lead, N, bias, seed):
         assert_close(g, r, dtype, name)
 
 
+def run_add(kind, impl, x, r, w, b, ds, dy, eps):
+    """Both outputs and the grads (x, residual, w[, b]) of one fused add + norm; ``ds`` / ``dy`` None:
+    that output is not used."""
+    x, r, w = (t.clone().requires_grad_() for t in (x, r, w))
+    if kind == "rms":
+        s, y = norms.add_rms_norm(x, r, w, eps=eps, impl=impl)
+        args = (x, r, w)
+    else:
+        b = None if b is None else b.clone().requires_grad_()
+        s, y = norms.add_layer_norm(x, r, w, b, eps=eps, impl=impl)
+        args = (x, r, w) if b is None else (x, r, w, b)
+    outs, grads = zip(*[(o, g.to(o.dtype)) for o, g in ((s, ds), (y, dy)) if g is not None])
+    return (s.detach(), y.detach()) + torch.autograd.grad(outs, args, grads, allow_unused=True)
+
+
+@settings(max_examples=12)
+@given(kind=st.sampled_from(["layer", "rms"]), dtype=st.sampled_from(DTYPES),
+       lead=st.sampled_from([(1,), (7,), (2, 3)]), N=st.integers(1, 300), bias=st.booleans(),
+       used=st.sampled_from(["both", "sum", "norm"]), seed=st.integers(0, 2**16))
+def test_fused_add_norm_matches_reference(kind, dtype, lead, N, bias, used, seed):
+    x = (randn(*lead, N, seed=seed) * 2 + 0.5).to(dtype)
+    r = randn(*lead, N, seed=seed + 4).to(dtype)
+    w = randn(N, seed=seed + 1) + 1.0
+    b = randn(N, seed=seed + 2) if bias else None
+    ds = None if used == "norm" else randn(*lead, N, seed=seed + 5)
+    dy = None if used == "sum" else randn(*lead, N, seed=seed + 3)
+    got = run_add(kind, "triton", x, r, w, b, ds, dy, 1e-5)
+    want = run_add(kind, "reference", x, r, w, b, ds, dy, 1e-5)
+    for name, g, ref in zip(["s", "y", "dx", "dresidual", "dweight", "dbias"], got, want):
+        if ref is None:
+            assert g is None or not g.any(), name
+        else:
+            assert_close(g, ref, dtype, name)
+    torch.testing.assert_close(want[0], x + r)  # the reference: the add, then the norm of its result
+
+
+def test_fused_add_norm_refuses_a_mismatched_residual():
+    x = randn(2, 8, seed=0)
+    with pytest.raises(ValueError, match="residual must have x's shape and dtype"):
+        norms.add_layer_norm(x, x[:, :4], torch.ones(8))
+    with pytest.raises(ValueError, match="residual must have x's shape and dtype"):
+        norms.add_rms_norm(x, x.double(), torch.ones(8))
+
+
 def test_references_match_textbook_math():
     x, w, b = randn(5, 33, seed=0, dtype=torch.float64), randn(33, seed=1), randn(33, seed=2)
     x32 = x.float()
@@ -113,3 +157,36 @@ def test_kernel_on_gpu_at_real_size(kind, dtype, monkeypatch):
     want = run(kind, "reference", x, w, b, dy, 1e-5)
     for name, g, r in zip(["y", "dx", "dweight", "dbias"], got, want):
         assert_close(g, r, dtype, name)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_the_block_fuses_its_residual_add_with_the_next_norm(norm):
+    # a pre-norm block's attention residual and norm2 through add_apply: the kernel equals the reference
+    block = nn.TransformerBlock(32, 4, 64, norm=norm)
+    params = cfx.tree.map(lambda p: p + 0.1 * randn(*p.shape, seed=p.numel()), block.init(cfx.random.key(0)))
+    x = randn(2, 6, 32, seed=3)
+
+    def loss(p, x, impl):
+        layers = {n: dataclasses.replace(b, impl=impl) if n.startswith("norm") else b
+                  for n, b in block._layers().items()}
+        object.__setattr__(block, "_sublayers", layers)
+        return block.apply(p, x).pow(2).sum()
+
+    got = cfx.value_and_grad(loss, argnums=(0, 1))(params, x, "triton")
+    want = cfx.value_and_grad(loss, argnums=(0, 1))(params, x, "reference")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_fused_add_norm_on_gpu_at_real_size(kind, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    M, N, dtype = 8192, 4096, torch.bfloat16
+    x, r = randn(M, N, seed=0, dtype=dtype, device="cuda"), randn(M, N, seed=4, dtype=dtype, device="cuda")
+    w, b = randn(N, seed=1, device="cuda") + 1, randn(N, seed=2, device="cuda")
+    ds, dy = randn(M, N, seed=5, device="cuda"), randn(M, N, seed=3, device="cuda")
+    got = run_add(kind, "triton", x, r, w, b, ds, dy, 1e-5)
+    want = run_add(kind, "reference", x, r, w, b, ds, dy, 1e-5)
+    for name, g, ref in zip(["s", "y", "dx", "dresidual", "dweight", "dbias"], got, want):
+        if ref is not None:
+            assert_close(g, ref, dtype, name)

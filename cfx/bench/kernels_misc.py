@@ -27,13 +27,15 @@ def _randn(*shape, device="cpu", dtype=torch.float32, seed=0):
 
 
 def _fwd_bwd(f: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
+    """One forward and backward of ``f`` (one output, or a tuple: each gets a gradient of ones)."""
     leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
     dy = None
 
     def step():
         nonlocal dy
         y = f(*leaves)
-        dy = torch.ones_like(y) if dy is None else dy
+        y = y if isinstance(y, tuple) else (y,)
+        dy = [torch.ones_like(t) for t in y] if dy is None else dy
         torch.autograd.grad(y, [x for x in leaves if x.requires_grad], dy)
     return step
 
@@ -124,14 +126,18 @@ def cuda_rows(size: str) -> list[Row]:
     x = _randn(M, C, device="cuda", dtype=torch.bfloat16)
     w, b = _randn(C, device="cuda", seed=1), _randn(C, device="cuda", seed=2)
     nbytes = 5 * M * C * x.element_size()  # fwd: read x, write y; bwd: read x, dy, write dx
-    for name, kern, ref, args in (
+    r = _randn(M, C, device="cuda", dtype=torch.bfloat16, seed=4)
+    for name, kern, ref, args, nb in (
         ("layer_norm", lambda x, w, b: norms.layer_norm(x, w, b, impl="triton"),
-         lambda x, w, b: layer_norm_reference(x, w, b, 1e-5), (x, w, b)),
+         lambda x, w, b: layer_norm_reference(x, w, b, 1e-5), (x, w, b), nbytes),
         ("rms_norm", lambda x, w: norms.rms_norm(x, w, impl="triton").to(x.dtype),
-         lambda x, w: rms_norm_reference(x, w, 1e-6).to(x.dtype), (x, w)),
+         lambda x, w: rms_norm_reference(x, w, 1e-6).to(x.dtype), (x, w), nbytes),
+        # + read r, write s; bwd: + read ds, write dresidual (= dx: one write serves both)
+        ("add_layer_norm", lambda x, r, w, b: norms.add_layer_norm(x, r, w, b, impl="triton"),
+         lambda x, r, w, b: (lambda s: (s, layer_norm_reference(s, w, b, 1e-5)))(x + r), (x, r, w, b), 8 * M * C * 2),
     ):
-        k = _gbps(nbytes, _fwd_bwd(kern, *args))
-        c = _gbps(nbytes, _fwd_bwd(torch.compile(ref), *args))
+        k = _gbps(nb, _fwd_bwd(kern, *args))
+        c = _gbps(nb, _fwd_bwd(torch.compile(ref), *args))
         rows += [Row(f"cuda {name} fwd+bwd bf16 {M}x{C} triton", k, "GB/s"),
                  Row(f"cuda {name} fwd+bwd torch.compile", c, "GB/s"),
                  Row(f"cuda {name} triton / torch.compile", k / c, "x", ">= 1", k / c >= 1.0)]

@@ -89,8 +89,8 @@ class TransformerBlock:
             return layers["norm2"].apply(params["norm2"], x + dropout(h, self.dropout, k_mlp))
         h = layers["attn"].apply(params["attn"], layers["norm1"].apply(params["norm1"], x),
                                  mask=mask, positions=positions, cache=cache)
-        x = x + dropout(h, self.dropout, k_attn)
-        h = layers["mlp"].apply(params["mlp"], layers["norm2"].apply(params["norm2"], x))
+        x, h = layers["norm2"].add_apply(params["norm2"], x, dropout(h, self.dropout, k_attn))  # the residual
+        h = layers["mlp"].apply(params["mlp"], h)  # add and the next norm in one pass (on CUDA)
         return x + dropout(h, self.dropout, k_mlp)
 
     def axes(self) -> dict:

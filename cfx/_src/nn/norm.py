@@ -5,13 +5,18 @@ import dataclasses
 
 import torch
 
-from cfx_kernels.norms import layer_norm, rms_norm
+from cfx_kernels.norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 
 def _check_features(where: str, x: torch.Tensor, features: int) -> None:
     if x.shape[-1] != features:
         raise ValueError(f"{where}: x has {x.shape[-1]} features in its last dim, expected "
                          f"features={features} (x shape {tuple(x.shape)}).")
+
+
+def _fusable(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """The fused add takes operands of one shape and dtype; others add (broadcasting, promoting) first."""
+    return residual.shape == x.shape and residual.dtype == x.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,14 @@ class LayerNorm:
     def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         _check_features("LayerNorm.apply", x, self.features)
         return layer_norm(x, params["scale"], params.get("bias"), eps=self.eps, impl=self.impl)
+
+    def add_apply(self, params: dict, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + residual`` and ``apply(params, s)``: one fused pass on CUDA (``add_layer_norm``)."""
+        _check_features("LayerNorm.add_apply", x, self.features)
+        if not _fusable(x, residual):
+            s = x + residual
+            return s, self.apply(params, s)
+        return add_layer_norm(x, residual, params["scale"], params.get("bias"), eps=self.eps, impl=self.impl)
 
     def axes(self) -> dict:
         out = {"scale": (self.axis_name,)}
@@ -66,6 +79,14 @@ class RMSNorm:
     def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         _check_features("RMSNorm.apply", x, self.features)
         return rms_norm(x, params["scale"], eps=self.eps, impl=self.impl)
+
+    def add_apply(self, params: dict, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + residual`` and ``apply(params, s)``: one fused pass on CUDA (``add_rms_norm``)."""
+        _check_features("RMSNorm.add_apply", x, self.features)
+        if not _fusable(x, residual):
+            s = x + residual
+            return s, self.apply(params, s)
+        return add_rms_norm(x, residual, params["scale"], eps=self.eps, impl=self.impl)
 
     def axes(self) -> dict:
         return {"scale": (self.axis_name,)}
