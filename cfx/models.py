@@ -1,6 +1,7 @@
 """Language models as pure functions over params pytrees, with HF weight converters.
 
-``cfx.models.gpt2("small")`` / ``cfx.models.llama("tiny")`` / ``cfx.models.opt("125m")`` build decoders and
+``cfx.models.gpt2("small")`` / ``cfx.models.llama("tiny")`` / ``cfx.models.mixtral("tiny")`` (a Llama with
+mixture-of-experts MLPs) / ``cfx.models.opt("125m")`` build decoders and
 ``cfx.models.bert("base", head="mlm"|"classify")`` an encoder (frozen dataclasses), and
 ``cfx.models.evoformer("af2")`` AlphaFold 2's Evoformer stack (``apply(params, m, z, msa_mask=,
 pair_mask=, chunk_size=) -> (m, z)``). The language models have:
@@ -9,7 +10,7 @@ pair_mask=, chunk_size=) -> (m, z)``). The language models have:
 ``hf_config()`` and ``parts()`` (the parts protocol: embedding | blocks | head + loss, which the
 pipeline and ``cfx.parallel.Plan`` read; see ``ModelParts``). ``to_hf(model, params)`` and ``from_hf(hf_model_or_state_dict, model=None)``
 convert weights to and from ``transformers``' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
-``OPTForCausalLM`` / ``BertForMaskedLM`` / ``BertForSequenceClassification``;
+``MixtralForCausalLM`` / ``OPTForCausalLM`` / ``BertForMaskedLM`` / ``BertForSequenceClassification``;
 ``save_pretrained(directory, model, params)`` / ``from_pretrained(directory, mesh=, specs=)``
 write and read Hugging Face model directories (config.json + safetensors, one file or sharded).
 """
@@ -20,11 +21,13 @@ from cfx._src.models.gpt2 import GPT2, GPT2_PRESETS, GPT2Config, gpt2
 from cfx._src.models.hf import from_hf, hf_config, model_from_hf_config, to_hf
 from cfx._src.models.hf_dir import from_pretrained, save_pretrained
 from cfx._src.models.llama import LLAMA_PRESETS, Llama, LlamaConfig, llama
+from cfx._src.models.mixtral import MIXTRAL_PRESETS, Mixtral, MixtralConfig, mixtral
 from cfx._src.models.opt import OPT, OPT_PRESETS, OPTConfig, opt
 from cfx._src.models.parts import ChainModel, Hooks as ModelHooks, Model, ModelParts
 
 __all__ = [
     "BERT_PRESETS", "Bert", "BertConfig", "EVOFORMER_PRESETS", "Evoformer", "EvoformerBlock", "EvoformerConfig", "GPT2", "GPT2Config", "GPT2_PRESETS", "LLAMA_PRESETS", "Llama", "LlamaConfig",
+    "MIXTRAL_PRESETS", "Mixtral", "MixtralConfig", "mixtral",
     "ChainModel", "Model", "ModelHooks", "ModelParts", "OPT", "OPTConfig", "OPT_PRESETS", "cross_entropy",
     "bert", "evoformer", "from_hf", "from_pretrained", "gpt2", "hf_config", "llama", "model_from_hf_config", "opt",
     "save_pretrained", "to_hf",

@@ -14,8 +14,11 @@ Logical axis names (map them to mesh axes with ``cfx.Rules``):
 ``"positions"`` learned position-embedding rows (GPT-2's ``wpe``)
 ``"embed_proj"`` a projected embedding's narrower width (OPT-350m's ``wte``, ``project_in`` / ``out``)
 ``"conv_out"`` / ``"conv_in"`` / ``"kernel"``  a ``Conv2d``'s output and input channels and its window
+``"experts"``   a mixture of experts' experts (``MoE``: the first dim of its expert weights)
 
-``KVCache`` holds attention's keys and values while decoding (``cfx.generate``).
+``KVCache`` holds attention's keys and values while decoding (``cfx.generate``). ``MoE`` is a sparse
+mixture of SwiGLU experts behind a top-k router; ``RouterStats``, ``load_balancing_loss`` and ``z_loss``
+are what its router reports and the auxiliary losses made of it.
 
 So ``Rules({"mlp": "model", "heads": "model", "kv_heads": "model"})`` is Megatron tensor
 parallelism: q/k/v/fc/gate/up column-parallel, o/proj/down row-parallel.
@@ -28,11 +31,12 @@ from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.kv_cache import KVCache
 from cfx._src.nn.linear import Linear
 from cfx._src.nn.mlp import MLP, activation
+from cfx._src.nn.moe import MoE, RouterStats, load_balancing_loss, z_loss
 from cfx._src.nn.norm import GroupNorm, LayerNorm, RMSNorm
 from cfx._src.nn.rope import apply_rope, rope_cos_sin, rotate_half
 
 __all__ = [
     "KVCache", "MLP", "Attention", "Conv2d", "Dropout", "Embedding", "GroupNorm", "LayerNorm", "Linear", "RMSNorm",
-    "TransformerBlock", "activation", "apply_rope", "attention", "dropout", "rope_cos_sin",
-    "rotate_half",
+    "MoE", "RouterStats", "TransformerBlock", "activation", "apply_rope", "attention", "dropout",
+    "load_balancing_loss", "rope_cos_sin", "rotate_half", "z_loss",
 ]

@@ -9,23 +9,27 @@ from typing import Any, Mapping
 
 import torch
 
-from cfx._src.models import bert_hf, gpt2_hf, llama_hf, opt_hf
+from cfx._src.models import bert_hf, gpt2_hf, llama_hf, mixtral_hf, opt_hf
 from cfx._src.models.bert import Bert
 from cfx._src.models.gpt2 import GPT2
 from cfx._src.models.llama import Llama
+from cfx._src.models.mixtral import Mixtral
 from cfx._src.models.opt import OPT
 
 
 def _converter(model: Any, where: str):
     if isinstance(model, GPT2):
         return gpt2_hf
+    if isinstance(model, Mixtral):  # a Llama with experts: before Llama
+        return mixtral_hf
     if isinstance(model, Llama):
         return llama_hf
     if isinstance(model, Bert):
         return bert_hf
     if isinstance(model, OPT):
         return opt_hf
-    raise ValueError(f"{where}: expected a cfx.models.GPT2, Llama, Bert or OPT, got {type(model).__name__}.")
+    raise ValueError(f"{where}: expected a cfx.models.GPT2, Llama, Mixtral, Bert or OPT, got "
+                     f"{type(model).__name__}.")
 
 
 def hf_config(model: Any) -> Any:
@@ -43,12 +47,14 @@ def model_from_hf_config(hf_config: Any, *, head: str = "mlm") -> GPT2 | Llama |
         return GPT2(gpt2_hf.config_from_hf(hf_config))
     if kind == "llama":
         return Llama(llama_hf.config_from_hf(hf_config))
+    if kind == "mixtral":
+        return Mixtral(mixtral_hf.config_from_hf(hf_config))
     if kind == "bert":
         return Bert(bert_hf.config_from_hf(hf_config, head))
     if kind == "opt":
         return OPT(opt_hf.config_from_hf(hf_config))
     raise ValueError(f"cfx.models.from_hf: model_type {kind!r} is not supported; cfx converts 'gpt2', "
-                     "'llama', 'bert' and 'opt' checkpoints.")
+                     "'llama', 'mixtral', 'bert' and 'opt' checkpoints.")
 
 
 def to_hf(model: GPT2 | Llama | Bert | OPT, params: Any) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ projection is transposed. HF's q/k rows already follow the ``rotate_half`` RoPE 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -49,16 +49,28 @@ def config_from_hf(hf: Any) -> LlamaConfig:
         tie_embeddings=bool(hf.tie_word_embeddings), init_std=float(hf.initializer_range))
 
 
-def to_hf(model: Llama, params: dict) -> dict[str, torch.Tensor]:
-    """A ``LlamaForCausalLM`` state dict (with tied embeddings ``lm_head.weight`` equals the embedding)."""
-    check_params("cfx.models.to_hf", Llama(model.config), params)
+def _mlp_to_hf(sd: dict, pre: str, p: dict) -> None:
+    for name, hf_name in _MLP:
+        sd[pre + f"mlp.{hf_name}.weight"] = copy(p[name]["w"].T)  # (out, in)
+
+
+def _mlp_from_hf(r: StateDictReader, pre: str, c: LlamaConfig) -> dict:
+    C, F = c.hidden_size, c.intermediate_size
+    shapes = {"gate": (F, C), "up": (F, C), "down": (C, F)}  # HF's (out, in)
+    return {n: {"w": r.take(pre + f"mlp.{h}.weight", shapes[n], transpose=True)} for n, h in _MLP}
+
+
+def to_hf(model: Llama, params: dict, *, mlp: Callable[[dict, str, dict], None] = _mlp_to_hf
+          ) -> dict[str, torch.Tensor]:
+    """A ``LlamaForCausalLM`` state dict (with tied embeddings ``lm_head.weight`` equals the embedding);
+    ``mlp(sd, prefix, block_mlp_params)`` writes a block's MLP (Mixtral's writes its experts)."""
+    check_params("cfx.models.to_hf", type(model)(model.config), params)
     sd = {"model.embed_tokens.weight": copy(params["embed"]["w"])}
     for i, p in enumerate(params["blocks"]):
         pre = f"model.layers.{i}."
         for name, hf_name in _ATTN:
             sd[pre + f"self_attn.{hf_name}.weight"] = copy(p["attn"][name]["w"].T)  # (out, in)
-        for name, hf_name in _MLP:
-            sd[pre + f"mlp.{hf_name}.weight"] = copy(p["mlp"][name]["w"].T)
+        mlp(sd, pre, p["mlp"])
         sd[pre + "input_layernorm.weight"] = copy(p["norm1"]["scale"])
         sd[pre + "post_attention_layernorm.weight"] = copy(p["norm2"]["scale"])
     sd["model.norm.weight"] = copy(params["norm"]["scale"])
@@ -67,37 +79,37 @@ def to_hf(model: Llama, params: dict) -> dict[str, torch.Tensor]:
     return sd
 
 
-def from_hf_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor]) -> dict:
-    """cfx params for ``model`` from a ``LlamaForCausalLM`` (or ``LlamaModel``) state dict."""
+def from_hf_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *,
+                       mlp: Callable[[StateDictReader, str, Any], dict] = _mlp_from_hf) -> dict:
+    """cfx params for ``model`` from a ``LlamaForCausalLM`` (or ``LlamaModel``) state dict;
+    ``mlp(reader, prefix, config)`` reads a block's MLP (Mixtral's reads its experts)."""
     c = model.config
-    C, V, F, D = c.hidden_size, c.vocab_size, c.intermediate_size, c.head_dim
-    r = StateDictReader(state_dict, where="cfx.models.from_hf (Llama)", prefix="model.")
+    C, V, D = c.hidden_size, c.vocab_size, c.head_dim
+    where = f"cfx.models.from_hf ({type(model).__name__})"
+    r = StateDictReader(state_dict, where=where, prefix="model.")
     # HF (out, in) shapes of each projection.
     attn_shapes = {"q": (c.n_head * D, C), "k": (c.n_kv_heads * D, C), "v": (c.n_kv_heads * D, C),
                    "o": (C, c.n_head * D)}
-    mlp_shapes = {"gate": (F, C), "up": (F, C), "down": (C, F)}
     params = {"embed": {"w": r.take("embed_tokens.weight", (V, C))}, "blocks": []}
     for i in range(c.n_layer):
         pre = f"layers.{i}."
         attn = {n: {"w": r.take(pre + f"self_attn.{h}.weight", attn_shapes[n], transpose=True)}
                 for n, h in _ATTN}  # (in, out)
-        mlp = {n: {"w": r.take(pre + f"mlp.{h}.weight", mlp_shapes[n], transpose=True)}
-               for n, h in _MLP}
         params["blocks"].append({
             "norm1": {"scale": r.take(pre + "input_layernorm.weight", (C,))},
             "attn": attn,
             "norm2": {"scale": r.take(pre + "post_attention_layernorm.weight", (C,))},
-            "mlp": mlp,
+            "mlp": mlp(r, pre, c),
         })
     params["norm"] = {"scale": r.take("norm.weight", (C,))}
     if not c.tie_embeddings:
         key = "lm_head.weight"
         if key not in state_dict:
-            raise ValueError("cfx.models.from_hf (Llama): the state dict has no 'lm_head.weight' but the "
+            raise ValueError(f"{where}: the state dict has no 'lm_head.weight' but the "
                              "model has untied embeddings; build it with tie_embeddings=True if the "
                              "checkpoint ties them.")
         if tuple(state_dict[key].shape) != (V, C):
-            raise ValueError(f"cfx.models.from_hf (Llama): 'lm_head.weight' has shape "
+            raise ValueError(f"{where}: 'lm_head.weight' has shape "
                              f"{tuple(state_dict[key].shape)}, expected {(V, C)}.")
         params["lm_head"] = {"w": copy(state_dict[key].T)}  # (C, V)
     r.finish(ignore=lambda k: k == "lm_head.weight" or k.endswith("rotary_emb.inv_freq"))

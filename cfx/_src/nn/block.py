@@ -46,6 +46,7 @@ class TransformerBlock:
     post_norm: bool = False
     seq: Any = None  # a cfx.parallel SequenceSplit (``sequence_parallel`` sets it)
     attn_impl: str = "auto"  # cfx.nn.attention's impl: auto | sdpa | triton | reference
+    moe: Any = None  # a cfx.nn.MoE in the MLP's place (Mixtral): ``apply_with_stats`` returns its router's
 
     def __post_init__(self):
         if self.norm not in NORMS:
@@ -66,8 +67,9 @@ class TransformerBlock:
                          rope=self.rope, rope_theta=self.rope_theta, init_std=self.init_std,
                          out_init_std=self.out_init_std, causal=self.causal, seq=self.seq,
                          impl=self.attn_impl)
-        mlp = MLP(self.features, self.mlp_hidden, activation=self.activation, bias=self.bias,
-                  init_std=self.init_std, out_init_std=self.out_init_std)
+        mlp = self.moe if self.moe is not None else MLP(
+            self.features, self.mlp_hidden, activation=self.activation, bias=self.bias, init_std=self.init_std,
+            out_init_std=self.out_init_std)
         return {"norm1": norm, "attn": attn, "norm2": norm, "mlp": mlp}
 
     def init(self, key: torch.Tensor) -> dict:
@@ -78,20 +80,28 @@ class TransformerBlock:
               positions: torch.Tensor | None = None, key: torch.Tensor | None = None,
               cache=None) -> torch.Tensor:
         # x (B, T, C) -> (B, T, C); ``cache``: a KVCache layer (decoding)
+        return self.apply_with_stats(params, x, mask=mask, positions=positions, key=key, cache=cache)[0]
+
+    def apply_with_stats(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
+                         positions: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                         cache=None) -> tuple[torch.Tensor, Any]:
+        """``apply``'s output and, for a ``moe`` block, its router's ``RouterStats`` (else None)."""
         layers = self._layers()
+        ffn = layers["mlp"].apply_with_stats if self.moe is not None else (  # -> (out, stats)
+            lambda p, h: (layers["mlp"].apply(p, h), None))
         k_attn = k_mlp = None
         if key is not None and self.dropout > 0.0:
             k_attn, k_mlp = split_keys(key, 2)
         if self.post_norm:
             h = layers["attn"].apply(params["attn"], x, mask=mask, positions=positions, cache=cache)
             x = layers["norm1"].apply(params["norm1"], x + dropout(h, self.dropout, k_attn))
-            h = layers["mlp"].apply(params["mlp"], x)
-            return layers["norm2"].apply(params["norm2"], x + dropout(h, self.dropout, k_mlp))
+            h, stats = ffn(params["mlp"], x)
+            return layers["norm2"].apply(params["norm2"], x + dropout(h, self.dropout, k_mlp)), stats
         h = layers["attn"].apply(params["attn"], layers["norm1"].apply(params["norm1"], x),
                                  mask=mask, positions=positions, cache=cache)
         x, h = layers["norm2"].add_apply(params["norm2"], x, dropout(h, self.dropout, k_attn))  # the residual
-        h = layers["mlp"].apply(params["mlp"], h)  # add and the next norm in one pass (on CUDA)
-        return x + dropout(h, self.dropout, k_mlp)
+        h, stats = ffn(params["mlp"], h)  # add and the next norm in one pass (on CUDA)
+        return x + dropout(h, self.dropout, k_mlp), stats
 
     def axes(self) -> dict:
         return {n: layer.axes() for n, layer in self._layers().items()}

@@ -1,0 +1,121 @@
+"""A Mixtral-style sparse decoder (Jiang et al., 2024): Llama's attention (RMSNorm, RoPE, GQA) with
+a mixture of SwiGLU experts (``cfx.nn.MoE``, top-2 of 8 in Mixtral 8x7B) in each block's MLP place.
+
+Params as Llama's, with each block's ``mlp`` the experts' ``{"router", "gate", "up", "down"}``.
+``loss`` adds ``router_aux_loss_coef`` times the load-balancing loss over all layers (as
+transformers' ``MixtralForCausalLM`` does with ``output_router_logits=True``) and
+``router_z_loss_coef`` times the router z-loss; ``router_stats`` returns the routing (how many
+rows each expert got, per layer). Weights convert to and from Hugging Face ``MixtralForCausalLM``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from cfx._src.models.common import _check_int_2d, check_targets, config_from_preset
+from cfx._src.models.llama import Llama, LlamaConfig
+from cfx._src.nn.block import TransformerBlock
+from cfx._src.nn.moe import MoE, RouterStats, load_balancing_loss, z_loss
+
+MIXTRAL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=32000, hidden_size=128, intermediate_size=256, n_layer=2, n_head=4, n_kv_heads=2,
+                 n_experts=4, top_k=2, max_position_embeddings=1024),
+    "8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, n_layer=32, n_head=32,
+                 n_kv_heads=8, n_experts=8, top_k=2, rope_theta=1e6, rms_norm_eps=1e-5,
+                 max_position_embeddings=32768),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtralConfig(LlamaConfig):
+    """Llama's fields and the experts': ``n_experts``, ``top_k``, the auxiliary losses' weights and
+    an optional ``capacity_factor`` (None: dropless)."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    router_aux_loss_coef: float = 0.02
+    router_z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.n_experts, int) or not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"MixtralConfig: need 1 <= top_k <= n_experts, got top_k={self.top_k}, "
+                             f"n_experts={self.n_experts}.")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "MixtralConfig":
+        """A named size (``tiny``, ``8x7b``) with field overrides."""
+        return config_from_preset(cls, MIXTRAL_PRESETS, name, overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixtral(Llama):
+    """The Mixtral decoder. ``blocks`` defaults to ``n_layer`` ``TransformerBlock``s with ``moe``."""
+
+    config: MixtralConfig
+
+    def __post_init__(self):
+        c = self.config
+        self._init_blocks(lambda: TransformerBlock(
+            c.hidden_size, c.n_head, c.intermediate_size, n_kv_heads=c.n_kv_heads, norm="rmsnorm",
+            norm_eps=c.rms_norm_eps, bias=False, rope=True, rope_theta=c.rope_theta, init_std=c.init_std,
+            moe=MoE(c.hidden_size, c.intermediate_size, c.n_experts, top_k=c.top_k,
+                    capacity_factor=c.capacity_factor, init_std=c.init_std)), c.n_layer)
+
+    def router_stats(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, list[RouterStats]]:
+        """The last block's output ``(B, T, C)`` and each layer's ``RouterStats``."""
+        self.check_call("Mixtral.apply", params, tokens, mask)
+        x, stats = self._embed(params, tokens), []  # (B, T, C)
+        for block, p in zip(self.blocks, params["blocks"]):
+            x, s = block.apply_with_stats(p, x, mask=mask)
+            stats.append(s)
+        return x, stats
+
+    def loss(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
+             mask: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean cross-entropy (``Llama.loss``) plus the routers' auxiliary losses over all layers.
+        Every position counts in the load balance (transformers without an attention mask)."""
+        del key
+        c = self.config
+        if self.remat_plan is not None or self.seq is not None or self.vocab_axis is not None:
+            raise ValueError("Mixtral.loss: remat plans, sequence and vocabulary splits do not carry the "
+                             "routers' statistics yet; train Mixtral without them.")
+        where = "Mixtral.loss"
+        _check_int_2d(where, "tokens", tokens)
+        check_targets(where, tokens, targets, vocab_size=c.vocab_size)
+        x, stats = self.router_stats(params, tokens, mask=mask)
+        loss = self.head_loss(params, x, targets)
+        total = sum(stats[1:], stats[0])
+        if c.router_aux_loss_coef:
+            loss = loss + c.router_aux_loss_coef * load_balancing_loss(total)
+        if c.router_z_loss_coef:
+            loss = loss + c.router_z_loss_coef * z_loss(total)
+        return loss
+
+    def hf_config(self) -> Any:
+        """The ``transformers.MixtralConfig`` of this architecture."""
+        import transformers
+
+        c = self.config
+        if int(transformers.__version__.split(".")[0]) >= 5:  # 5.x: RoPE settings live in rope_parameters
+            rope = {"rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
+        else:
+            rope = {"rope_theta": c.rope_theta}
+        return transformers.MixtralConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_heads,
+            head_dim=c.head_dim, hidden_act="silu", max_position_embeddings=c.max_position_embeddings,
+            rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_embeddings, **rope,
+            num_local_experts=c.n_experts, num_experts_per_tok=c.top_k,
+            router_aux_loss_coef=c.router_aux_loss_coef, router_jitter_noise=0.0, sliding_window=None,
+            initializer_range=c.init_std, bos_token_id=min(1, c.vocab_size - 1),
+            eos_token_id=min(2, c.vocab_size - 1))
+
+
+def mixtral(preset: str = "tiny", **overrides: Any) -> Mixtral:
+    """``Mixtral(MixtralConfig.preset(preset, **overrides))``."""
+    return Mixtral(MixtralConfig.preset(preset, **overrides))

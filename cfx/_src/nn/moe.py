@@ -1,0 +1,159 @@
+"""A sparse mixture-of-experts feed-forward layer: a top-k softmax router and SwiGLU experts.
+
+Each token's router logits ``x @ router`` (``(N, E)``, softmax in fp32) choose its ``top_k``
+experts; their probabilities, renormalised to sum to 1 (Mixtral; ``normalize=False`` keeps them),
+weigh the experts' outputs. Dispatch is dropless and loop-free: the ``N k`` (token, expert) pairs
+are sorted by expert, each expert's rows run through one grouped matmul per projection
+(``F.grouped_mm``; a padded batched matmul where it does not apply, e.g. fp64), and the weighted
+rows are added back to their tokens in expert order.
+
+``capacity_factor`` instead gives every expert room for ``ceil(capacity_factor N k / E)`` rows:
+an expert's rows beyond that, in token order, are dropped (their contribution is zero), the same
+tokens every time, and ``RouterStats.dropped`` counts them.
+
+``apply_with_stats`` also returns the router's ``RouterStats`` (how many rows each expert got, the
+sum of its probabilities, the rows, the sum of squared log-partition values), summed over layers
+by the model; ``load_balancing_loss`` (Switch / Mixtral, as transformers computes it over all
+layers) and ``z_loss`` (ST-MoE) are functions of the sum.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from cfx._src.nn.linear import init_normal, split_keys
+from cfx._src.nn.mlp import activation as act_fn
+
+
+class RouterStats(NamedTuple):
+    """What the router did, summable over layers: per expert ``counts`` (rows routed there, of
+    ``N k``) and ``probs`` (the sum of its softmax probability over tokens), ``rows`` (tokens),
+    ``z`` (the sum over tokens of ``logsumexp(logits)**2``) and ``dropped`` (rows over capacity)."""
+
+    counts: torch.Tensor
+    probs: torch.Tensor
+    rows: torch.Tensor
+    z: torch.Tensor
+    dropped: torch.Tensor
+
+    def __add__(self, other: "RouterStats") -> "RouterStats":  # summed over layers
+        return RouterStats(*(a + b for a, b in zip(self, other)))
+
+
+def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
+    """``E * sum_e f_e P_e``: ``f_e`` the rows routed to expert ``e`` per token, ``P_e`` its mean
+    probability (Switch Transformer eq. 4-6; transformers' ``load_balancing_loss_func``)."""
+    E = stats.counts.shape[0]
+    return E * torch.sum((stats.counts / stats.rows) * (stats.probs / stats.rows))
+
+
+def z_loss(stats: RouterStats) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)**2``."""
+    return stats.z / stats.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """``n_experts`` SwiGLU experts of width ``hidden`` behind a top-``top_k`` router (module doc).
+
+    Params ``{"router": (C, E), "gate": (E, C, I), "up": (E, C, I), "down": (E, I, C)}``; the
+    experts' first dim is the logical axis ``"experts"`` (what an expert-parallel mesh axis splits).
+    """
+
+    features: int
+    hidden: int
+    n_experts: int
+    top_k: int = 2
+    normalize: bool = True
+    capacity_factor: float | None = None
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"MoE: top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}.")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoE: capacity_factor must be positive (or None: dropless), got "
+                             f"{self.capacity_factor}.")
+
+    def init(self, key: torch.Tensor) -> dict:
+        C, I, E = self.features, self.hidden, self.n_experts
+        k = split_keys(key, 4)
+        return {"router": init_normal(k[0], (C, E), self.init_std),
+                "gate": init_normal(k[1], (E, C, I), self.init_std),
+                "up": init_normal(k[2], (E, C, I), self.init_std),
+                "down": init_normal(k[3], (E, I, C), self.init_std)}
+
+    def axes(self) -> dict:
+        return {"router": ("embed", None), "gate": ("experts", "embed", "mlp"),
+                "up": ("experts", "embed", "mlp"), "down": ("experts", "mlp", "embed")}
+
+    def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        """``(..., C) -> (..., C)``."""
+        return self.apply_with_stats(params, x)[0]
+
+    def apply_with_stats(self, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        if x.shape[-1] != self.features:
+            raise ValueError(f"MoE.apply: x has {x.shape[-1]} features in its last dim, expected "
+                             f"features={self.features} (x shape {tuple(x.shape)}).")
+        flat = x.reshape(-1, self.features)  # (N, C)
+        N, E, k = flat.shape[0], self.n_experts, self.top_k
+        logits = flat @ params["router"].to(flat.dtype)  # (N, E)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, k, dim=-1)  # (N, k) each
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        pair_expert = experts.reshape(-1)  # (N k,): row j is token j // k
+        order = torch.argsort(pair_expert, stable=True)  # by expert, token order within one
+        counts = torch.bincount(pair_expert, minlength=E)  # (E,)
+        keep = self._kept(counts, order.shape[0])
+        token = order // k  # (N k,): each sorted row's token
+        out = self._experts(params, flat[token], counts)  # (N k, C)
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        if keep is not None:
+            out = out * keep[:, None].to(out.dtype)
+        y = torch.zeros_like(flat).index_add(0, token, out.to(flat.dtype))  # (N, C), in expert order
+        dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum().float()
+        stats = RouterStats(counts.float(), probs.sum(0), torch.tensor(float(N), device=x.device),
+                            torch.logsumexp(logits.float(), -1).pow(2).sum(), dropped)
+        return y.view(x.shape), stats
+
+    def _kept(self, counts: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """Capacity mode: which sorted rows fit their expert's capacity (token order decides)."""
+        if self.capacity_factor is None:
+            return None
+        capacity = math.ceil(self.capacity_factor * rows / self.n_experts)
+        starts = torch.cumsum(counts, 0) - counts  # (E,): each expert's first sorted row
+        rank = torch.arange(rows, device=counts.device) - torch.repeat_interleave(starts, counts)
+        return rank < capacity  # (N k,)
+
+    def _experts(self, params: dict, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # sorted rows (R, C), each expert's consecutive -> down(silu(gate x) * up x): (R, C)
+        h = act_fn("silu", grouped_matmul(xs, params["gate"], counts)) * grouped_matmul(xs, params["up"], counts)
+        return grouped_matmul(h, params["down"], counts)
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x`` (R, K) as consecutive groups of ``counts`` (E,) rows, group ``e`` times ``w[e]`` (K, M):
+    (R, M). One ``F.grouped_mm`` where it takes the operands; otherwise the groups padded to the
+    largest (one read of the counts on the host) and one batched matmul."""
+    w = w.to(x.dtype)
+    if _grouped_mm_takes(x, w):
+        return F.grouped_mm(x.contiguous(), w.contiguous(), offs=torch.cumsum(counts, 0).to(torch.int32))
+    E, R = w.shape[0], x.shape[0]
+    width = int(counts.max()) if R else 0
+    starts = torch.cumsum(counts, 0) - counts
+    group = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=R)  # (R,)
+    slot = torch.arange(R, device=x.device) - starts[group]  # (R,): the row's place in its group
+    padded = x.new_zeros(E, width, x.shape[1]).index_put((group, slot), x)  # (E, width, K)
+    return torch.bmm(padded, w)[group, slot]  # (R, M)
+
+
+def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """``F.grouped_mm`` (torch >= 2.9) takes fp32 / bf16 / fp16 rows whose widths are 16-byte multiples."""
+    size = x.element_size()
+    return (hasattr(F, "grouped_mm") and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (x.shape[1] * size) % 16 == 0 and (w.shape[2] * size) % 16 == 0)

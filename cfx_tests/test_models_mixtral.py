@@ -1,0 +1,86 @@
+"""cfx.models.Mixtral = transformers' MixtralForCausalLM on tiny random configs: logits (fp32), the loss
+with and without the routers' auxiliary loss (as transformers adds it with output_router_logits), every
+gradient (fp64), top-1 and top-2; weights both ways (transformers 5's layout written, 4's read too);
+greedy decoding token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cfx
+
+V = 64
+
+
+def tiny(**kw):
+    return cfx.models.mixtral("tiny", vocab_size=V, hidden_size=32, intermediate_size=48, n_head=4, n_kv_heads=2,
+                              n_experts=4, max_position_embeddings=64, **kw)
+
+
+def pair(dtype=torch.float32, **kw):
+    import transformers
+    model = tiny(**kw)
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(model.hf_config()).eval().to(dtype)
+    if dtype == torch.float64 and hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation("eager")  # transformers' grouped_mm takes no fp64: its per-expert loop
+    _, params = cfx.models.from_hf(hf, model)
+    return model, params, hf
+
+
+def shifted(tokens):  # transformers shifts its labels inside; cfx's targets are already the next tokens
+    return torch.cat([tokens[:, 1:], torch.full((tokens.shape[0], 1), -100)], 1)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("aux", [0.0, 0.02])
+def test_logits_and_loss_equal_transformers(top_k, aux):
+    model, params, hf = pair(top_k=top_k, router_aux_loss_coef=aux)
+    tokens = cfx.random.randint(cfx.random.key(1), (2, 12), 0, V)
+    with torch.no_grad():
+        out = hf(tokens, labels=tokens, output_router_logits=True)
+    torch.testing.assert_close(model.apply(params, tokens), out.logits)
+    torch.testing.assert_close(model.loss(params, tokens, shifted(tokens)), out.loss)
+    if aux:
+        assert float(out.aux_loss) > 1.0  # the auxiliary term is in the loss (E f.P is about 1 per unit)
+
+
+def test_gradients_equal_transformers_in_fp64():
+    model, params, hf = pair(torch.float64)
+    tokens = cfx.random.randint(cfx.random.key(2), (2, 10), 0, V)
+    hf(tokens, labels=tokens, output_router_logits=True).loss.backward()
+    grads = cfx.grad(lambda p: model.loss(p, tokens, shifted(tokens)))(params)
+    got = cfx.models.to_hf(model, grads)
+    for name, p in hf.named_parameters():  # cfx's cross-entropy takes its softmax in fp32: fp32-level error
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_weights_convert_both_ways_and_transformers_4_layout_reads():
+    model, params, hf = pair()
+    sd = cfx.models.to_hf(model, params)
+    assert set(sd) == set(hf.state_dict()) and all(torch.equal(sd[k], v) for k, v in hf.state_dict().items())
+    old = {k: v for k, v in sd.items() if ".mlp." not in k}  # transformers 4: one module per expert
+    for i, p in enumerate(params["blocks"]):
+        pre = f"model.layers.{i}.block_sparse_moe."
+        old[pre + "gate.weight"] = p["mlp"]["router"].T
+        for e in range(4):
+            for w, name in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+                old[pre + f"experts.{e}.{w}.weight"] = p["mlp"][name][e].T
+    _, again = cfx.models.from_hf(old, model)
+    assert cfx.tree.allclose(again, params, rtol=0, atol=0)
+
+
+def test_greedy_decoding_equals_transformers():
+    model, params, hf = pair()
+    prompt = cfx.random.randint(cfx.random.key(3), (2, 8), 0, V)
+    want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                       pad_token_id=0)
+    assert torch.equal(cfx.generate(model, params, prompt, max_new_tokens=8), want)
+
+
+def test_routing_statistics_per_layer():
+    model, params, _ = pair()
+    tokens = cfx.random.randint(cfx.random.key(4), (3, 5), 0, V)
+    x, stats = model.router_stats(params, tokens)
+    assert x.shape == (3, 5, 32) and len(stats) == 2
+    assert all(float(s.counts.sum()) == 15 * 2 and float(s.rows) == 15 for s in stats)
