@@ -11,8 +11,9 @@ from cfx._src.lax.collectives import (
     psum,
     psum_scatter,
     pvary,
+    ragged_all_to_all,
     varying_axes,
 )
 
 __all__ = ["all_gather", "all_to_all", "axis_index", "axis_size", "pmax", "pmean", "pmin",
-           "ppermute", "psum", "psum_scatter", "pvary", "varying_axes"]
+           "ppermute", "psum", "psum_scatter", "pvary", "ragged_all_to_all", "varying_axes"]

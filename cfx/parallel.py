@@ -3,6 +3,7 @@
 Parallelism for the Evoformer), and ``Plan``: the whole strategy (pipe x data x model, ZeRO,
 remat, schedule) as one object."""
 from cfx._src.models.evoformer_dap import DAPEvoformer, dap
+from cfx._src.parallel.expert import EXPERT_RULES, expert_parallel
 from cfx._src.parallel.megatron import MEGATRON_RULES, TensorParallelBlock, tensor_parallel
 from cfx._src.parallel.ring import ring_attention, zigzag_indices
 from cfx._src.parallel.sequence import SequenceSplit, sequence_grads, sequence_parallel
@@ -11,5 +12,5 @@ from cfx._src.plan.plan import Plan
 from cfx._src.plan.program import Program, TrainState
 from cfx._src.parallel.state import state_specs, tree_pmean, tree_psum
 
-__all__ = ["DAPEvoformer", "MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "SequenceSplit", "TensorParallelBlock", "dap", "ring_attention", "sequence_grads", "sequence_parallel",
+__all__ = ["DAPEvoformer", "EXPERT_RULES", "MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "SequenceSplit", "TensorParallelBlock", "dap", "expert_parallel", "ring_attention", "sequence_grads", "sequence_parallel",
            "state_specs", "tensor_parallel", "tree_pmean", "tree_psum", "zigzag_indices"]

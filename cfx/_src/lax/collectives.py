@@ -216,6 +216,43 @@ def all_to_all(x: torch.Tensor, axis: Axis, *, split_dim: int, concat_dim: int) 
     return _varying(_AllToAll.apply(x, ax, split_dim, concat_dim), x, ax)
 
 
+class _RaggedAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, send, recv):
+        ctx.ax, ctx.send, ctx.recv = ax, send, recv
+        return comm.all_to_all_rows(x, ax, send, recv)
+
+    @staticmethod
+    def backward(ctx, g):  # the rows go back where they came from
+        return comm.all_to_all_rows(g, ctx.ax, ctx.recv, ctx.send), None, None, None
+
+
+def ragged_all_to_all(x: torch.Tensor, axis: Axis, send_sizes: torch.Tensor | Sequence[int]
+                      ) -> tuple[torch.Tensor, list[int]]:
+    """Send ``x``'s rows, in consecutive blocks of ``send_sizes[i]`` rows, to position ``i``;
+    returns the rows received, concatenated by sender, and how many came from each.
+
+    The sizes may differ between ranks (an expert-parallel MoE's tokens per expert): each rank
+    first learns what it will receive (one equal all-to-all of the sizes, read on the host), then
+    the rows move in one variable-size exchange. The transpose sends the cotangent rows back the
+    same way. JAX's ``ragged_all_to_all`` names offsets into preallocated buffers instead; here the
+    output is allocated to fit. Runs eagerly (the sizes are host integers). ``cfx.comm_stats`` counts
+    the rows that leave the rank (op ``"ragged_all_to_all"``) and the sizes' exchange (``"all_to_all"``)."""
+    where = "cfx.lax.ragged_all_to_all"
+    ax = _ax(axis, where)
+    sizes = torch.as_tensor(send_sizes, dtype=torch.int64).to(x.device).reshape(-1)
+    if sizes.numel() != ax.size or x.dim() == 0:
+        raise ValueError(f"{where}: need one send size per rank of {ax.names} ({ax.size}) and rows to send, "
+                         f"got {sizes.numel()} sizes for x of shape {tuple(x.shape)}.")
+    send_list = sizes.tolist()
+    if sum(send_list) != x.shape[0] or min(send_list) < 0:  # before any collective: no rank waits
+        raise ValueError(f"{where}: the send sizes {send_list} must be >= 0 and add up to x's {x.shape[0]} rows.")
+    recv = torch.cat(comm.all_to_all_blocks(list(sizes.reshape(ax.size, 1)), ax))  # (n,): what comes from each
+    recv_list = recv.tolist()
+    x = _in(x, ax)
+    return _varying(_RaggedAllToAll.apply(x, ax, tuple(send_list), tuple(recv_list)), x, ax), recv_list
+
+
 class _PPermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ax, perm):

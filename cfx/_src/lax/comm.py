@@ -255,6 +255,36 @@ def all_to_all_blocks(blocks: Sequence[torch.Tensor], ax: Axes) -> list[torch.Te
     return received if ax.order is None else [received[j] for j in ax.order]
 
 
+def all_to_all_rows(x: torch.Tensor, ax: Axes, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+    """Send ``x``'s rows in consecutive blocks of ``send[i]`` rows to requested position ``i``;
+    returns the ``sum(recv)`` rows received, ``recv[j]`` from position ``j``, by sender. The sizes
+    vary between ranks, so they are host integers and this runs eagerly (``ragged_all_to_all``)."""
+    _eager_only("cfx.lax.ragged_all_to_all")
+    x = x.detach().contiguous()
+    blocks = list(x.split(list(send)))
+    ax.record("ragged_all_to_all", *(b for i, b in enumerate(blocks) if i != ax.index))  # what leaves the rank
+    if ax.size == 1:
+        return x.clone()
+    group = ax.group
+    if ax.order is not None:  # the backend exchanges in group order
+        inv = [0] * ax.size
+        for i, j in enumerate(ax.order):
+            inv[j] = i
+        blocks, send, recv = [blocks[inv[j]] for j in range(ax.size)], [send[inv[j]] for j in range(ax.size)], \
+            [recv[inv[j]] for j in range(ax.size)]
+    call = Call("ragged_all_to_all", ax.names, (("rows", *x.shape[1:]),), x.dtype)
+    seq = group.issue(call)
+    inp = torch.cat(blocks)
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    buf_out, buf_in = _backend_buffers(out, inp)
+    group.wait(group.get().alltoall_base(buf_out, buf_in, list(recv), list(send)), call, seq)
+    _copy_back([out], [buf_out])
+    if ax.order is None:
+        return out
+    parts = list(out.split(list(recv)))  # by group rank: back to requested order
+    return torch.cat([parts[j] for j in ax.order])
+
+
 def permute(x: torch.Tensor, ax: Axes, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Send to / receive from requested positions per ``perm``; zeros where nothing arrives."""
     if torch.compiler.is_dynamo_compiling():
@@ -317,6 +347,9 @@ def _group_rank(ax: Axes, position: int) -> int:
 
 def _eager_only(where: str) -> None:
     if torch.compiler.is_dynamo_compiling():
+        if where == "cfx.lax.ragged_all_to_all":
+            raise ValueError(f"{where}: block sizes that differ per rank are host integers a graph cannot "
+                             "hold; run this code (expert-parallel dispatch) outside cfx.jit.")
         raise ValueError(f"{where}: point-to-point messages cannot be compiled (their handles live across "
                          "the graph); run this code (cfx.pipeline's executor) outside cfx.jit.")
 

@@ -13,7 +13,7 @@ from cfx._src.lax import comm
 @dataclasses.dataclass(frozen=True)
 class CommRecord:
     rank: int
-    op: str            # all_reduce | all_gather | reduce_scatter | all_to_all | ppermute
+    op: str            # all_reduce | all_gather | reduce_scatter | all_to_all | ragged_all_to_all | ppermute
     axes: tuple[str, ...]
     numel: int         # payload elements this rank contributed
     nbytes: int        # payload bytes this rank contributed

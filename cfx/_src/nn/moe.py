@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from cfx._src.lax import collectives as lax
 from cfx._src.nn.linear import init_normal, split_keys
 from cfx._src.nn.mlp import activation as act_fn
 
@@ -71,6 +72,7 @@ class MoE:
     normalize: bool = True
     capacity_factor: float | None = None
     init_std: float = 0.02
+    expert_axis: str | None = None  # expert parallelism: the mesh axis the experts are split over
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.n_experts:
@@ -111,7 +113,10 @@ class MoE:
         counts = torch.bincount(pair_expert, minlength=E)  # (E,)
         keep = self._kept(counts, order.shape[0])
         token = order // k  # (N k,): each sorted row's token
-        out = self._experts(params, flat[token], counts)  # (N k, C)
+        if self.expert_axis is None:
+            out = self._experts(params, flat[token], counts)  # (N k, C)
+        else:
+            out = self._experts_over_axis(params, flat[token], counts)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         if keep is not None:
             out = out * keep[:, None].to(out.dtype)
@@ -119,6 +124,8 @@ class MoE:
         dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum().float()
         stats = RouterStats(counts.float(), probs.sum(0), torch.tensor(float(N), device=x.device),
                             torch.logsumexp(logits.float(), -1).pow(2).sum(), dropped)
+        if self.expert_axis is not None:  # every rank's tokens: the statistics of the whole batch
+            stats = RouterStats(*(lax.psum(t, self.expert_axis) for t in stats))
         return y.view(x.shape), stats
 
     def _kept(self, counts: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -129,6 +136,26 @@ class MoE:
         starts = torch.cumsum(counts, 0) - counts  # (E,): each expert's first sorted row
         rank = torch.arange(rows, device=counts.device) - torch.repeat_interleave(starts, counts)
         return rank < capacity  # (N k,)
+
+    def _experts_over_axis(self, params: dict, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: this rank holds experts ``[r E/n, (r+1) E/n)`` of ``expert_axis``'s
+        ``n``; the rows sorted by expert (R, C) go to their experts' ranks (``ragged_all_to_all``),
+        are computed there grouped by local expert, and come back in the order they left."""
+        axis, E = self.expert_axis, self.n_experts
+        n = lax.axis_size(axis)
+        El = E // n  # experts per rank
+        if E % n or params["gate"].shape[0] != El:
+            raise ValueError(f"MoE(expert_axis={axis!r}): {E} experts over {n} ranks need E % n == 0 and this "
+                             f"rank's {El} experts in params (got {params['gate'].shape[0]}); split the experts' "
+                             "dim with Rules({'experts': axis}).")
+        per_rank = counts.view(n, El)  # (dest, local expert)
+        came = lax.all_to_all(per_rank, axis, split_dim=0, concat_dim=0)  # (source, local expert)
+        rows, back_sizes = lax.ragged_all_to_all(xs, axis, per_rank.sum(1))  # by source, then local expert
+        local = torch.arange(El, device=xs.device).repeat(n)  # each (source, expert) block's expert
+        grouped = torch.argsort(torch.repeat_interleave(local, came.reshape(-1)), stable=True)
+        out = self._experts(params, rows[grouped], came.sum(0))  # grouped by local expert
+        out = out[torch.argsort(grouped)]  # back to (source, expert) order
+        return lax.ragged_all_to_all(out, axis, back_sizes)[0]  # (R, C), as the rows left
 
     def _experts(self, params: dict, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # sorted rows (R, C), each expert's consecutive -> down(silu(gate x) * up x): (R, C)

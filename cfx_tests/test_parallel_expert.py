@@ -1,0 +1,99 @@
+"""Expert parallelism (``cfx.parallel.expert_parallel``): experts split over an ``expert`` axis, tokens
+sent to their experts' ranks by ``cfx.lax.ragged_all_to_all`` and back. The MoE layer and Mixtral
+(with its load-balancing loss over the whole batch) equal one device in outputs, loss and every
+gradient (fp64), dropless, on 2 and 4 ranks; bad layouts are refused before any collective."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import cfx
+from cfx import P
+from cfx_tests.budget import examples
+from cfx_tests.test_models_mixtral import tiny
+
+
+def f64(tree):
+    return cfx.tree.map(lambda t: t.double() if t.is_floating_point() else t, tree)
+
+
+@pytest.mark.timeout(120)
+@examples(ci=4)
+@given(n=st.sampled_from([2, 4]), k=st.integers(1, 2), seed=st.integers(0, 99))
+def test_moe_layer_over_an_expert_axis_equals_one_device(n, k, seed):
+    layer = cfx.nn.MoE(8, 12, 4, top_k=k)
+    p = f64(cfx.tree.map(lambda t: t * 20, layer.init(cfx.random.key(seed))))
+    x = cfx.random.normal(cfx.random.key(seed + 1), (4, 3, 8)).double()
+    want, want_grads = cfx.value_and_grad(lambda p, x: layer.apply(p, x).pow(2).sum(), argnums=(0, 1))(p, x)
+    ep = dataclasses.replace(layer, expert_axis="expert")
+    with cfx.Mesh({"expert": n}) as mesh:
+        specs = cfx.Rules(cfx.parallel.EXPERT_RULES).specs(layer.axes(), mesh=mesh)
+        run = cfx.shard_map(lambda p, x: cfx.lax.psum(ep.apply(p, x).pow(2).sum(), "expert"), mesh=mesh,
+                            in_specs=(specs, P("expert")), out_specs=P())
+        got, grads = cfx.value_and_grad(run, argnums=(0, 1))(p, x)
+    torch.testing.assert_close(cfx.device_get(got), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cfx.device_get(grads), want_grads, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_mixtral_over_an_expert_axis_equals_one_device(n):
+    model = tiny()
+    params = f64(model.init(cfx.random.key(0)))
+    tokens = cfx.random.randint(cfx.random.key(1), (4, 8), 0, 64)
+    targets = cfx.random.randint(cfx.random.key(2), (4, 8), 0, 64)
+    want, want_grads = cfx.value_and_grad(model.loss)(params, tokens, targets)
+    ep = cfx.parallel.expert_parallel(model)
+    with cfx.Mesh({"expert": n}) as mesh:
+        specs = cfx.Rules(cfx.parallel.EXPERT_RULES).specs(model.axes(), mesh=mesh)
+        run = cfx.shard_map(lambda p, x, y: cfx.lax.pmean(ep.loss(p, x, y), "expert"), mesh=mesh,
+                            in_specs=(specs, P("expert"), P("expert")), out_specs=P())
+        got, grads = cfx.value_and_grad(run)(params, tokens, targets)
+    # the cross-entropy runs in fp32 (cfx's loss): the mean of per-rank means differs in its last bits
+    torch.testing.assert_close(cfx.device_get(got), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cfx.device_get(grads), want_grads, rtol=1e-6, atol=1e-9)
+
+
+def test_ragged_all_to_all_moves_rows_and_their_cotangents_back():
+    sizes = torch.tensor([[1, 2, 0], [0, 1, 3], [2, 2, 1]])  # rank r sends sizes[r, d] rows to d
+    x = torch.arange(3 * 5 * 2, dtype=torch.float64).reshape(3, 5, 2)  # each rank's rows (up to 5)
+
+    def body(x, sizes):
+        mine = x[0, :int(sizes[0].sum())]  # (rows, 2)
+        got, came = cfx.lax.ragged_all_to_all(mine, "e", sizes[0])
+        weight = torch.arange(1, got.shape[0] + 1, dtype=got.dtype)[:, None]
+        return cfx.lax.psum((got * weight).sum(), "e"), torch.tensor(came)[None]
+
+    with cfx.Mesh({"e": 3}) as mesh:
+        run = cfx.shard_map(body, mesh=mesh, in_specs=(P("e"), P("e")), out_specs=(P(), P("e")))
+        _, came = run(x, sizes)
+        grads = cfx.grad(lambda x: run(x, sizes)[0])(x)
+    assert torch.equal(cfx.device_get(came), sizes.T)  # rank d hears sizes[s, d] from each s
+    # the cotangent of a row is the weight it met where it arrived: its place among that rank's rows
+    want = torch.zeros_like(x)
+    for s in range(3):
+        start = 0
+        for d in range(3):
+            before = int(sizes[:s, d].sum())  # rows other senders put ahead of s's on rank d
+            for i in range(int(sizes[s, d])):
+                want[s, start + i] = before + i + 1
+            start += int(sizes[s, d])
+    torch.testing.assert_close(cfx.device_get(grads), want)
+
+
+def test_bad_layouts_are_refused():
+    with cfx.Mesh({"e": 2}) as mesh:
+        bad_sizes = cfx.shard_map(lambda x: cfx.lax.ragged_all_to_all(x[0], "e", torch.tensor([1, 1]))[0][None],
+                                  mesh=mesh, in_specs=P("e"), out_specs=P("e"))
+        with pytest.raises(ValueError, match="add up to x's 3 rows"):
+            bad_sizes(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="no mixture-of-experts blocks"):
+        cfx.parallel.expert_parallel(cfx.models.llama("tiny", n_layer=1))
+    layer = cfx.nn.MoE(8, 12, 3, expert_axis="e")
+    with cfx.Mesh({"e": 2}) as mesh:
+        run = cfx.shard_map(lambda p, x: layer.apply(p, x), mesh=mesh, in_specs=(P(), P("e")), out_specs=P("e"))
+        with pytest.raises(ValueError, match="need E % n == 0"):
+            run(layer.init(cfx.random.key(0)), torch.zeros(2, 4, 8))
