@@ -3,8 +3,8 @@
 Models are pure functions over parameter pytrees; parallelism and memory strategies are
 function transformations over named device meshes.
 """
-from cfx import (amp, autoshard, checkpoint, checkpoint_policies, diffusion, gemini, lax, memory, models, nn, optim,
-                 parallel, pipeline, quant, random, remat, tree, zero)
+from cfx import (amp, autoshard, checkpoint, checkpoint_policies, diffusion, gemini, lax, lora, memory, models, nn,
+                 optim, parallel, pipeline, quant, random, remat, tree, zero)
 from cfx._src.spmd.arrays import device_get, device_put, reshard
 from cfx._src.autochunk.api import autochunk
 from cfx._src.spmd.init_sharded import init_sharded
@@ -39,6 +39,6 @@ __all__ = [
     "ActivationStats", "CollectiveMismatch", "CollectiveTimeout", "CommStats", "Mesh", "P", "ReshardPath", "ReshardPlan", "Rules", "ShapeDtype", "ShardedArray", "activation_stats", "amp",
     "autochunk", "autoshard", "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put",
     "diffusion", "eval_shape",
-    "gemini", "generate", "grad", "init_sharded", "jit", "jvp", "lax", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
+    "gemini", "generate", "grad", "init_sharded", "jit", "jvp", "lax", "lora", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
     "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap", "zero",
 ]

@@ -14,7 +14,7 @@ import cfx
 NAMES = pathlib.Path(__file__).with_name("public_names.txt").read_text().split()
 PUBLIC_MODULES = ["cfx", "cfx.amp", "cfx.autoshard", "cfx.checkpoint", "cfx.checkpoint_policies", "cfx.diffusion",
                   "cfx.diffusion.clip_text", "cfx.diffusion.schedulers", "cfx.diffusion.unet", "cfx.diffusion.vae",
-                  "cfx.gemini", "cfx.generate", "cfx.lax", "cfx.memory", "cfx.models", "cfx.nn", "cfx.optim",
+                  "cfx.gemini", "cfx.generate", "cfx.lax", "cfx.lora", "cfx.memory", "cfx.models", "cfx.nn", "cfx.optim",
                   "cfx.parallel", "cfx.pipeline", "cfx.quant", "cfx.random", "cfx.remat", "cfx.testing", "cfx.tree",
                   "cfx.zero"]
 

@@ -11,9 +11,9 @@ from cfx._src.core import random
 from cfx._src.core import tree as tree_util
 from cfx._src.lax.collectives import pvary
 from cfx._src.nn.embedding import Embedding, vocab_parallel_embed
+from cfx._src.nn.lora_weight import is_weight_node, weight_nodes_as_leaves
 from cfx._src.nn.sublayers import keep_sublayers
 from cfx._src.nn.loss import IGNORE_INDEX, cross_entropy, mean_over_sequence, vocab_parallel_cross_entropy
-from cfx._src.precision.quant import is_quantized, quantized_as_leaves
 from cfx._src.transforms.shapes import is_abstract
 
 
@@ -40,18 +40,20 @@ def check_params(where: str, model: Any, params: Any) -> None:
         ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=tree_util.is_axes_leaf)
         what = (f"{where}: params differ from {type(model).__name__}.init's structure "
                 "(were they made by a model with another config or layout?)")
-        # cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node
-        tree_util.check_same_structure(what, ref, quantized_as_leaves(params))
+        # cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node, cfx.lora.attach
+        # into a LoraWeight(base, A, B) node
+        tree_util.check_same_structure(what, ref, weight_nodes_as_leaves(params))
     _check_one_float_dtype(where, params)
 
 
 def _check_one_float_dtype(where: str, params: Any) -> None:
-    """ValueError naming the odd leaves if the floating params mix dtypes (quantized weights aside)."""
-    leaves = tree_util.leaves(params, is_leaf=is_quantized)
+    """ValueError naming the odd leaves if the floating params mix dtypes (quantized weights and LoRA
+    adapters aside)."""
+    leaves = tree_util.leaves(params, is_leaf=is_weight_node)
     dtypes = {x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()}
     if len(dtypes) <= 1:
         return
-    items = [(p, x.dtype) for p, x in tree_util.flatten_with_path(quantized_as_leaves(params))[0]
+    items = [(p, x.dtype) for p, x in tree_util.flatten_with_path(weight_nodes_as_leaves(params))[0]
              if isinstance(x, torch.Tensor) and x.is_floating_point()]
     common = max(dtypes, key=lambda d: sum(dt == d for _, dt in items))
     odd = [f"{p} ({dt})" for p, dt in items if dt != common]

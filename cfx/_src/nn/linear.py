@@ -7,6 +7,7 @@ import math
 import torch
 
 from cfx._src.core import random
+from cfx._src.nn.lora_weight import LoraWeight
 from cfx._src.precision.quant import QuantizedWeight
 from cfx_kernels.int8_matmul import int8_matmul
 
@@ -27,7 +28,8 @@ class Linear:
 
     ``axes`` names the logical axes of ``w``'s two dims (``b`` takes the second). ``init_std=None``
     draws ``w`` from ``normal(0, 1/sqrt(in_features))``; biases start at zero. A ``w`` made by
-    ``cfx.quant.quantize`` (a ``QuantizedWeight``) runs the int8 weight-only matmul kernel.
+    ``cfx.quant.quantize`` (a ``QuantizedWeight``) runs the int8 weight-only matmul kernel; one
+    made by ``cfx.lora.attach`` (a ``LoraWeight``) adds its low-rank term to its base's product.
     """
 
     in_features: int
@@ -57,6 +59,9 @@ class Linear:
             raise ValueError(f"Linear.apply: x has {x.shape[-1]} features in its last dim, expected "
                              f"in_features={self.in_features} (x shape {tuple(x.shape)}).")
         w = params["w"]
+        if isinstance(w, LoraWeight):  # x @ base (+ b) + scale * (x A) B: the merged weight never exists
+            y = self.apply({**params, "w": w.base}, x)
+            return (y + w.delta(x)).to(y.dtype)
         if isinstance(w, QuantizedWeight):
             return int8_matmul(x, w.q, w.scale, params["b"] if self.bias else None)
         if not self.bias:

@@ -1,0 +1,22 @@
+"""LoRA (Hu et al., 2021) as a transform of params: low-rank adapters beside frozen Linear weights.
+
+``cfx.lora.init(model, config, key)`` makes the adapters (an ordinary params pytree: ``A`` ``(in, r)``
+drawn as peft draws it, ``B`` ``(r, out)`` zero) for the Linear weights ``config.targets`` pick;
+``attach(params, adapters, config)`` puts a ``LoraWeight`` where each of them was, which
+``cfx.nn.Linear`` runs as ``x @ w (+ b) + alpha / r * (x A) B`` without forming the merged weight. The
+base may be int8 (``cfx.quant.quantize``: QLoRA's recipe) or bf16 beside fp32 adapters. Train the
+adapters alone::
+
+    loss, grads = cfx.value_and_grad(
+        lambda ad: model.loss(cfx.lora.attach(params, ad, config), tokens, targets))(adapters)
+
+``merge`` / ``unmerge`` fold them into the weights and back; ``save_peft`` / ``load_peft`` write and read
+peft's ``adapter_config.json`` + ``adapter_model.safetensors`` (GPT-2, Llama, OPT).
+"""
+from cfx._src.lora.adapters import attach, axes, init, merge, unmerge
+from cfx._src.lora.config import ALL_LINEAR, PRESETS, LoraConfig
+from cfx._src.lora.peft import load_peft, save_peft
+from cfx._src.nn.lora_weight import LoraWeight
+
+__all__ = ["ALL_LINEAR", "LoraConfig", "LoraWeight", "PRESETS", "attach", "axes", "init", "load_peft", "merge",
+           "save_peft", "unmerge"]
