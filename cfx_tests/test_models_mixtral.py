@@ -84,3 +84,23 @@ def test_routing_statistics_per_layer():
     x, stats = model.router_stats(params, tokens)
     assert x.shape == (3, 5, 32) and len(stats) == 2
     assert all(float(s.counts.sum()) == 15 * 2 and float(s.rows) == 15 for s in stats)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text", ["data=2 zero=3", "data=2 zero=1 remat=blocks"])
+def test_plans_train_mixtral_as_one_device(text):
+    from cfx_tests.test_plan import data, run_plan, single_device
+    model = tiny(router_aux_loss_coef=0.0)  # under data parallelism each rank balances its own tokens
+    batches = [(x % V, y % V) for x, y in data(3)]
+    want_losses, want = single_device(model, cfx.optim.adamw(1e-3), batches)
+    losses, got = run_plan(cfx.parallel.Plan.parse(text), model, cfx.optim.adamw(1e-3), batches)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_what_does_not_carry_the_routers_statistics_is_refused():
+    model = tiny()
+    with pytest.raises(ValueError, match="pipeline stages do not carry the routers' statistics"):
+        model.parts()
+    with pytest.raises(ValueError, match="split them over an expert axis instead"):
+        cfx.parallel.tensor_parallel(model, "model")

@@ -69,6 +69,10 @@ class Mixtral(Llama):
                      ) -> tuple[torch.Tensor, list[RouterStats]]:
         """The last block's output ``(B, T, C)`` and each layer's ``RouterStats``."""
         self.check_call("Mixtral.apply", params, tokens, mask)
+        plain = [type(b).__name__ for b in self.blocks if not hasattr(type(b), "apply_with_stats")]
+        if plain:
+            raise ValueError(f"Mixtral: blocks of type {plain[0]} do not return the routers' statistics "
+                             "(apply_with_stats); wrap blocks with cfx.zero.gathered or cfx.remat, which do.")
         x, stats = self._embed(params, tokens), []  # (B, T, C)
         for block, p in zip(self.blocks, params["blocks"]):
             x, s = block.apply_with_stats(p, x, mask=mask)
@@ -82,8 +86,9 @@ class Mixtral(Llama):
         del key
         c = self.config
         if self.remat_plan is not None or self.seq is not None or self.vocab_axis is not None:
-            raise ValueError("Mixtral.loss: remat plans, sequence and vocabulary splits do not carry the "
-                             "routers' statistics yet; train Mixtral without them.")
+            raise ValueError("Mixtral.loss: remat=auto schedules, sequence parallelism and tensor parallelism "
+                             "do not carry the routers' statistics yet; train Mixtral with data / expert "
+                             "parallelism, ZeRO and remat=blocks.")
         where = "Mixtral.loss"
         _check_int_2d(where, "tokens", tokens)
         check_targets(where, tokens, targets, vocab_size=c.vocab_size)
@@ -95,6 +100,16 @@ class Mixtral(Llama):
         if c.router_z_loss_coef:
             loss = loss + c.router_z_loss_coef * z_loss(total)
         return loss
+
+    def parts(self) -> Any:
+        """Llama's parts protocol, where it loses nothing: pipeline stages do not carry the routers'
+        statistics to the loss, so with an auxiliary loss it is refused."""
+        c = self.config
+        if c.router_aux_loss_coef or c.router_z_loss_coef:
+            raise ValueError("Mixtral: pipeline stages do not carry the routers' statistics to the loss yet; "
+                             "train without the pipe axis, or with router_aux_loss_coef=0 and "
+                             "router_z_loss_coef=0.")
+        return super().parts()
 
     def hf_config(self) -> Any:
         """The ``transformers.MixtralConfig`` of this architecture."""

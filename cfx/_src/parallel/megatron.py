@@ -144,6 +144,10 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
             raise ValueError(f"tensor_parallel(sequence=True): {type(model).__name__} has no sequence to split "
                              "(Megatron-SP); use sequence=False.")
         return own(axis)
+    if any(getattr(b, "moe", None) is not None for b in getattr(model, "blocks", ())):
+        raise ValueError("tensor_parallel: the model's blocks are mixtures of experts, whose experts Megatron's "
+                         "split does not cover yet; split them over an expert axis instead "
+                         "(cfx.parallel.expert_parallel).")
     vocab = not sequence if vocab is None else vocab
     if sequence and vocab:
         raise ValueError("tensor_parallel(sequence=True): the head runs on each rank's share of the positions with "

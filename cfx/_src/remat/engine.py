@@ -151,6 +151,10 @@ class RematLayer:
     def apply(self, params, *args, **kwargs):
         return remat(self.layer.apply, policy=self.policy)(params, *args, **kwargs)
 
+    def apply_with_stats(self, params, *args, **kwargs):
+        """``layer.apply_with_stats`` (an MoE block's), rematerialised the same way."""
+        return remat(self.layer.apply_with_stats, policy=self.policy)(params, *args, **kwargs)
+
 
 def _is_layer(x: Any) -> bool:
     return all(callable(getattr(x, a, None)) for a in ("init", "apply", "axes"))

@@ -8,6 +8,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.core.tree import is_axes_leaf
 from cfx._src.models.gpt2 import gpt2
 from cfx._src.models.llama import llama
+from cfx._src.models.mixtral import mixtral
 from cfx._src.models.opt import opt
 from cfx._src.optim.alias import adamw
 from cfx._src.optim.base import GradientTransformation, chain, identity
@@ -18,7 +19,7 @@ from cfx._src.precision.amp import policy
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.data import VOCAB_SIZE
 
-FAMILIES = {"gpt2": gpt2, "llama": llama, "opt": opt}
+FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, "opt": opt}
 
 
 def build_model(cfg: TrainConfig) -> Any:

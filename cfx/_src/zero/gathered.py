@@ -255,6 +255,10 @@ class Gathered:
     def apply(self, params: Any, *args, **kwargs) -> Any:
         return self._call(self.layer.apply, params, args, kwargs)
 
+    def apply_with_stats(self, params: Any, *args, **kwargs) -> Any:
+        """``layer.apply_with_stats`` (an MoE block's: its output and router statistics), gathered."""
+        return self._call(self.layer.apply_with_stats, params, args, kwargs)
+
     def loss(self, params: Any, *args, **kwargs) -> Any:
         """``layer.loss`` (a model's) with this layer's own params gathered."""
         return self._call(self.layer.loss, params, args, kwargs)
