@@ -2,7 +2,9 @@
 
 ``cfx.models.gpt2("small")`` / ``cfx.models.llama("tiny")`` / ``cfx.models.mixtral("tiny")`` (a Llama with
 mixture-of-experts MLPs) / ``cfx.models.opt("125m")`` build decoders and
-``cfx.models.bert("base", head="mlm"|"classify")`` an encoder (frozen dataclasses), and
+``cfx.models.bert("base", head="mlm"|"classify")`` an encoder (frozen dataclasses),
+``cfx.models.vit("base")`` a Vision Transformer (``apply(params, images) -> logits (B, num_labels)``,
+``loss(params, images, labels)``; equal to ``ViTForImageClassification``), and
 ``cfx.models.evoformer("af2")`` AlphaFold 2's Evoformer stack (``apply(params, m, z, msa_mask=,
 pair_mask=, chunk_size=) -> (m, z)``). The language models have:
 ``init(key)``, ``apply(params, tokens, mask=None, key=None) -> logits``,
@@ -10,7 +12,8 @@ pair_mask=, chunk_size=) -> (m, z)``). The language models have:
 ``hf_config()`` and ``parts()`` (the parts protocol: embedding | blocks | head + loss, which the
 pipeline and ``cfx.parallel.Plan`` read; see ``ModelParts``). ``to_hf(model, params)`` and ``from_hf(hf_model_or_state_dict, model=None)``
 convert weights to and from ``transformers``' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
-``MixtralForCausalLM`` / ``OPTForCausalLM`` / ``BertForMaskedLM`` / ``BertForSequenceClassification``;
+``MixtralForCausalLM`` / ``OPTForCausalLM`` / ``BertForMaskedLM`` / ``BertForSequenceClassification`` /
+``ViTForImageClassification``;
 ``save_pretrained(directory, model, params)`` / ``from_pretrained(directory, mesh=, specs=)``
 write and read Hugging Face model directories (config.json + safetensors, one file or sharded).
 """
@@ -24,11 +27,12 @@ from cfx._src.models.llama import LLAMA_PRESETS, Llama, LlamaConfig, llama
 from cfx._src.models.mixtral import MIXTRAL_PRESETS, Mixtral, MixtralConfig, mixtral
 from cfx._src.models.opt import OPT, OPT_PRESETS, OPTConfig, opt
 from cfx._src.models.parts import ChainModel, Hooks as ModelHooks, Model, ModelParts
+from cfx._src.models.vit import VIT_PRESETS, ViT, ViTConfig, vit
 
 __all__ = [
     "BERT_PRESETS", "Bert", "BertConfig", "EVOFORMER_PRESETS", "Evoformer", "EvoformerBlock", "EvoformerConfig", "GPT2", "GPT2Config", "GPT2_PRESETS", "LLAMA_PRESETS", "Llama", "LlamaConfig",
     "MIXTRAL_PRESETS", "Mixtral", "MixtralConfig", "mixtral",
     "ChainModel", "Model", "ModelHooks", "ModelParts", "OPT", "OPTConfig", "OPT_PRESETS", "cross_entropy",
     "bert", "evoformer", "from_hf", "from_pretrained", "gpt2", "hf_config", "llama", "model_from_hf_config", "opt",
-    "save_pretrained", "to_hf",
+    "save_pretrained", "to_hf", "VIT_PRESETS", "ViT", "ViTConfig", "vit",
 ]

@@ -69,7 +69,8 @@ class Hooks(Protocol):
 
     config: Any                # a config with ``vocab_size`` and the field ``max_len_name`` names
     max_len_name: str          # the config field bounding the sequence length (``cfx.generate``'s check)
-    vocab_axis: str | None     # the mesh axis its vocabulary is split over (Megatron's vocab parallelism)
+    vocab_axis: str | None     # the mesh axis its vocabulary is split over (Megatron's vocab parallelism);
+                               # a model without the field has no vocabulary (Megatron splits its blocks alone)
     seq: Any                   # a SequenceSplit when its sequence is split over a mesh axis; having the
                                # field at all says the model can split its sequence (sequence_parallel)
     remat_plan: Any            # a cfx.remat.solve schedule the model runs over all its blocks

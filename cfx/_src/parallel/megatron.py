@@ -29,7 +29,7 @@ from cfx._src.lax import collectives as lax
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
 from cfx._src.precision.quant import QuantizedWeight
-from cfx._src.models.parts import hook
+from cfx._src.models.parts import has_hook, hook
 from cfx_kernels.int8_matmul import int8_matmul
 
 MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
@@ -136,6 +136,7 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
     the mean over every rank's tokens. Gradients of the leaves replicated over ``axis`` are each
     rank's positions' share: sum them with ``cfx.parallel.sequence_grads``.
 
+    A model without a vocabulary (no ``vocab_axis`` field: ``cfx.models.ViT``) has only its blocks split.
     A model whose blocks are not ``TransformerBlock`` s provides its own split as
     ``model.tensor_parallel(axis)`` (``cfx.diffusion.Denoiser``: the UNet's resnets and transformers)."""
     own = hook(model, "tensor_parallel")
@@ -148,7 +149,14 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
         raise ValueError("tensor_parallel: the model's blocks are mixtures of experts, whose experts Megatron's "
                          "split does not cover yet; split them over an expert axis instead "
                          "(cfx.parallel.expert_parallel).")
-    vocab = not sequence if vocab is None else vocab
+    name, has_vocab = type(model).__name__, has_hook(model, "vocab_axis")  # none: the blocks alone split
+    vocab = not sequence and has_vocab if vocab is None else vocab
+    if vocab and not has_vocab:
+        raise ValueError(f"tensor_parallel(vocab=True): {name} has no vocabulary to split; leave vocab= at its "
+                         "default (its blocks alone are split).")
+    if sequence and not has_hook(model, "seq"):
+        raise ValueError(f"tensor_parallel(sequence=True): {name} cannot split its sequence (it has no `seq` "
+                         "field); use sequence=False.")
     if sequence and vocab:
         raise ValueError("tensor_parallel(sequence=True): the head runs on each rank's share of the positions with "
                          "the whole vocabulary; pass vocab=False (and no 'vocab' rule).")

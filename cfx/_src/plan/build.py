@@ -19,6 +19,7 @@ from cfx._src.mesh.context import Group, RankContext, installed
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.models.function import LossModel
 from cfx._src.models.parts import has_hook, hook, parts_of
+from cfx._src.nn.block import TransformerBlock
 from cfx._src.optim.base import chain
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.loss_scale import LossScaleState
@@ -180,18 +181,22 @@ def _check_loss_function(plan, model: LossModel, where: str) -> None:
 
 def _check_own_batch_model(plan, model, where: str) -> None:
     """A model with a batch of its own takes ZeRO, offload, remat per block and precision over
-    ``data``, and a model axis where it splits itself (``tensor_parallel``); remat=auto and
-    Megatron-SP are written for token models."""
+    ``data``, and a model axis where it splits itself (``tensor_parallel``) or its blocks are
+    ``TransformerBlock`` s (Megatron's split: ``cfx.models.ViT``); remat=auto and Megatron-SP are
+    written for token models."""
     name = type(model).__name__
-    if plan.has("model") and not callable(hook(model, "tensor_parallel")):
-        raise ValueError(f"{where}: the model axis splits a token model's heads, MLPs and vocabulary (Megatron); "
-                         f"{name} has no such split. Drop model= and shard its state with data= and zero=3 "
-                         "(and offload=) instead.")
+    blocks = getattr(model, "blocks", ())
+    megatron = bool(blocks) and all(isinstance(b, TransformerBlock) for b in blocks)
+    if plan.has("model") and not callable(hook(model, "tensor_parallel")) and not megatron:
+        raise ValueError(f"{where}: the model axis splits the heads and MLPs of TransformerBlocks (Megatron); "
+                         f"{name} has no such blocks and no tensor_parallel(axis) of its own. Drop model= and shard "
+                         "its state with data= and zero=3 (and offload=) instead.")
     if plan.sp == "megatron":
         raise ValueError(f"{where}: sp=megatron splits a token sequence; {name} has none. Drop sp=.")
     if plan.remat == "auto":
-        raise ValueError(f"{where}: remat=auto solves its schedule on a token model's chain of blocks; {name}'s "
-                         "blocks are no chain (skip connections). Use remat=blocks or remat=dots.")
+        raise ValueError(f"{where}: remat=auto solves its schedule on a token model's batch through its chain of "
+                         f"blocks; {name} takes a batch of its own (and a UNet's blocks are no chain: skip "
+                         "connections). Use remat=blocks or remat=dots.")
 
 
 def _check_ulysses_heads(plan, model, where: str) -> None:
