@@ -104,3 +104,15 @@ def test_what_does_not_carry_the_routers_statistics_is_refused():
         model.parts()
     with pytest.raises(ValueError, match="split them over an expert axis instead"):
         cfx.parallel.tensor_parallel(model, "model")
+
+
+def test_hugging_face_directories_both_ways(tmp_path):
+    import transformers
+    model, params, _ = pair()
+    cfx.models.save_pretrained(tmp_path, model, params)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    tokens = cfx.random.randint(cfx.random.key(5), (1, 6), 0, V)
+    torch.testing.assert_close(hf(tokens).logits, model.apply(params, tokens))
+    again, same = cfx.models.from_pretrained(tmp_path)
+    assert type(again).__name__ == "Mixtral" and cfx.tree.allclose(same, params, rtol=0, atol=0)

@@ -22,8 +22,8 @@ from cfx._src.mesh.spec import P
 from cfx._src.models import hf
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "opt": "OPTForCausalLM",
-                  "vit": "ViTForImageClassification"}
+_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "opt": "OPTForCausalLM", "vit": "ViTForImageClassification"}
 
 
 def save_pretrained(directory: str | os.PathLike, model: Any, params: Any, *,
