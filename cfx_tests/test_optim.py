@@ -460,6 +460,46 @@ def test_apply_gradients_sweeps_straight_into_donated_params():
             assert "_fused_adamw_" not in ops.names and "_foreach_add" in ops.names
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["all decay", "masked"])
+def test_donated_adamw_launches_what_torch_fused_adamw_launches(masked):
+    # one _fused_adamw_ over every leaf, as torch.optim.AdamW(fused=True) steps one param group (two
+    # groups, two calls, where a mask splits the leaves); besides it only the step count's increment
+    # and cast (torch increments its per-param counts in one _foreach_add_)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cfx._src.core import donation
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.overloadpacket.__name__.startswith("_record_function"):  # torch.optim's profiler marks
+                self.calls.append((func.overloadpacket.__name__, len(args[0]) if isinstance(args[0], list) else 1))
+            return func(*args, **(kwargs or {}))
+
+    params, grads = problem(0, [(4, 3), (3,), (2,), (5, 2)])
+    mask = (lambda p: cfx.tree.map(lambda x: x.dim() >= 2, p)) if masked else None
+    tx = optim.adamw(1e-2, weight_decay=0.1, mask=mask)
+    p, g, s = clone(params), clone(grads[0]), tx.init(params)
+    with donation.donated(cfx.tree.leaves((p, s, g))), Kernels() as ours:
+        optim.apply_gradients(tx, g, s, p)
+    ps = [torch.nn.Parameter(x.clone()) for x in cfx.tree.leaves(params)]
+    groups = ([{"params": [x for x in ps if x.dim() >= 2]},
+               {"params": [x for x in ps if x.dim() < 2], "weight_decay": 0.0}] if masked else [{"params": ps}])
+    opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=True)
+    for x, gr in zip(ps, cfx.tree.leaves(grads[0])):
+        x.grad = gr.clone()
+    with Kernels() as theirs:
+        opt.step()
+    fused = lambda calls: [n for name, n in calls if name == "_fused_adamw_"]  # noqa: E731
+    assert sorted(fused(ours.calls)) == sorted(fused(theirs.calls)) == ([2, 2] if masked else [4])
+    assert len(ours.calls) - len(fused(ours.calls)) <= 2, ours.calls  # the count: + 1, to float
+    for a, b in zip(cfx.tree.leaves(p), ps):  # stepped in place, to torch's numbers
+        torch.testing.assert_close(a, b.detach())
+
+
 @pytest.mark.parametrize("make", [lambda: optim.adamw(1e-3), lambda: optim.adam(1e-3), lambda: optim.lamb(1e-3),
                                   lambda: optim.sgd(0.1, momentum=0.9), lambda: optim.lars(0.1)])
 def test_integer_params_are_refused_at_init_naming_the_leaf(make):

@@ -101,3 +101,41 @@ def test_bad_input():
         cfx.grad(lambda x: x.sum(), argnums=2)(torch.ones(2))
     with pytest.raises(ValueError, match="structure"):
         cfx.jvp(lambda a: a["x"], ({"x": torch.ones(1)},), ({"y": torch.ones(1)},))
+
+
+def test_is_abstract_fast_path_agrees_with_is_fake():
+    # is_abstract answers a plain tensor without is_fake; every kind of tensor must get is_fake's answer
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    from cfx._src.transforms.shapes import any_abstract, is_abstract
+
+    real = torch.ones(3)
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    seen = []
+    cfx.vmap(lambda x: seen.append(x) or x)(torch.ones(2, 3))  # a functorch-wrapped (batched) tensor
+    kinds = {"real": real, "meta": torch.ones(3, device="meta"), "fake": fake, "batched": seen[0],
+             "functional real": torch._to_functional_tensor(real), "functional fake": torch._to_functional_tensor(fake),
+             "int": 3, "none": None}
+    want = {k: isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t)) for k, t in kinds.items()}
+    assert {k: is_abstract(t) for k, t in kinds.items()} == want
+    assert want["fake"] and want["functional fake"] and not want["functional real"]  # the cases are the ones meant
+    for k, t in kinds.items():
+        assert any_abstract([real, t]) == want[k], k
+    assert not any_abstract([]) and not any_abstract([real, real])
+
+
+@pytest.mark.parametrize("kind", ["plain", "nested", "unused"])
+def test_value_and_grad_of_plain_float_params_equals_the_leafwise_path(kind):
+    # plain float leaves take value_and_grad's fast path; its results are the reference's
+    params, x = make(1)
+    if kind == "nested":  # inputs that require grad (an outer grad): the general path
+        params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    f = loss if kind != "unused" else (lambda p, x: loss({**p, "w2": p["w2"].detach()}, x))
+    value, grads = cfx.value_and_grad(f)(params, x)
+    want = reference_grads({k: v.detach() for k, v in params.items()}, x)
+    if kind == "unused":
+        want["w2"] = torch.zeros_like(params["w2"])
+    torch.testing.assert_close(value, loss(params, x).detach())
+    cfx.tree.assert_tree_close(grads, want)
+    assert value.grad_fn is None if kind != "nested" else value.requires_grad

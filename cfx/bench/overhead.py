@@ -9,6 +9,12 @@ runs too); the ratios against the ``foreach`` AdamW (torch's default) are report
 - ``eager_vs_module_{small,large}``: the cfx step run eagerly with its state donated
   (``cfx.jit(step, donate_argnums=0, compile=False)``; ``optim.apply_gradients`` steps AdamW
   in place, in one pass) over the eager Module step (target <= 1.05);
+- ``eager_vs_module_dispatch_cpu``: the same two steps on a GPT-2 small enough that dispatch
+  dominates (2 layers of width 64, 4 heads, a byte vocabulary of 256 as ``python -m cfx.train``'s,
+  B=2, T=32), on the CPU: what each side spends in Python per op and per step (pytree walks,
+  checks, donation) against torch's own, the CPU proxy for a GPU step whose kernels are shorter
+  than their launches (target <= 1.10). The vocabulary is small on purpose: with GPT-2's 50257
+  the head's matmul and the loss take most of the step and the row would not measure dispatch;
 - ``jit_vs_compiled_{small,large}``: ``cfx.jit`` (one inductor graph: forward, backward and AdamW,
   donated) over the ``torch.compile``d Module stepping its AdamW eagerly (target <= 1.00);
 - ``jit_speedup_large``: eager cfx over ``cfx.jit`` (target >= 1.2), with compile times and the
@@ -22,8 +28,9 @@ it last, before the fused apply).
 
 Sizes: small is B=1, T=64 and large B=4, T=256 on GPT-2 small; ``--quick`` runs the small size
 on a 2-layer GPT-2 (and no large size), to finish in about a minute; ``--smoke`` its eager phase on
-a toy GPT-2 (nothing compiled). Also reported: the tokens/s of ``python -m cfx.train`` on its
-defaults (a shortened run under ``--quick``, two toy steps under ``--smoke``).
+a toy GPT-2 (nothing compiled). The dispatch row runs at every size (nothing compiled; fewer
+rounds under ``--quick`` and ``--smoke``). Also reported: the tokens/s of ``python -m cfx.train``
+on its defaults (a shortened run under ``--quick``, two toy steps under ``--smoke``).
 """
 from __future__ import annotations
 
@@ -161,9 +168,35 @@ def _cfg(model, batch: int, seq: int) -> str:
     return f"GPT-2 {model.config.n_layer} layers, B={batch}, T={seq}"
 
 
+DISPATCH = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)  # launches dominate
+DISPATCH_BATCH = (2, 32)
+
+
+def dispatch_rows(rounds: int) -> list[Row]:
+    """``eager_vs_module_dispatch_cpu``: cfx's eager donated step over the Module's with fused
+    AdamW on the tiny GPT-2 of ``DISPATCH``, on the CPU: interleaved medians of ``rounds`` steps
+    each, after 20 warm-up steps each."""
+    model = models.gpt2("tiny", **DISPATCH)
+    s = sides(model, *DISPATCH_BATCH, compiled=False)
+    fns = [s["cfx"], s["module"]]
+    for _ in range(20):
+        for f in fns:
+            f()
+    t_cfx, t_module = interleaved_medians(fns, rounds=rounds, warmup=0)
+    ratio = t_cfx / t_module
+    B, T = DISPATCH_BATCH
+    cfg = f"GPT-2 {DISPATCH['n_layer']} x {DISPATCH['n_embd']}, vocab {DISPATCH['vocab_size']}, B={B}, T={T}"
+    return [
+        Row(f"eager_vs_module_dispatch_cpu: cfx eager (donated) / nn.Module eager + fused AdamW, {cfg}, CPU",
+            ratio, "x", "<= 1.10", ratio <= 1.10),
+        Row("  step times (dispatch_cpu): cfx eager / nn.Module eager + fused AdamW", t_cfx, "s",
+            f"{t_module * 1e3:.2f} ms for the Module"),
+    ]
+
+
 def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
     size = size_of(quick=quick, smoke=smoke)
-    rows = []
+    rows = dispatch_rows({"smoke": 20, "quick": 200, "full": 600}[size])
     if size == "smoke":
         toy = models.gpt2("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
         rows += measure(toy, 1, 16, rounds=1, label="toy", compiled=False)[0]

@@ -10,7 +10,8 @@ may donate its own temporaries the same way (a gradient it made and will not rea
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable
+import operator
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -25,19 +26,33 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata  # the storage itself (a fake tensor's has no address)
 
 
+_storage, _cdata, _numel = torch.Tensor.untyped_storage, operator.attrgetter("_cdata"), torch.Tensor.numel
+
+
 @contextlib.contextmanager
-def donated(tensors: Iterable[Any]):
+def donated(tensors: Iterable[Any], *, keys: Iterable[int] | None = None):
     """Inside, the storages of ``tensors`` (non-tensors ignored) may be overwritten (nothing, in
-    a compiled region: see ``_donated``)."""
+    a compiled region: see ``_donated``). ``keys``: the storage keys of ``tensors`` (``storage_keys``;
+    all tensors then), where the caller has them already."""
     if torch.compiler.is_dynamo_compiling():
         yield
         return
-    keys = {_key(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+    if keys is None:
+        keys = {_key(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+    elif all(map(_numel, tensors)):
+        keys = set(keys)
+    else:
+        keys = {k for t, k in zip(tensors, keys) if t.numel()}
     token = _donated.set(_donated.get() | keys)
     try:
         yield
     finally:
         _donated.reset(token)
+
+
+def storage_keys(ts: Sequence[torch.Tensor]) -> list[int]:
+    """``_key`` of each tensor of ``ts``, in one pass."""
+    return list(map(_cdata, map(_storage, ts)))
 
 
 def is_donated(t: Any) -> bool:
@@ -48,34 +63,41 @@ def is_donated(t: Any) -> bool:
 
 def all_donated(ts: Iterable[Any]) -> bool:
     keys = _donated.get()
-    return bool(keys) and all(isinstance(t, torch.Tensor) and t.numel() > 0 and _key(t) in keys for t in ts)
+    if not keys:
+        return False
+    ts = ts if isinstance(ts, (list, tuple)) else list(ts)
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        return False
+    return all(map(_numel, ts)) and keys.issuperset(map(_cdata, map(_storage, ts)))
 
 
 def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, int], bool], *,
-           in_place: bool = True) -> dict[int, int]:
+           in_place: bool = True, distinct: bool = False) -> dict[int, int]:
     """Which donated buffer each output goes into: ``{output index: donated index}``.
 
-    First (``in_place``) the outputs already computed in a donated buffer keep it; then, in order,
-    every other output takes the first free donated buffer it ``fits`` (same shape and dtype, and
-    whatever else the caller asks), never one an output still lives in. Outputs left out are
-    fresh; donated buffers left over are simply released."""
+    First (``in_place``) the outputs already computed in a donated buffer keep it (a donated
+    tensor returned as it is fits its own); then, in order, every other output takes the first
+    free donated buffer it ``fits`` (same shape and dtype, and whatever else the caller asks),
+    never one an output still lives in. Outputs left out are fresh; donated buffers left over are
+    simply released. ``distinct``: the caller checked that no two donated tensors share a storage
+    (then an output kept in one's buffer cannot live in another's)."""
     taken: dict[int, int] = {}
-    free = [j for j in range(len(donated)) if not is_deleted(donated[j])]  # given away inside already
+    if DonatedTensor in set(map(type, donated)):
+        free = [j for j in range(len(donated)) if not is_deleted(donated[j])]  # given away inside already
+    else:
+        free = list(range(len(donated)))
     if in_place:
-        at: dict[int, list[int]] = {}  # data_ptr -> the free donated buffers starting there
-        for j in free:
-            at.setdefault(donated[j].data_ptr(), []).append(j)
-        claimed: set[int] = set()
-        for i, x in enumerate(outs):
-            for j in at.get(x.data_ptr(), ()) if isinstance(x, torch.Tensor) else ():
-                if j not in claimed and fits(i, j):
-                    taken[i] = j
-                    claimed.add(j)
-                    break
+        taken = _kept_in_place(outs, donated, free, fits)
+        claimed = set(taken.values())
+        if len(claimed) == len(free):  # every buffer kept its output (an in-place step): none to offer
+            return taken
         free = [j for j in free if j not in claimed]
-        busy = {_key(x) for x in outs if isinstance(x, torch.Tensor)}
+        busy = {_key(x) for i, x in enumerate(outs) if isinstance(x, torch.Tensor)
+                and not (distinct and i in taken)}
         free = [j for j in free if _key(donated[j]) not in busy]
     for i, x in enumerate(outs):
+        if not free:
+            break
         if i in taken or not isinstance(x, torch.Tensor):
             continue
         for j in free:
@@ -86,30 +108,61 @@ def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, in
     return taken
 
 
-def write_into(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, int], bool]) -> list[Any]:
+def _kept_in_place(outs: list[Any], donated: list[torch.Tensor], free: list[int],
+                   fits: Callable[[int, int], bool]) -> dict[int, int]:
+    """``assign``'s first pass: in order, each output computed in a free donated buffer (starting
+    where it starts, and fitting it) keeps that buffer, unless an earlier output took it."""
+    at: dict[int, list[int]] = {}  # data_ptr -> the free donated buffers starting there
+    for j in free:
+        at.setdefault(donated[j].data_ptr(), []).append(j)
+    taken: dict[int, int] = {}
+    claimed: set[int] = set()
+    for i, x in enumerate(outs):
+        for j in at.get(x.data_ptr(), ()) if isinstance(x, torch.Tensor) else ():
+            if j not in claimed and (x is donated[j] or fits(i, j)):
+                taken[i] = j
+                claimed.add(j)
+                break
+    return taken
+
+
+def write_into(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, int], bool], *,
+               distinct: bool = False, taken: dict[int, int] | None = None) -> list[Any]:
     """``outs`` with each output that ``assign`` places in a donated buffer replaced by that
     buffer (written in place unless the output already lives there). Buffers the code inside
-    already gave away (a ``cfx.jit`` body's donation) are not offered again."""
+    already gave away (a ``cfx.jit`` body's donation) are not offered again. ``taken``:
+    ``assign``'s answer, where the caller has it already."""
     outs = list(outs)
+    if taken is None:
+        taken = assign(outs, donated, fits, distinct=distinct)
     with torch.no_grad():
-        for i, j in assign(outs, donated, fits).items():
-            b = donated[j]
-            outs[i] = b if b.data_ptr() == outs[i].data_ptr() else b.copy_(outs[i])
+        for i, j in taken.items():
+            b, x = donated[j], outs[i]
+            if x is not b:
+                outs[i] = b if b.data_ptr() == x.data_ptr() else b.copy_(x)
     return outs
 
 
 # -- deleted tensors ----------------------------------------------------------------------------
 # What ``cfx.jit(..., donate_argnums=...)`` leaves in the caller's hands. The caller's tensor
-# objects gave their buffers to the call's outputs. Each is emptied (it no longer shares the
-# buffer it gave away) and turned into a ``DonatedTensor``, whose every use raises a ``ValueError``
-# that names the function, the argument and the leaf -- JAX's "Array has been deleted", instead of
-# silently reading the new values through an old name.
+# objects gave their buffers to the call's outputs. Each is turned into a ``DonatedTensor``, whose
+# every use raises a ``ValueError`` that names the function, the argument and the leaf -- JAX's
+# "Array has been deleted", instead of silently reading the new values through an old name -- and
+# emptied (it no longer shares the buffer it gave away), unless an output holds that buffer now:
+# emptying it would free nothing while the output lives, and an in-place step would pay for it on
+# every leaf of its state.
 
 
 class DonatedTensor(torch.Tensor):
     """A tensor whose buffer was donated to a ``cfx.jit`` call; every use raises."""
 
-    _cfx_donated: str
+    @property
+    def _cfx_donated(self) -> str:
+        """Why it is gone: the error message, built when first asked for (``delete_all``)."""
+        why = self.__dict__["_cfx_why"]
+        if not isinstance(why, str):  # (message of k, k)
+            why = self.__dict__["_cfx_why"] = why[0](why[1])
+        return why
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -126,12 +179,27 @@ class DonatedTensor(torch.Tensor):
         return f"<DonatedTensor: {self._cfx_donated}>"
 
 
-def delete(t: torch.Tensor, why: str) -> None:
-    """Empty ``t`` and make every later use of it raise ``ValueError(why)``."""
-    with torch.no_grad():
-        t.set_()
-    t.__class__ = DonatedTensor
-    t._cfx_donated = why
+def delete(t: torch.Tensor, why: str | Callable[[], str]) -> None:
+    """Empty ``t`` and make every later use of it raise ``ValueError(why)`` (``why()``: the
+    message, built on first use)."""
+    delete_all([t], lambda k: why if isinstance(why, str) else why())
+
+
+def delete_all(ts: Sequence[torch.Tensor], why: Callable[[int], str], *, held: Iterable[int] = ()) -> None:
+    """``delete`` each of ``ts``, ``ts[k]`` with the message ``why(k)``, built on first use (a
+    step deletes a whole state's worth of tensors; almost none is ever used again). ``held``: the
+    positions whose buffers outputs hold now (``assign``'s); those are not emptied."""
+    held = set(held)
+    prev = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # one switch for the lot (set_ on a view of a grad tensor)
+    try:
+        for k, t in enumerate(ts):
+            if k not in held:
+                t.set_()
+            t.__class__ = DonatedTensor
+            t.__dict__["_cfx_why"] = (why, k)
+    finally:
+        torch._C._set_grad_enabled(prev)
 
 
 def is_deleted(x: Any) -> bool:

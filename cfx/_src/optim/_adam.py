@@ -20,13 +20,14 @@ outputs cost page reuse, not bandwidth.)
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from cfx._src.core import donation
 from cfx._src.optim import _util
-from cfx._src.transforms.shapes import is_abstract
+from cfx._src.transforms.shapes import any_abstract, is_abstract
 
 
 class AdamOut(NamedTuple):
@@ -43,50 +44,75 @@ def adam_sweep(gs: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], nus: Seq
     """New moments and updates for leaves ``gs``; ``count`` is the already incremented step.
 
     ``into_params`` (the caller checked ``can_sweep_into``): the updates are added straight into
-    ``params`` (decay first, as ``torch.optim.AdamW`` does) and returned in place of updates."""
+    ``params`` (decay first, as ``torch.optim.AdamW`` does) and returned in place of updates.
+    Moments updated in place come back as the very lists ``mus`` and ``nus`` (so a caller may keep
+    their trees)."""
+    if decay_flags is None:
+        flags = [decay != 0.0] * len(gs)
+    else:
+        flags = [decay != 0.0 and f for f in decay_flags]
+    if into_params:
+        groups = _one_pass_groups(gs, mus, nus, params)
+        if groups is not None:
+            return _one_pass(gs, mus, nus, params, count, groups, b1=b1, b2=b2, eps=eps, l2=l2,
+                             decay=decay, flags=flags, lr=lr)
     bc1 = _util.bias_correction(b1, count)
     sqrt_bc2 = _util.bias_correction(b2, count).sqrt()
     scale, eps_t = sqrt_bc2 / bc1, eps * sqrt_bc2
     neg_lr = None if lr is None else -lr
-    flags = [decay != 0.0 and (decay_flags is None or f)
-             for f in (decay_flags if decay_flags is not None else [True] * len(gs))]
-    if into_params and _one_pass_applies(gs, mus, nus, params):
-        return _one_pass(list(gs), list(mus), list(nus), list(params), count, b1=b1, b2=b2, eps=eps,
-                         l2=l2, decay=decay, flags=flags, lr=lr)
-    return _foreach(list(gs), list(mus), list(nus), params, b1, b2, scale, eps_t, l2, decay,
-                    flags, neg_lr, into_params)
+    return _foreach(list(gs), mus, nus, params, b1, b2, scale, eps_t, l2, decay, flags, neg_lr, into_params)
 
 
-def _one_pass_applies(gs, mus, nus, ps) -> bool:
+_ONE_PASS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_dtype, _device = operator.attrgetter("dtype"), operator.attrgetter("device")
+
+
+def _one_pass_groups(gs, mus, nus, ps) -> list[list[int]] | None:
     """Whether torch's one-pass Adam kernels (``torch._fused_adam_`` / ``_fused_adamw_``, what
-    ``torch.optim.AdamW(fused=True)`` runs) can step these leaves in place: eager, moments and
-    params donated, one floating dtype and device per leaf, on the CPU or CUDA."""
+    ``torch.optim.AdamW(fused=True)`` runs) can step these leaves in place -- eager, moments and
+    params donated, one floating dtype and device per leaf, on the CPU or CUDA -- and if so the
+    leaves grouped by device and dtype as ``torch.optim`` groups them (one group, one call, in
+    the usual case of one device and one dtype); None where they cannot."""
     if torch.compiler.is_dynamo_compiling() or not hasattr(torch, "_fused_adamw_"):
-        return False  # a compiled step fuses the foreach sweep itself
-    if not (donation.all_donated(mus) and donation.all_donated(nus)):
-        return False
-    return all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
-               and g.dtype == m.dtype == v.dtype == p.dtype and g.device == p.device and not is_abstract(p)
-               for g, m, v, p in zip(gs, mus, nus, ps))
+        return None  # a compiled step fuses the foreach sweep itself
+    if not donation.all_donated([*mus, *nus]):
+        return None
+    dtypes, devices = list(map(_dtype, ps)), list(map(_device, ps))
+    if not (list(map(_dtype, gs)) == list(map(_dtype, mus)) == list(map(_dtype, nus)) == dtypes
+            and list(map(_device, gs)) == devices):  # (C-level passes: this runs every step)
+        return None
+    kinds = set(zip(devices, dtypes))
+    if any(device.type not in ("cpu", "cuda") or dtype not in _ONE_PASS_DTYPES for device, dtype in kinds):
+        return None
+    if any_abstract(ps):
+        return None
+    if len(kinds) == 1:
+        return [list(range(len(ps)))]
+    groups: dict[tuple, list[int]] = {}
+    for i, kind in enumerate(zip(devices, dtypes)):
+        groups.setdefault(kind, []).append(i)
+    return list(groups.values())
 
 
-def _one_pass(gs, mus, nus, ps, count, *, b1, b2, eps, l2, decay, flags, lr) -> AdamOut:
+def _one_pass(gs, mus, nus, ps, count, groups, *, b1, b2, eps, l2, decay, flags, lr) -> AdamOut:
     """The sweep as one pass per leaf that reads the gradient and writes the moments and the
     params in place: no intermediate the size of the model, one trip through memory (the foreach
-    sweep makes six). Leaves that decay and leaves that do not go in two calls."""
-    step = count.to(torch.float32)
-    steps = [step] * len(gs)  # read only: the count was already incremented
-    if l2:  # adam's coupled L2 on the gradient
-        torch._fused_adam_(ps, gs, mus, nus, [], steps, lr=float(lr), beta1=b1, beta2=b2,
-                           weight_decay=l2, eps=eps, amsgrad=False, maximize=False)
-        return AdamOut(mus, nus, ps)
-    for decays in (True, False):
-        idx = [i for i, f in enumerate(flags) if f == decays]
-        if idx:
-            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-            torch._fused_adamw_(pick(ps), pick(gs), pick(mus), pick(nus), [], pick(steps), lr=float(lr),
-                                beta1=b1, beta2=b2, weight_decay=decay if decays else 0.0, eps=eps,
-                                amsgrad=False, maximize=False)
+    sweep makes six). One kernel call per group of ``_one_pass_groups`` (device and dtype) and,
+    for adamw with a mask, per side of it, as ``torch.optim.AdamW(fused=True)`` makes one per param
+    group: a single call over every leaf in the usual case."""
+    step = count.to(torch.float32)  # read only: the count was already incremented
+    kernel, lr = (torch._fused_adam_ if l2 else torch._fused_adamw_), float(lr)
+    for idx in groups:
+        if l2:  # adam's coupled L2 on the gradient, every leaf alike
+            parts = [(idx, l2)]
+        else:
+            parts = [([i for i in idx if flags[i]], decay), ([i for i in idx if not flags[i]], 0.0)]
+        for part, wd in parts:
+            if not part:
+                continue
+            pick = (lambda xs: xs) if len(part) == len(gs) else (lambda xs: [xs[i] for i in part])  # noqa: E731
+            kernel(pick(ps), pick(gs), pick(mus), pick(nus), [], [step] * len(part), lr=lr, beta1=b1,
+                   beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
     return AdamOut(mus, nus, ps)
 
 
@@ -95,7 +121,7 @@ def can_sweep_into(params: Sequence[torch.Tensor] | None, mus: Sequence[torch.Te
     """Whether the sweep may write into ``params``: every one donated (``cfx._src.core.donation``) and
     of its moment's dtype, and the step size a number (the bias correction is then read once)."""
     return (params is not None and isinstance(lr, (int, float)) and not is_abstract(count)
-            and donation.all_donated(params) and all(p.dtype == m.dtype for p, m in zip(params, mus)))
+            and donation.all_donated(params) and list(map(_dtype, params)) == list(map(_dtype, mus)))
 
 
 def _per(xs: list, t: Any) -> Any:
@@ -152,7 +178,7 @@ def _foreach(gs, mus, nus, ps, b1, b2, scale, eps_t, l2, decay, flags, neg_lr, i
 
 def flat_chunk_kernel_applies(impl: str, *lists: Sequence[torch.Tensor]) -> bool:
     """True when every leaf is a flat fp32 chunk and ``impl`` resolves to the Triton kernel."""
-    if impl == "reference":
+    if impl == "reference" or any(x.dim() != 1 for x in lists[0]):  # most often a 2-d weight, at once
         return False
     tensors = [x for xs in lists for x in xs]
     if not all(x.dim() == 1 and x.is_contiguous() and x.dtype == torch.float32 for x in tensors):

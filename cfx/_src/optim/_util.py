@@ -21,10 +21,17 @@ PyTree = Any
 def leaves_like(what: str, tree: PyTree, treedef: tree_util.PyTreeDef, ref: PyTree) -> list[Any]:
     """``tree``'s leaves, after checking that ``tree`` has ``ref``'s structure ``treedef``."""
     xs, td = tree_util.flatten(tree)
-    if td != treedef:
-        tree_util.check_same_structure(what, ref, tree)  # raises, naming the differing paths
-        raise ValueError(f"{what}: structures differ: {treedef} vs {td}.")  # pragma: no cover
+    check_structure(what, ref, treedef, tree, td)
     return xs
+
+
+def check_structure(what: str, ref: PyTree, ref_treedef: tree_util.PyTreeDef, tree: PyTree,
+                    treedef: tree_util.PyTreeDef) -> None:
+    """``leaves_like``'s check for a tree already flattened: ``tree`` (``treedef``) must have
+    ``ref``'s structure ``ref_treedef``."""
+    if treedef != ref_treedef:
+        tree_util.check_same_structure(what, ref, tree)  # raises, naming the differing paths
+        raise ValueError(f"{what}: structures differ: {ref_treedef} vs {treedef}.")  # pragma: no cover
 
 
 def first_device(tree: PyTree) -> torch.device:

@@ -130,7 +130,7 @@ def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2,
     ps = None
     if params is not None:
         ps, params_treedef = tree_util.flatten(params)
-        _util.leaves_like(f"{what} (params vs grads)", updates, params_treedef, params)
+        _util.check_structure(f"{what} (params vs grads)", params, params_treedef, updates, treedef)
     mus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.mu, treedef, updates)
     nus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.nu, treedef, updates)
     if callable(learning_rate):
@@ -151,11 +151,13 @@ def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2,
         into = apply and can_sweep_into(ps, mus, lr, count)
         mu, nu, out = adam_sweep(gs, mus, nus, count, b1=b1, b2=b2, eps=eps, params=ps, l2=l2,
                                  decay=decay, decay_flags=flags, lr=lr, into_params=into)
-    unflat = lambda xs: tree_util.unflatten(treedef, xs)  # noqa: E731
-    new_state = ScaleByAdamState(count, unflat(mu), unflat(nu))
+    # moments stepped in place (donated) are the old trees' very leaves: keep those trees
+    new_state = ScaleByAdamState(count, adam_state.mu if mu is mus else tree_util.unflatten(treedef, mu),
+                                 adam_state.nu if nu is nus else tree_util.unflatten(treedef, nu))
     if into:
         return params, new_state, lr_state
-    return (apply_updates(params, unflat(out)) if apply else unflat(out)), new_state, lr_state
+    out = tree_util.unflatten(treedef, out)
+    return (apply_updates(params, out) if apply else out), new_state, lr_state
 
 
 def lamb(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,

@@ -11,6 +11,7 @@ Leaves that are not tensors but implement the differentiable-leaf protocol (``Sh
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,6 +36,18 @@ def _diff_leaf(path: str, x: Any, fname: str, argnum: int) -> Any:
         # Inside an outer grad: keep the connection so higher-order derivatives flow.
         return x.view_as(x)
     return x.detach().requires_grad_(True)
+
+
+def _plain_floats(xs: list) -> bool:
+    """Every leaf a floating tensor of the plain class, outside any grad: ``_diff_leaf`` would
+    detach each and make it require grad, with nothing to check."""
+    if torch.compiler.is_dynamo_compiling():
+        return False  # traced: the general path, leaf by leaf
+    return (all(type(x) is torch.Tensor for x in xs) and all(map(torch.Tensor.is_floating_point, xs))
+            and not any(map(_requires_grad, xs)))
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _check_scalar(out: Any, fname: str, has_aux: bool) -> torch.Tensor:
@@ -73,19 +86,23 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
                 raise ValueError(f"cfx.{fname}: argnums={argnums!r} but the function was called with "
                                  f"{len(args)} positional argument(s).")
         args = list(args)
-        flat_inputs, treedefs, spans = [], [], []
+        flat_inputs, treedefs, spans, plain = [], [], [], True
         for n in nums:
             items, treedef = tree_util.flatten_with_path(args[n])
-            leaves = [_diff_leaf(p, x, fname, n) for p, x in items]
+            xs = [x for _, x in items]
+            if _plain_floats(xs):  # the usual case, in a few C-level passes
+                leaves = [x.detach().requires_grad_(True) for x in xs]
+            else:
+                leaves, plain = [_diff_leaf(p, x, fname, n) for p, x in items], False
             spans.append((len(flat_inputs), len(flat_inputs) + len(leaves)))
             flat_inputs.extend(leaves)
             treedefs.append(treedef)
             args[n] = tree_util.unflatten(treedef, leaves)
-        nested = any(isinstance(x, torch.Tensor) and x.grad_fn is not None for x in flat_inputs)
+        nested = not plain and any(isinstance(x, torch.Tensor) and x.grad_fn is not None for x in flat_inputs)
         with torch.enable_grad():
             out = fun(*args, **kwargs)
         value = _check_scalar(out, fname, has_aux)
-        targets = [x.__cfx_anchor__() if _is_array_leaf(x) else x for x in flat_inputs]
+        targets = flat_inputs if plain else [x.__cfx_anchor__() if _is_array_leaf(x) else x for x in flat_inputs]
         if _is_array_leaf(value):
             root = value.__cfx_anchor__()
             if root is not None:
@@ -96,11 +113,12 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
             grads = list(torch.autograd.grad(root, targets, allow_unused=True, create_graph=nested))
         else:
             grads = [None] * len(targets)
-        grads = [x.__cfx_cotangent__() if _is_array_leaf(x) else torch.zeros_like(x) if g is None else g
-                 for x, g in zip(flat_inputs, grads)]
+        if not plain or any(g is None for g in grads):
+            grads = [x.__cfx_cotangent__() if _is_array_leaf(x) else torch.zeros_like(x) if g is None else g
+                     for x, g in zip(flat_inputs, grads)]
         trees = tuple(tree_util.unflatten(td, grads[a:b]) for td, (a, b) in zip(treedefs, spans))
         if not nested:
-            out = tree_util.map(_detach, out)
+            out = out.detach() if type(out) is torch.Tensor else tree_util.map(_detach, out)
         return out, (trees if multi else trees[0])
 
     return wrapped

@@ -43,7 +43,7 @@ import threading
 import time
 import types
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module, _use_lazy_graph_module
@@ -126,7 +126,8 @@ class Jitted:
 
     # -- calling ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate)
+        call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate,
+                               keyed=self.compile)
         if not self.compile:
             return self._eager(call)
         self._check_context()
@@ -227,35 +228,45 @@ class Jitted:
 
     def _eager(self, call: signature.Call):
         bufs = [call.tensors[i] for i in call.donated]
-        with donation.donated(bufs):
+        keys = None if call.storages is None else [call.storages[i] for i in call.donated]
+        with donation.donated(bufs, keys=keys):
             out = self.fn(*call.args, **call.kwargs)
         if not bufs:
             return out
         outs, treedef = tree_util.flatten(out)
         outs = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in outs]
-        outs = donation.write_into(outs, bufs, lambda i, j: _fits(outs[i], bufs[j]))
-        return self._finish(call, tree_util.unflatten(treedef, outs), None)
+        fits = lambda i, j: _fits(outs[i], bufs[j])  # noqa: E731
+        taken = donation.assign(outs, bufs, fits, distinct=True)  # split: no two share a buffer
+        outs = donation.write_into(outs, bufs, fits, taken=taken)
+        return tree_util.unflatten(treedef, self._release(call, outs, held=taken.values()))
 
-    def _finish(self, call: signature.Call, out: Any, entry: _Entry | None) -> Any:
-        """Outputs that are donated input objects become new tensors on the same buffers; the
-        donated objects are deleted."""
+    def _finish(self, call: signature.Call, out: Any, entry: _Entry) -> Any:
+        """A compiled call's outputs, after ``_release`` (see there); warns once per signature
+        about donated buffers no output took."""
         if not call.donated:
             return out
-        gone = {id(call.tensors[i]) for i in call.donated}
-        out = tree_util.map(lambda x: x.detach() if id(x) in gone else x, out)
-        if entry is not None and not entry.warned:
+        outs, treedef = tree_util.flatten(out)
+        if not entry.warned:
             entry.warned = True
-            held = {x.untyped_storage()._cdata for x in tree_util.leaves(out) if isinstance(x, torch.Tensor)}
+            held = {x.untyped_storage()._cdata for x in outs if isinstance(x, torch.Tensor)}
             unused = [i for i in call.donated if call.tensors[i].untyped_storage()._cdata not in held]
             if unused:
                 warnings.warn(f"cfx.jit({self.name}): {len(unused)} donated buffer(s) were not reused by any "
                               f"output (first: {call.where(unused[0])}); no output has its shape and dtype. "
                               "They are freed, but donating them saves nothing.", stacklevel=3)
-        for i in call.donated:
-            donation.delete(call.tensors[i], f"this tensor was donated to {self.name} ({call.where(i)}); its "
-                                            f"buffer now holds that call's outputs. Use what {self.name} "
-                                            "returned instead.")
-        return out
+        return tree_util.unflatten(treedef, self._release(call, outs))
+
+    def _release(self, call: signature.Call, outs: list, held: Iterable[int] = ()) -> list:
+        """The flat outputs, those that are donated input objects made new tensors on the same
+        buffers; the donated objects are deleted (their messages are built when first read; those
+        whose buffers an output holds, ``held``, are not emptied: see ``donation.delete_all``)."""
+        gone = {id(call.tensors[i]) for i in call.donated}
+        outs = [x.detach() if id(x) in gone else x for x in outs]
+        name, where, donated = self.name, call.where, call.donated  # the message keeps no tensor alive
+        donation.delete_all([call.tensors[i] for i in donated], lambda k: (
+            f"this tensor was donated to {name} ({where(donated[k])}); its buffer now holds that "
+            f"call's outputs. Use what {name} returned instead."), held=held)
+        return outs
 
     # -- inspecting ------------------------------------------------------------------------------
     def lower(self, *args, **kwargs) -> Lowered:

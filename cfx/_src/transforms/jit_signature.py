@@ -12,7 +12,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from cfx._src.core import tree as tree_util
+from cfx._src.core import donation, tree as tree_util
 from cfx._src.core.donation import DonatedTensor
 
 
@@ -27,27 +27,29 @@ def argnums(name: str, what: str, nums: int | Sequence[int]) -> tuple[int, ...]:
 class Call:
     """One call's arguments, taken apart."""
 
-    key: Hashable
+    key: Hashable                       # None where the caller asked for no key (an eager call)
     args: tuple                         # as given
     kwargs: dict
     statics: dict[int, Any]             # position -> value
     dynamic: tuple                      # the other positional arguments, in order
     tensors: list[torch.Tensor]         # every tensor leaf of ``dynamic`` and ``kwargs``, in leaf order
-    donated: list[int]                  # positions in ``tensors`` given up to the call
+    donated: Sequence[int]              # positions in ``tensors`` given up to the call
     where: Callable[[int], str]         # "argument 0 leaf 'blocks.0.w'" for a position in ``tensors``
+    storages: list[int] | None = None   # every tensor's storage key (``donation.storage_keys``), if any is donated
 
 
-def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], donate: tuple[int, ...]) -> Call:
-    """Key the call and take its arguments apart; every mistake raises before anything runs."""
+def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], donate: tuple[int, ...],
+          keyed: bool = True) -> Call:
+    """Key the call and take its arguments apart; every mistake raises before anything runs.
+    ``keyed=False``: no key (the per-leaf specs are what an eager call would build for nothing);
+    the checks are the same."""
     n = len(args)
     for what, nums in (("static_argnums", static), ("donate_argnums", donate)):
         for i in nums:
             if not -n <= i < n:
                 raise ValueError(f"cfx.jit({name}): {what}={nums!r} but the call has {n} positional "
                                  "argument(s).")
-    static = {i % n for i in static}
-    donate = {i % n for i in donate}
-    statics = {i: args[i] for i in sorted(static)}
+    statics = {i % n: args[i % n] for i in sorted({i % n for i in static})} if static else {}
     for i, s in statics.items():
         try:
             hash(s)
@@ -56,74 +58,137 @@ def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], dona
                              "hashable; a static argument keys the compiled graph by value. Pass it as a "
                              "dynamic argument (drop it from static_argnums), or make it hashable "
                              "(a tuple, a frozen dataclass).") from None
-    dyn_pos = [i for i in range(n) if i not in static]
-    dyn = (tuple(args[i] for i in dyn_pos), kwargs)
-    parts = [tree_util.flatten(args[i]) for i in dyn_pos] + [tree_util.flatten(kwargs)]  # one walk in all
-    leaves = [x for part, _ in parts for x in part]
-    treedef = tuple(td for _, td in parts)
-    where = _Where(dyn, dyn_pos)
-    donated_leaf, start = set(), 0
-    for i, (part, _) in zip(dyn_pos, parts):
-        if i in donate:
-            donated_leaf.update(range(start, start + len(part)))
-        start += len(part)
-    tensors, donated, consts, specs = [], [], set(), []
+    dynamic = tuple(a for i, a in enumerate(args) if i not in statics) if statics else args
+    parts = [tree_util.flatten(a) for a in dynamic]  # one walk per argument
+    if kwargs:
+        parts.append(tree_util.flatten(kwargs))
+    leaves = parts[0][0] if len(parts) == 1 else [x for part, _ in parts for x in part]
+    treedef = tuple(td for _, td in parts) + (() if kwargs else (_NO_KWARGS,))
+    layout = _layout(n, tuple(statics), donate, treedef)
+    if keyed or not _plain(leaves):
+        tensors, donated, specs, tensor_leaf = _leaves(name, layout, leaves, keyed)
+    else:  # every leaf a plain tensor, nothing to key: the structure says which are donated
+        tensors, donated, specs, tensor_leaf = leaves, layout.donated, None, None
+    where = _Where(layout, tensor_leaf)
+    storages = _check_donated_buffers(name, tensors, donated, where)
+    key = (tuple(statics.items()), treedef, tuple(specs)) if keyed else None
+    return Call(key, args, kwargs, statics, dynamic, tensors, donated, where, storages)
+
+
+def _plain(leaves: list) -> bool:
+    """Every leaf a tensor of the plain class (no DonatedTensor, no constant, no ShardedArray)."""
+    return all(type(x) is torch.Tensor for x in leaves)
+
+
+def _leaves(name: str, layout: "_Layout", leaves: list, keyed: bool) -> tuple:
+    """The tensors among ``leaves`` (raising on leaves jit does not take), the donated ones'
+    positions among them, each leaf's spec (``keyed``) and, where constants shift them, each
+    tensor's leaf index (else None)."""
+    donated_leaf = layout.donated_leaf
+    tensors, donated, specs, tensor_leaf = [], [], [], None
     for k, x in enumerate(leaves):
-        if isinstance(x, DonatedTensor):
-            raise ValueError(f"cfx.jit({name}): {where(k)}: {x._cfx_donated}")
         if isinstance(x, torch.Tensor):
-            if k in donated_leaf:
+            if isinstance(x, DonatedTensor):
+                raise ValueError(f"cfx.jit({name}): {layout.where(k)}: {x._cfx_donated}")
+            if donated_leaf is not None and donated_leaf[k]:
                 donated.append(len(tensors))
+            if tensor_leaf is not None:
+                tensor_leaf.append(k)
             tensors.append(x)
-            specs.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+            if keyed:
+                specs.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
             continue
         if hasattr(type(x), "__cfx_grad_leaf__"):
-            raise ValueError(f"cfx.jit({name}): {where(k)} is a {type(x).__name__}; jit takes tensors. Put the "
-                             "jit inside the sharded program (cfx.shard_map(cfx.jit(f), ...)), where each rank "
+            raise ValueError(f"cfx.jit({name}): {layout.where(k)} is a {type(x).__name__}; jit takes tensors. Put "
+                             "the jit inside the sharded program (cfx.shard_map(cfx.jit(f), ...)), where each rank "
                              "sees its own blocks as tensors.")
         try:
             hash(x)
         except TypeError:
-            raise ValueError(f"cfx.jit({name}): {where(k)} is a {type(x).__name__}, which is neither a tensor "
-                             "nor a hashable constant. Make it a tensor, or pass it through static_argnums.") from None
-        consts.add(k)
-        specs.append(("const", type(x), x))
-    tensor_leaf = [k for k, x in enumerate(leaves) if k not in consts]
-    _check_donated_buffers(name, tensors, donated, lambda i: where(tensor_leaf[i]))
-    key = (tuple(statics.items()), treedef, tuple(specs))
-    return Call(key, args, kwargs, statics, dyn[0], tensors, donated, lambda i: where(tensor_leaf[i]))
+            raise ValueError(f"cfx.jit({name}): {layout.where(k)} is a {type(x).__name__}, which is neither a "
+                             "tensor nor a hashable constant. Make it a tensor, or pass it through "
+                             "static_argnums.") from None
+        if tensor_leaf is None:  # the tensors' leaf indices, once a constant shifts them
+            tensor_leaf = list(range(len(tensors)))
+        if keyed:
+            specs.append(("const", type(x), x))
+    return tensors, donated, specs, tensor_leaf
+
+
+_NO_KWARGS = object()  # the structure of no keyword arguments (none are flattened)
+
+
+class _Layout:
+    """What a call's structure alone decides: which leaves are donated, and each leaf's name for
+    errors (built only for an error). One per structure (``_layout``): a train step calls with
+    the same structure every time, and none of this depends on the leaves' values."""
+
+    def __init__(self, n: int, statics: tuple[int, ...], donate: tuple[int, ...], treedefs: tuple):
+        self.dyn_pos = [i for i in range(n) if i not in statics]
+        self.treedefs = [td for td in treedefs if td is not _NO_KWARGS]
+        donate = {i % n for i in donate}
+        flags, self.owner = [], []  # per leaf: donated?, and its part (a position in dyn_pos, or kwargs)
+        for part, td in enumerate(self.treedefs):
+            flags += [part < len(self.dyn_pos) and self.dyn_pos[part] in donate] * td.num_leaves
+            self.owner += [part] * td.num_leaves
+        self.donated_leaf = flags if any(flags) else None
+        self.donated = tuple(k for k, f in enumerate(flags) if f)  # = positions in tensors, all leaves tensors
+        self.paths: list[str] | None = None
+
+    def where(self, k: int) -> str:
+        """"argument 2 leaf 'blocks.0.w'" for leaf ``k``."""
+        if self.paths is None:
+            self.paths = [tree_util.path_str(a) for td in self.treedefs for a in td.accessors()]
+        part, path = self.owner[k], self.paths[k]
+        if part == len(self.dyn_pos):
+            return f"keyword argument leaf {path!r}"
+        return f"argument {self.dyn_pos[part]} leaf {path or '<root>'!r}"
+
+
+_LAYOUTS: dict[tuple, _Layout] = {}
+
+
+def _layout(n: int, statics: tuple[int, ...], donate: tuple[int, ...], treedefs: tuple) -> _Layout:
+    key = (n, statics, donate, treedefs)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if len(_LAYOUTS) >= 1024:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key] = _Layout(n, statics, donate, treedefs)
+    return layout
 
 
 class _Where:
-    """"argument 2 leaf 'blocks.0.w'" for a leaf index; paths are built only for an error."""
+    """"argument 2 leaf 'blocks.0.w'" for a position in a call's ``tensors``. Holds no tensor:
+    a deleted tensor's message (``donation.delete_all``) keeps it until it is first read."""
 
-    def __init__(self, dyn: tuple, dyn_pos: list[int]):
-        self.dyn, self.dyn_pos, self.paths = dyn, dyn_pos, None
+    def __init__(self, layout: _Layout, tensor_leaf: list[int] | None):
+        self.layout, self.tensor_leaf = layout, tensor_leaf  # None: every leaf is a tensor
 
-    def __call__(self, k: int) -> str:
-        if self.paths is None:
-            self.paths = [p for p, _ in tree_util.flatten_with_path(self.dyn)[0]]
-        head, _, rest = self.paths[k].partition(".")
-        if head == "1":
-            return f"keyword argument leaf {rest!r}"
-        pos, _, leaf = rest.partition(".")
-        return f"argument {self.dyn_pos[int(pos)]} leaf {leaf or '<root>'!r}"
+    def __call__(self, i: int) -> str:
+        return self.layout.where(i if self.tensor_leaf is None else self.tensor_leaf[i])
 
 
-def _check_donated_buffers(name: str, tensors: list, donated: list[int], where) -> None:
+def _check_donated_buffers(name: str, tensors: list, donated: list[int], where) -> list[int] | None:
+    """Raise where a donated tensor requires grad or shares its buffer with another argument's;
+    the tensors' storage keys (None where nothing is donated)."""
     if not donated:
-        return
+        return None
+    keys = donation.storage_keys(tensors)
+    if len(set(keys)) == len(keys) and not any(tensors[i].requires_grad for i in donated):
+        return keys  # no buffer shared, none differentiated: nothing below would raise
     holders: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
-        holders.setdefault(t.untyped_storage()._cdata, []).append(i)
+    for i, key in enumerate(keys):
+        holders.setdefault(key, []).append(i)
     for i in donated:
         if tensors[i].requires_grad:
             raise ValueError(f"cfx.jit({name}): donated {where(i)} requires grad; a donated buffer is "
                              "overwritten by the outputs, so it cannot be differentiated through. Donate "
                              "arguments that are not being differentiated (params between steps, optimizer "
                              "state), or drop them from donate_argnums.")
-        others = [j for j in holders[tensors[i].untyped_storage()._cdata] if j != i]
+        others = [j for j in holders[keys[i]] if j != i]
         if others:
             raise ValueError(f"cfx.jit({name}): donated {where(i)} shares its buffer with {where(others[0])}; "
                              "a buffer can be given up only once, and not while another argument reads it. "
                              "Pass a copy (.clone()) of one of them.")
+    return keys

@@ -65,7 +65,24 @@ def is_abstract(t: Any) -> bool:
     of its values do not apply: they would read values the trace does not have)."""
     if torch.compiler.is_dynamo_compiling():
         return True
+    if type(t) is torch.Tensor and not (_is_functional(t) or _is_functorch_wrapped(t)):
+        return t.is_meta  # a plain tensor (the common case, asked per leaf per step): is_fake's answer is no
     return isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t))
+
+
+# what is_fake unwraps inside a tensor of the plain class (a fake or a FakeTensor subclass is not plain)
+_is_functional = torch._is_functional_tensor
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def any_abstract(ts: list) -> bool:
+    """``any(is_abstract(t) for t in ts)``, a few C-level passes where all are plain tensors."""
+    if torch.compiler.is_dynamo_compiling():
+        return bool(ts)
+    if (all(type(t) is torch.Tensor for t in ts) and not any(map(_is_functional, ts))
+            and not any(map(_is_functorch_wrapped, ts))):
+        return any(t.is_meta for t in ts)
+    return any(map(is_abstract, ts))
 
 
 def _is_array(x: Any) -> bool:
