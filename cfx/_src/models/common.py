@@ -36,20 +36,20 @@ def check_params(where: str, model: Any, params: Any) -> None:
     another structure then fails in the model's ops instead of with this message)."""
     if torch.compiler.is_dynamo_compiling():
         return
-    if tree_util.structure(params) != _params_structure(model):
+    # one walk: cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node,
+    # cfx.lora.attach into a LoraWeight(base, A, B) node, each one weight of the model's structure
+    leaves, treedef = tree_util.flatten(params, is_leaf=is_weight_node)
+    if treedef != _params_structure(model):
         ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=tree_util.is_axes_leaf)
         what = (f"{where}: params differ from {type(model).__name__}.init's structure "
                 "(were they made by a model with another config or layout?)")
-        # cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node, cfx.lora.attach
-        # into a LoraWeight(base, A, B) node
         tree_util.check_same_structure(what, ref, weight_nodes_as_leaves(params))
-    _check_one_float_dtype(where, params)
+    _check_one_float_dtype(where, params, leaves)
 
 
-def _check_one_float_dtype(where: str, params: Any) -> None:
+def _check_one_float_dtype(where: str, params: Any, leaves: list) -> None:
     """ValueError naming the odd leaves if the floating params mix dtypes (quantized weights and LoRA
-    adapters aside)."""
-    leaves = tree_util.leaves(params, is_leaf=is_weight_node)
+    adapters aside); ``leaves`` are ``params``' with those weights as single leaves."""
     dtypes = {x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()}
     if len(dtypes) <= 1:
         return
