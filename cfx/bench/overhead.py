@@ -18,7 +18,10 @@ runs too); the ratios against the ``foreach`` AdamW (torch's default) are report
 - ``jit_vs_compiled_{small,large}``: ``cfx.jit`` (one inductor graph: forward, backward and AdamW,
   donated) over the ``torch.compile``d Module stepping its AdamW eagerly (target <= 1.00);
 - ``jit_speedup_large``: eager cfx over ``cfx.jit`` (target >= 1.2), with compile times and the
-  recompiles over 20 steps (target 0).
+  recompiles over 20 steps (target 0);
+- ``jit_compile_s_vs_torch_compile``: ``cfx.jit(step, compile="blocks")`` (each distinct block
+  compiled once, the rest eager) first call over ``torch.compile(Module)``'s, both cold (inductor's
+  caches off) (target <= 1.5), with its step time beside the whole-graph ``cfx.jit``'s.
 
 Both sides free their gradients at the end of a step (the Module calls ``zero_grad`` after
 ``opt.step()``): where one side keeps a model's worth of gradients alive between steps, the
@@ -34,6 +37,7 @@ on its defaults (a shortened run under ``--quick``, two toy steps under ``--smok
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import NamedTuple
 
@@ -105,6 +109,7 @@ def sides(model, batch: int, seq: int, *, seed: int = 0, compiled: bool = True) 
            "module_foreach": module_side(False, "foreach")}
     if compiled:
         out["jit"] = cfx_side(cfx.jit(step, donate_argnums=0))
+        out["blocks"] = cfx_side(cfx.jit(step, donate_argnums=0, compile="blocks"))
         out["compiled"] = module_side(True)
     return out
 
@@ -143,11 +148,14 @@ def measure(model, batch: int, seq: int, rounds: int, label: str, *,
 
 def _compiled_phase(s: dict[str, Side], t: dict, first: dict, rounds: int, label: str) -> list[Row]:
     """The second phase's rows; adds its times to ``t`` and its first losses to ``first``."""
-    jit_compile, module_compile = _compile(s["jit"]), _compile(s["compiled"])
-    first.update(jit=s["jit"].loss, compiled=s["compiled"].loss)
-    names = ["jit", "compiled", "cfx"]
+    import torch._inductor.config as inductor_config
+
+    with _patched(inductor_config, force_disable_caches=True):  # cold compiles: no side reuses another's kernels
+        jit_compile, module_compile, blocks_compile = (_compile(s[n]) for n in ("jit", "compiled", "blocks"))
+    first.update(jit=s["jit"].loss, compiled=s["compiled"].loss, blocks=s["blocks"].loss)
+    names = ["jit", "compiled", "cfx", "blocks"]
     t2 = dict(zip(names, interleaved_medians([s[n] for n in names], rounds=rounds, warmup=0)))
-    t.update(jit=t2["jit"], compiled=t2["compiled"], cfx_with_compiled=t2["cfx"])
+    t.update(jit=t2["jit"], compiled=t2["compiled"], cfx_with_compiled=t2["cfx"], blocks=t2["blocks"])
     for _ in range(20):
         s["jit"]()
     recompiles = s["jit"].jitted.stats().recompiles  # over every call: the rounds and 20 more steps
@@ -161,7 +169,23 @@ def _compiled_phase(s: dict[str, Side], t: dict, first: dict, rounds: int, label
             jit_compile, "s", f"{module_compile:.1f} s"),
         Row(f"  cfx.jit recompiles after the first compile (rounds + 20 steps, {label})", recompiles, "", "0",
             recompiles == 0),
+        Row(f"jit_compile_s_vs_torch_compile ({label}): cfx.jit(compile='blocks') first call / torch.compile(Module)'s",
+            blocks_compile / module_compile, "x", "<= 1.5", blocks_compile / module_compile <= 1.5),
+        Row(f"  compile='blocks' ({label}): first call / step time over the whole-graph cfx.jit's", blocks_compile,
+            "s", f"step {t['blocks'] / t['jit']:.2f}x cfx.jit's"),
     ]
+
+
+@contextlib.contextmanager
+def _patched(config, **values):
+    old = {k: getattr(config, k) for k in values}
+    for k, v in values.items():
+        setattr(config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(config, k, v)
 
 
 def _cfg(model, batch: int, seq: int) -> str:

@@ -14,6 +14,7 @@ from cfx._src.nn.embedding import Embedding, vocab_parallel_embed
 from cfx._src.nn.lora_weight import is_weight_node, weight_nodes_as_leaves
 from cfx._src.nn.sublayers import keep_sublayers
 from cfx._src.nn.loss import IGNORE_INDEX, cross_entropy, mean_over_sequence, vocab_parallel_cross_entropy
+from cfx._src.transforms.regional import block_apply
 from cfx._src.transforms.shapes import is_abstract
 
 
@@ -178,8 +179,8 @@ class DecoderLM:
         if self.remat_plan is not None:  # the blocks as one chain, under a checkpointing schedule
             return self.remat_plan.run([b.apply for b in self.blocks], params, x,
                                        [dict(mask=mask, key=k, **extra) for k in keys])
-        for block, p, k in zip(self.blocks, params, keys):
-            x = block.apply(p, x, mask=mask, key=k, **extra)
+        for block, p, k in zip(self.blocks, params, keys):  # compiled once each under jit(compile="blocks")
+            x = block_apply(block)(p, x, mask=mask, key=k, **extra)
         return x
 
     def loss(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,

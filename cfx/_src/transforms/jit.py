@@ -50,7 +50,7 @@ from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module, _use_lazy
 
 from cfx._src.core import context, donation
 from cfx._src.core import tree as tree_util
-from cfx._src.transforms import jit_signature as signature, jit_tracing as tracing
+from cfx._src.transforms import jit_signature as signature, jit_tracing as tracing, regional
 from cfx._src.lax import comm
 from cfx._src.mesh import context as ctx_lib
 
@@ -109,7 +109,10 @@ class Jitted:
 
     def __init__(self, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
                  static_argnums: int | Sequence[int] = (), backend: str | Callable = "inductor",
-                 compile: bool = True, verbose: bool = True):
+                 compile: bool | str = True, verbose: bool = True):
+        if compile not in (True, False, "blocks"):
+            raise ValueError(f"cfx.jit: compile must be True (the whole function), 'blocks' (each distinct block "
+                             f"once, the rest eager) or False, got {compile!r}.")
         self.fn = fn
         self.verbose = verbose
         self.name = getattr(fn, "__name__", type(fn).__name__)
@@ -127,9 +130,12 @@ class Jitted:
     # -- calling ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate,
-                               keyed=self.compile)
+                               keyed=self.compile is True)
         if not self.compile:
             return self._eager(call)
+        if self.compile == "blocks":  # regional: the blocks compiled, the rest eager (``regional``)
+            with regional.blocks_compiled(self.backend):
+                return self._eager(call)
         self._check_context()
         entry = self._entry(call)
         first = not entry.traced.is_set()  # this thread compiles it
@@ -274,8 +280,9 @@ class Jitted:
 
         Compiling runs the function once, on copies of the donated arguments: the arguments stay
         usable, and the real call with this signature reuses the compiled graph."""
-        if not self.compile:
-            raise ValueError(f"cfx.jit({self.name}, compile=False) compiles nothing; nothing to lower.")
+        if self.compile is not True:
+            raise ValueError(f"cfx.jit({self.name}, compile={self.compile!r}) compiles no whole graph; nothing "
+                             "to lower.")
         call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate)
         self._check_context()
         entry = self._entry(call)
@@ -340,13 +347,16 @@ class _Recorder:
 
 def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),
         static_argnums: int | Sequence[int] = (), backend: str | Callable = "inductor",
-        compile: bool = True, verbose: bool = True) -> Any:
+        compile: bool | str = True, verbose: bool = True) -> Any:
     """Compile ``fn`` (a pure function of pytrees of tensors) with ``torch.compile``.
 
     ``donate_argnums``: arguments whose buffers the outputs may take (they are deleted after the
     call). ``static_argnums``: hashable arguments the graph is specialised on. ``backend``: any
     ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces the same graph without
-    generating kernels). ``compile=False``: run eagerly with the same donation. ``verbose``: a line
+    generating kernels). ``compile=False``: run eagerly with the same donation; ``compile="blocks"``:
+    run eagerly but compile each distinct block of the models' block loops once (regional
+    compilation, ``cfx._src.transforms.regional``: compile time that does not grow with depth).
+    ``verbose``: a line
     on stderr when a new signature compiles and when it is done (a compile takes seconds to
     minutes; ``False`` silences it). Usable as a decorator, bare or through ``functools.partial``.
     """
