@@ -11,12 +11,16 @@ adapters alone::
         lambda ad: model.loss(cfx.lora.attach(params, ad, config), tokens, targets))(adapters)
 
 ``merge`` / ``unmerge`` fold them into the weights and back; ``save_peft`` / ``load_peft`` write and read
-peft's ``adapter_config.json`` + ``adapter_model.safetensors`` (GPT-2, Llama, OPT).
+peft's ``adapter_config.json`` + ``adapter_model.safetensors`` (GPT-2, Llama, OPT). ``save_diffusers`` /
+``load_diffusers`` write and read the adapters of a Stable Diffusion pipeline's UNet (preset
+``"unet-attn"``) and text encoder (``"attn"``) as diffusers' ``pytorch_lora_weights.safetensors``, which
+``StableDiffusionPipeline.load_lora_weights`` loads.
 """
+from cfx._src.diffusion.lora import load_diffusers, save_diffusers
 from cfx._src.lora.adapters import attach, axes, init, merge, unmerge
 from cfx._src.lora.config import ALL_LINEAR, PRESETS, LoraConfig
 from cfx._src.lora.peft import load_peft, save_peft
 from cfx._src.nn.lora_weight import LoraWeight
 
-__all__ = ["ALL_LINEAR", "LoraConfig", "LoraWeight", "PRESETS", "attach", "axes", "init", "load_peft", "merge",
-           "save_peft", "unmerge"]
+__all__ = ["ALL_LINEAR", "LoraConfig", "LoraWeight", "PRESETS", "attach", "axes", "init", "load_diffusers",
+           "load_peft", "merge", "save_diffusers", "save_peft", "unmerge"]

@@ -43,6 +43,49 @@ def test_reference_is_exact_against_dequantised_math():
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+def plain_autograd_reference(x, q, scale, bias):
+    """The reference's ops recorded by autograd itself (what it ran before its own backward): the
+    int8 weight's floating copy is what ``mm`` saves."""
+    y = torch.mm(x.reshape(-1, q.shape[0]), q.to(x.dtype)).float() * scale
+    y = y if bias is None else y + bias
+    return y.to(x.dtype).view(*x.shape[:-1], q.shape[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_backward_is_autograds_on_the_int8_weight(dtype, bias):
+    """The reference's backward converts the int8 weight again: dx and dbias are the bits autograd
+    gets from the saved floating copy, and what autograd saves is the int8 weight and its scale
+    (K N + 4 N bytes), never a floating (K, N) tensor."""
+    K, N = 96, 80
+    q, scale = quantize_weight(randn(K, N, seed=0))
+    x = randn(3, 7, K, seed=1).to(dtype)
+    b = randn(N, seed=2) if bias else None
+    dy = randn(3, 7, N, seed=3).to(dtype)
+    got = out_and_grads("reference", x, q, scale, b, dy)
+    xr = x.clone().requires_grad_()
+    br = None if b is None else b.clone().requires_grad_()
+    y = plain_autograd_reference(xr, q, scale, br)
+    want = (y.detach(),) + torch.autograd.grad(y, (xr,) if br is None else (xr, br), dy)
+    for name, g, w in zip(["y", "dx", "dbias"], got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel(), t.numel() * t.element_size()))
+        return t
+    for run in (int8_matmul, plain_autograd_reference):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            kwargs = {"impl": "reference"} if run is int8_matmul else {}
+            run(x.clone().requires_grad_(), q, scale, None if b is None else b.clone().requires_grad_(), **kwargs)
+        weight_sized = [s for s in saved if s[0].is_floating_point and s[1] >= K * N]
+        if run is int8_matmul:
+            assert not weight_sized and sum(s[2] for s in saved) == K * N + 4 * N, saved
+        else:  # the check can fail: autograd on the plain ops keeps the (K, N) copy in x's dtype
+            assert weight_sized == [(dtype, K * N, K * N * x.element_size())], saved
+
+
 def test_quantize_weight_is_symmetric_absmax_per_column():
     w = randn(100, 7, seed=0)
     w[:, 3] = 0.0  # an all-zero column

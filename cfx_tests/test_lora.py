@@ -323,3 +323,19 @@ def test_params_with_adapters_pass_the_models_checks():
     bad["blocks"] = attached["blocks"][:1]
     with pytest.raises(ValueError, match=r"missing leaves \['blocks\.1\."):
         model.apply(bad, tokens("llama"))
+
+
+def test_config_parse_reads_a_command_lines_text():
+    parse = cfx.lora.LoraConfig.parse
+    assert parse("r=4,alpha=8") == cfx.lora.LoraConfig(r=4, alpha=8.0)
+    assert parse(" r=2 , targets=unet-attn+*.ff.proj,dropout=0.1,rslora=1", targets=("attn",)) == \
+        cfx.lora.LoraConfig(r=2, targets=("unet-attn", "*.ff.proj"), dropout=0.1, rslora=True)
+    assert parse("r=2", targets=("unet-attn",)).targets == ("unet-attn",)  # a default for keys not given
+    for text, says in [("r=4,r=8", "each KEY once"), ("r4", "expected comma-separated KEY=VALUE"),
+                       ("rank=4", "from \\['alpha', 'dropout', 'r', 'rslora', 'targets'\\]"),
+                       ("r=1.5", "r='1.5' is not a valid r"), ("rslora=yes", "rslora='yes' is not a valid rslora"),
+                       ("alpha=-2", "alpha must be a positive number")]:
+        with pytest.raises(ValueError, match=f"^--lora {text!r}: .*{says}"):
+            parse(text)
+    with pytest.raises(ValueError, match=r"^--adapter: r must be a positive int"):
+        parse("r=0", where="--adapter")

@@ -8,10 +8,10 @@ adapters of rank ``r`` on every attention and MLP Linear (q, k, v apart: the tex
 * ``peak_memory_int8_lora_vs_full_ft``: one training step's peak (the params and optimizer state it
   holds, booked with ``cfx.memory.watch``, plus every op output of forward, backward and the update,
   ``track_ops``) with an int8 base (``cfx.quant``, embeddings kept in fp32) and LoRA, over full
-  fine-tuning's. On CPU the int8 matmul's plain-PyTorch reference keeps each layer's weight
-  converted to the input's dtype for backward (the Triton kernel on CUDA keeps the int8 one), so the
-  activations here include fp32 copies of the Linear weights; ``state_bytes_int8_lora_vs_full_ft``
-  is the held state alone (params, trainable gradients, AdamW state);
+  fine-tuning's. The int8 matmul (its plain-PyTorch reference on CPU, the Triton kernel on CUDA)
+  keeps the int8 weight for backward and converts it again there, so no floating copy of a frozen
+  weight outlives its matmul; ``state_bytes_int8_lora_vs_full_ft`` is the held state alone (params,
+  trainable gradients, AdamW state);
 * step time (forward, backward, AdamW) of LoRA over full fine-tuning, on an fp32 and an int8 base.
 """
 from __future__ import annotations

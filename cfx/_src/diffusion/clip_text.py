@@ -198,7 +198,16 @@ def config_from_hf(hf: Any) -> CLIPTextConfig:
         init_std=float(getattr(hf, "initializer_range", 0.02)))
 
 
-_ATTN = (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj"))
+# each block's Linears: (cfx path under the block, transformers' module under its layer)
+LINEARS = (("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"),
+           ("attn.o", "self_attn.out_proj"), ("mlp.fc", "mlp.fc1"), ("mlp.proj", "mlp.fc2"))
+
+
+def hf_modules(config: CLIPTextConfig, *, prefix: str = "") -> dict[str, str]:
+    """``{cfx Linear path: CLIPTextModel module}`` of every Linear (``blocks.0.attn.q`` ->
+    ``encoder.layers.0.self_attn.q_proj``; ``prefix`` as ``to_hf_state_dict``'s)."""
+    return {f"blocks.{i}.{ours}": f"{prefix}encoder.layers.{i}.{theirs}"
+            for i in range(config.num_hidden_layers) for ours, theirs in LINEARS}
 
 
 def to_hf_state_dict(encoder: CLIPTextEncoder, params: dict, *, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -214,11 +223,10 @@ def to_hf_state_dict(encoder: CLIPTextEncoder, params: dict, *, prefix: str = ""
 
     for i, p in enumerate(params["blocks"]):
         pre = f"{prefix}encoder.layers.{i}."
-        for name, hf_name in _ATTN:
-            put(pre + "self_attn." + hf_name, p["attn"][name])
+        for ours, theirs in LINEARS:
+            parent, _, name = ours.partition(".")
+            put(pre + theirs, p[parent][name])
         put(pre + "layer_norm1", p["norm1"], "scale", "bias", transpose=False)
-        put(pre + "mlp.fc1", p["mlp"]["fc"])
-        put(pre + "mlp.fc2", p["mlp"]["proj"])
         put(pre + "layer_norm2", p["norm2"], "scale", "bias", transpose=False)
     put(prefix + "final_layer_norm", params["ln_f"], "scale", "bias", transpose=False)
     return sd
@@ -237,14 +245,14 @@ def _params_from_state_dict(config: CLIPTextConfig, state_dict: Mapping[str, tor
     params = {"wte": {"w": r.take("embeddings.token_embedding.weight", (config.vocab_size, C))},
               "wpe": {"w": r.take("embeddings.position_embedding.weight", (config.max_position_embeddings, C))},
               "blocks": []}
+    sizes = {**{f"attn.{n}": (C, C) for n in "qkvo"}, "mlp.fc": (C, M), "mlp.proj": (M, C)}  # (in, out)
     for i in range(config.num_hidden_layers):
         pre = f"encoder.layers.{i}."
-        params["blocks"].append({
-            "norm1": norm(pre + "layer_norm1"),
-            "attn": {name: linear(pre + "self_attn." + hf_name, C, C) for name, hf_name in _ATTN},
-            "norm2": norm(pre + "layer_norm2"),
-            "mlp": {"fc": linear(pre + "mlp.fc1", C, M), "proj": linear(pre + "mlp.fc2", M, C)},
-        })
+        block = {"norm1": norm(pre + "layer_norm1"), "attn": {}, "norm2": norm(pre + "layer_norm2"), "mlp": {}}
+        for ours, theirs in LINEARS:
+            parent, _, name = ours.partition(".")
+            block[parent][name] = linear(pre + theirs, *sizes[ours])
+        params["blocks"].append(block)
     params["ln_f"] = norm("final_layer_norm")
     r.finish(ignore=lambda k: k.endswith("embeddings.position_ids"))  # a buffer older checkpoints carry
     return params

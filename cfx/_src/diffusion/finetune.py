@@ -9,6 +9,9 @@ and ``python -m cfx.diffusion.dreambooth`` run.
    (ZeRO, offload, remat per block, precision); a progress bar shows the loss;
 3. ``save``: the pipeline with the trained UNet in diffusers' layout (its tokenizer copied), and the
    train state (params and optimizer, ``Program.save``) for ``resume``.
+
+Under LoRA the model is ``lora_denoiser`` (the adapters of a frozen UNet train) and ``write_lora``
+saves the adapters as diffusers' LoRA file instead of the pipeline.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ import torch
 
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
+from cfx._src.diffusion.lora import save_diffusers
 from cfx._src.diffusion.pipeline import Pipeline, save_pipeline
 from cfx._src.diffusion.train import Denoiser, draw
+from cfx._src.lora.config import LoraConfig
 from cfx._src.precision.quant import floating_dtype
 
 STATE_DIR = "train_state"  # the resumable state inside an output directory
@@ -76,17 +81,22 @@ def batch_at(pipe: Pipeline, data: Encoded, rows: torch.Tensor, key: torch.Tenso
 
 def fine_tune(pipe: Pipeline, plan: Any, tx: Any, batches: Callable[[int], tuple], *, steps: int,
               out: str | None = None, save_every: int = 0, resume: bool = False, progress: bool = True,
-              model: Denoiser | None = None) -> tuple[Any, list[float]]:
-    """``steps`` steps of ``plan`` over ``batches(step) -> batch`` from the pipeline's UNet;
-    ``(the trained UNet params, the losses)``. With ``out``, the pipeline is written there at the end
-    (and every ``save_every`` steps, with the train state); ``resume`` continues from ``out``'s state."""
+              model: Any = None, params: Any = None, write: Callable[[Any, str], None] | None = None,
+              key: torch.Tensor | None = None) -> tuple[Any, list[float]]:
+    """``steps`` steps of ``plan`` over ``batches(step) -> batch`` training ``model`` (default the
+    pipeline UNet's ``Denoiser``) from ``params`` (default the UNet's, as fp32 masters); ``(the trained
+    params, the losses)``. With ``out``, ``write(params, out)`` saves them there at the end (and every
+    ``save_every`` steps, with the train state; default: the pipeline, ``write_pipeline``); ``resume``
+    continues from ``out``'s state. ``key``: step ``s`` draws its dropout from ``fold_in(key, s)``."""
     from tqdm.auto import tqdm
     model = model or Denoiser(pipe.unet, pipe.schedule)
+    write = write or (lambda trained, directory: write_pipeline(pipe, trained, directory))
+    if params is None:  # fp16 weights: fp32 masters
+        params = tree_util.map(lambda x: x.float() if x.is_floating_point() else x, pipe.unet_params)
     plan.check(model)
     with plan.make_mesh() as mesh:
         program = plan.step(model, tx, mesh=mesh)
-        master = tree_util.map(lambda x: x.float() if x.is_floating_point() else x, pipe.unet_params)  # fp16 weights: fp32 masters
-        state, start = program.init_from(master), 0
+        state, start = program.init_from(params), 0
         if resume:
             state, meta = program.load(_state_dir(out), state)
             start = int(meta["step"])
@@ -94,11 +104,11 @@ def fine_tune(pipe: Pipeline, plan: Any, tx: Any, batches: Callable[[int], tuple
 
         def save(step: int, state: Any) -> None:
             program.save(os.path.join(out, STATE_DIR), state, metadata={"step": step})
-            write_pipeline(pipe, program.params(state), out)
+            write(program.params(state), out)
 
         with tqdm(total=steps, initial=start, desc="training", unit="step", disable=not progress) as bar:
             for step in range(start, steps):
-                state, metrics = program(state, batches(step))
+                state, metrics = program(state, batches(step), None if key is None else random.fold_in(key, step))
                 losses.append(float(metrics["loss"]))
                 bar.set_postfix(loss=f"{losses[-1]:.4f}")
                 bar.update(1)
@@ -110,10 +120,24 @@ def fine_tune(pipe: Pipeline, plan: Any, tx: Any, batches: Callable[[int], tuple
     return params, losses
 
 
+def _writes() -> bool:
+    """Whether this process writes the outputs: process 0 where several run."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def write_lora(pipe: Pipeline, config: LoraConfig) -> Callable[[Any, str], None]:
+    """``fine_tune``'s ``write`` for UNet adapters made with ``config``: diffusers' LoRA file
+    (``cfx.lora.save_diffusers``), which ``load_lora_weights`` loads onto ``pipe``'s pipeline."""
+    def write(adapters: Any, out: str) -> None:
+        if _writes():
+            save_diffusers(out, pipe, unet=(adapters, config))
+    return write
+
+
 def write_pipeline(pipe: Pipeline, unet_params: Any, out: str) -> None:
     """``pipe`` with ``unet_params`` in diffusers' layout in ``out``, its tokenizer copied (process 0
     writes where several run)."""
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if not _writes():
         return
     save_pipeline(out, dataclasses.replace(pipe, unet_params=unet_params))
     src = os.path.join(pipe.directory or "", "tokenizer")

@@ -34,8 +34,9 @@ def latent_shape(p: Any, batch: int, height: int, width: int) -> tuple[int, int,
 def sample(p: Any, cond: torch.Tensor, uncond: torch.Tensor | None = None, *, steps: int = 25,
            guidance_scale: float = 7.5, key: torch.Tensor | None = None, height: int | None = None,
            width: int | None = None, latents: torch.Tensor | None = None,
-           progress: Callable[[int], None] | None = None) -> torch.Tensor:
-    """Images ``(B, 3, H, W)`` in ``[0, 1]`` (module doc). ``guidance_scale`` 1 runs the conditional
+           progress: Callable[[int], None] | None = None, decode: bool = True) -> torch.Tensor:
+    """Images ``(B, 3, H, W)`` in ``[0, 1]`` (module doc); ``decode=False``: the final latents ``(B, C,
+    h, w)`` instead (diffusers' ``output_type="latent"``). ``guidance_scale`` 1 runs the conditional
     prediction alone; any other scale steers away from ``uncond`` (the negative prompt's states)."""
     if guidance_scale != 1.0 and uncond is None:
         raise ValueError(f"sample: guidance_scale={guidance_scale} steers away from a negative prompt, but uncond is "
@@ -62,6 +63,8 @@ def sample(p: Any, cond: torch.Tensor, uncond: torch.Tensor | None = None, *, st
         x, _ = ddim_step(p.schedule, out, t, prev, x)
         if progress is not None:
             progress(i)
+    if not decode:
+        return x
     shift = p.vae.config.shift_factor or 0.0
     image = p.vae.decode(p.vae_params, x / p.vae.config.scaling_factor + shift)
     return (image / 2 + 0.5).clamp(0, 1)

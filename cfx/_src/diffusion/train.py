@@ -12,6 +12,10 @@ of those tensors whose rows split over ``data`` (the noise and timesteps are dra
 so every plan computes the same numbers); and the UNet's resnets and transformers as its
 ``blocks``, so ZeRO-3 gathers and remat wrap them one by one and ``tensor_parallel`` splits them
 over a model axis.
+
+``lora_denoiser(unet, schedule, base, config, adapters)`` is the same objective over LoRA adapters
+(``cfx.lora``) of a frozen UNet: a loss function of the adapters alone, whose params, gradients and optimizer
+state are the adapters'. ``frozen_base`` makes that UNet's params fp32, bf16 or int8 (QLoRA's recipe).
 """
 from __future__ import annotations
 
@@ -21,9 +25,16 @@ from typing import Any
 import torch
 
 from cfx._src.core import random
+from cfx._src.core import tree as tree_util
 from cfx._src.diffusion.composite import Composite
 from cfx._src.diffusion.schedulers import Schedule, add_noise, target
+from cfx._src.lora.adapters import attach
+from cfx._src.lora.config import LoraConfig
+from cfx._src.models.function import LossModel
 from cfx._src.nn.sublayers import keep_sublayers
+from cfx._src.precision.quant import quantize
+
+BASES = ("fp32", "bf16", "int8")  # the frozen UNet's weights under LoRA
 
 
 def draw(schedule: Schedule, key: torch.Tensor, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,3 +108,40 @@ class Denoiser(Composite):
                              f"weights) be ({B},); got noise {tuple(noise.shape)}, t {tuple(t.shape)}"
                              f"{''.join(f' and weights {tuple(w.shape)}' for w in batch[4:])} "
                              "(cfx.diffusion.draw makes t and noise).")
+
+
+def frozen_base(unet: Any, params: Any, base: str) -> Any:
+    """``params`` of ``unet`` as LoRA's frozen base: fp32, bf16, or int8 (every Linear and conv weight
+    weight-only int8, per output channel; the norms and biases fp32), detached."""
+    if base not in BASES:
+        raise ValueError(f"frozen_base: base must be one of {BASES}, got {base!r}.")
+    dtype = torch.bfloat16 if base == "bf16" else torch.float32
+    params = tree_util.map(lambda x: x.detach().to(dtype) if x.is_floating_point() else x.detach(), params)
+    return quantize(params, "int8", axes=unet.axes(), min_size=0) if base == "int8" else params
+
+
+class _OnDevice:
+    """A frozen params tree, copied once to each device a step runs on."""
+
+    def __init__(self, params: Any):
+        self.params, self.copies = params, {}
+
+    def on(self, device: torch.device) -> Any:
+        if device not in self.copies:  # x.to(its own device) is x: no copy where the params already are
+            self.copies[device] = tree_util.map(lambda x: x.to(device), self.params)
+        return self.copies[device]
+
+
+def lora_denoiser(unet: Any, schedule: Schedule, base: Any, config: LoraConfig, adapters: Any) -> LossModel:
+    """``denoising_loss`` over LoRA adapters of ``unet`` with the frozen params ``base`` (module doc):
+    ``loss(adapters, latents, text_states, t, noise[, weights], key=)``, ``key`` drawing the adapters'
+    dropout; it starts from ``adapters`` (``cfx.lora.init(unet, config, key)``). A ``cfx.parallel.Plan``
+    trains it over ``data`` (ZeRO, offload, the whole step recomputed under remat)."""
+    frozen = _OnDevice(base)
+
+    def lora_loss(adapters: Any, latents: torch.Tensor, text_states: torch.Tensor, t: torch.Tensor,
+                  noise: torch.Tensor, weights: torch.Tensor | None = None, *, key: Any = None) -> torch.Tensor:
+        params = attach(frozen.on(latents.device), adapters, config, key=key)
+        return denoising_loss(unet, schedule, params, latents, text_states, t, noise, weights)
+
+    return LossModel(lora_loss, params=adapters)

@@ -334,8 +334,13 @@ def _with_keys(tree: Any, fn: Any, path: tuple = ()) -> Any:
         return {k: _with_keys(v, fn, path + (k,)) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_with_keys(v, fn, path + (i,)) for i, v in enumerate(tree)]
-    key = ".".join((_RENAME_FF if i and path[i - 1] == "ff" else _RENAME).get(s, str(s)) for i, s in enumerate(path))
-    return fn(key, path[-1] == "w" and len(tree.shape) == 2, tree)
+    return fn(diffusers_name(path), path[-1] == "w" and len(tree.shape) == 2, tree)
+
+
+def diffusers_name(path: tuple) -> str:
+    """diffusers' dotted name of the cfx params path ``path``, a leaf's or a module's
+    (``("up_blocks", 1, ..., "attn1", "to_out")`` -> ``"up_blocks.1. ... .attn1.to_out.0"``)."""
+    return ".".join((_RENAME_FF if i and path[i - 1] == "ff" else _RENAME).get(s, str(s)) for i, s in enumerate(path))
 
 
 def from_diffusers(module_or_state_dict: Any, config: Any = None) -> tuple[UNet2DCondition, dict]:

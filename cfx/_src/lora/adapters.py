@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from cfx._src.core import random
+from cfx._src.core import tree as tree_util
 from cfx._src.lora.config import LoraConfig, Unit, join, resolve
 from cfx._src.nn.lora_weight import LoraWeight
 from cfx._src.precision.quant import QuantizedWeight
@@ -54,6 +55,22 @@ def place(model: Any, units: list[Unit], make: Callable[[Unit], Any]) -> Any:
     for u in units:
         at.setdefault(u.parent, {})[u.name] = make(u)
     return build(_template(model), at) or {}
+
+
+def units_of(adapters: Any, config: LoraConfig, model: Any, where: str) -> list[Unit]:
+    """The units of ``adapters``, checked to be ``init``'s for ``model`` and ``config`` (ValueError)."""
+    units = resolve(model, config, where)
+    ref = place(model, units, lambda u: {"A": 0, "B": 0 if len(u.members) == 1 else dict.fromkeys(u.members, 0)})
+    tree_util.check_same_structure(f"{where}: adapters (make them with cfx.lora.init(model, config, key)) and "
+                                   "the model's", ref, adapters)
+    return units
+
+
+def adapter_at(adapters: Any, path: str) -> Any:
+    """The ``{"A", "B"}`` adapter at a unit's dotted ``path`` (list positions as numbers)."""
+    for part in path.split("."):
+        adapters = adapters[int(part)] if isinstance(adapters, (list, tuple)) else adapters[part]
+    return adapters
 
 
 def init(model: Any, config: LoraConfig, key: torch.Tensor) -> Any:

@@ -1,7 +1,8 @@
 """``LoraConfig``, and which of a model's Linear weights it adapts (``resolve``: a list of ``Unit``).
 
 A target is a preset name (``PRESETS``, or ``"all-linear"``) or an ``fnmatch`` pattern over the dotted
-path of a Linear weight leaf (``blocks.*.attn.q.w``; the trailing ``.w`` may be left off). A Linear
+path of a Linear weight leaf (``blocks.*.attn.q.w``; the trailing ``.w`` may be left off). The decoders'
+and the CLIP text encoder's attention is ``"attn"``, a diffusion UNet's ``"unet-attn"``. A Linear
 weight is a 2-D ``w`` in a ``{"w"}`` / ``{"w", "b"}`` params dict whose first logical axis is not a
 lookup table's (``"vocab"``, ``"positions"``: embeddings, and so a tied LM head, are not Linears).
 
@@ -25,6 +26,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "attn": ("*.attn.q.w", "*.attn.k.w", "*.attn.v.w", "*.attn.o.w"),
     "qkv": ("*.attn.q.w", "*.attn.k.w", "*.attn.v.w"),
     "mlp": ("*.mlp.*.w",),
+    # diffusers' attention projections (a Stable Diffusion UNet's attn1 / attn2: peft's "to_q", "to_k",
+    # "to_v", "to_out.0"); the CLIP text encoder's are the "attn" preset's
+    "unet-attn": ("*.to_q.w", "*.to_k.w", "*.to_v.w", "*.to_out.w"),
 }
 ALL_LINEAR = "all-linear"  # every Linear weight but the LM head (peft's "all-linear")
 
@@ -60,6 +64,33 @@ class LoraConfig:
         if not ok or len({n for g in self.shared_a for n in g}) != sum(len(g) for g in self.shared_a):
             raise ValueError(f"cfx.lora.LoraConfig: shared_a must be a tuple of disjoint groups of 2 or more "
                              f"sibling Linear names, got {self.shared_a!r} (e.g. shared_a=(('q', 'k', 'v'),)).")
+
+    @classmethod
+    def parse(cls, text: str, *, where: str | None = None, **defaults: Any) -> "LoraConfig":
+        """``"r=4,alpha=8,targets=attn+mlp"`` -> a ``LoraConfig`` (a command line's ``--lora``):
+        comma-separated ``KEY=VALUE``, KEY among ``r``, ``alpha``, ``dropout``, ``targets`` (presets and
+        patterns joined by ``+``) and ``rslora`` (0 or 1), each once; a key not given takes ``defaults``,
+        then the field's default. A ValueError starts with ``where`` (default ``--lora 'TEXT'``)."""
+        where = f"--lora {text!r}" if where is None else where
+        kinds = {"r": int, "alpha": float, "dropout": float, "rslora": lambda v: {"0": False, "1": True}[v],
+                 "targets": lambda v: tuple(v.split("+"))}
+        fields = dict(defaults)
+        seen = set()
+        for part in text.split(","):
+            key, eq, value = (s.strip() for s in part.partition("="))
+            if key not in kinds or not eq or key in seen:
+                raise ValueError(f"{where}: expected comma-separated KEY=VALUE, each KEY once, from {sorted(kinds)} "
+                                 "(e.g. r=4,alpha=4,targets=unet-attn).")
+            seen.add(key)
+            try:
+                fields[key] = kinds[key](value)
+            except (KeyError, ValueError):
+                raise ValueError(f"{where}: {key}={value!r} is not a valid {key} (r: a positive int; alpha, dropout: "
+                                 "numbers; rslora: 0 or 1; targets: presets or patterns joined by +).") from None
+        try:
+            return cls(**fields)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e.args[0].removeprefix('cfx.lora.LoraConfig: ')}") from None
 
     @property
     def scale(self) -> float:

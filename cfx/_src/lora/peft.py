@@ -19,8 +19,7 @@ import torch
 
 from cfx._src.checkpoint.io import write_atomic
 from cfx._src.core import random
-from cfx._src.core import tree as tree_util
-from cfx._src.lora.adapters import place
+from cfx._src.lora.adapters import adapter_at, place, units_of
 from cfx._src.lora.config import LoraConfig, Unit, linear_weights, resolve
 from cfx._src.models.gpt2 import GPT2
 from cfx._src.models.llama import Llama
@@ -63,28 +62,13 @@ def _present(model: Any, where: str) -> dict[str, str]:
             if all(f"{parent(p)}.{n}.w".lstrip(".") in linears for n in p.rpartition(".")[2].split("+"))}
 
 
-def _units_of(adapters: Any, config: LoraConfig, model: Any, where: str) -> list[Unit]:
-    """The units of ``adapters`` (checked to be ``init``'s for ``model`` and ``config``)."""
-    units = resolve(model, config, where)
-    ref = place(model, units, lambda u: {"A": 0, "B": 0 if len(u.members) == 1 else dict.fromkeys(u.members, 0)})
-    tree_util.check_same_structure(f"{where}: adapters (make them with cfx.lora.init(model, config, key)) and "
-                                   "the model's", ref, adapters)
-    return units
-
-
-def _get(tree: Any, path: str) -> Any:
-    for part in path.split("."):
-        tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
-    return tree
-
-
 def save_peft(directory: str | os.PathLike, model: Any, adapters: Any, config: LoraConfig) -> None:
     """Write ``adapters`` (of ``model``, made with ``config``) as a peft LoRA directory (module doc)."""
     from safetensors.torch import save_file
 
     where = "cfx.lora.save_peft"
 
-    units = _units_of(adapters, config, model, where)
+    units = units_of(adapters, config, model, where)
     present = _present(model, where)
     tensors = {}
     for u in units:
@@ -93,7 +77,7 @@ def save_peft(directory: str | os.PathLike, model: Any, adapters: Any, config: L
                     "shared_a=(('q', 'k', 'v'),)." if isinstance(model, GPT2) and u.parent.endswith("attn") else "")
             raise ValueError(f"{where}: the adapter {u.path!r} has no module in peft's layout of "
                              f"{type(model).__name__} (it maps {sorted(present)[:4]} ...).{hint}")
-        unit = _get(adapters, u.path)
+        unit = adapter_at(adapters, u.path)
         Bs = [unit["B"]] if len(u.members) == 1 else [unit["B"][m] for m in u.members]
         key = PREFIX + present[u.path]
         tensors[key + ".lora_A.weight"] = unit["A"].detach().T.contiguous().cpu()  # (r, in)
@@ -135,18 +119,22 @@ def _read_config(directory: str, where: str) -> dict:
                          f"{WEIGHTS}; re-save a .bin adapter with save_pretrained(safe_serialization=True)).")
     with open(path) as f:
         cfg = json.load(f)
+    check_implemented(cfg, f"{where}: the adapter in {directory!r}")
+    return cfg
+
+
+def check_implemented(cfg: dict, what: str) -> None:
+    """ValueError naming the settings of peft's LoRA config ``cfg`` that cfx.lora does not implement."""
     problems = []
-    if cfg.get("peft_type") != "LORA":
+    if cfg.get("peft_type", "LORA") != "LORA":
         problems.append(f"peft_type={cfg.get('peft_type')!r} (cfx reads LORA)")
-    for name in ("use_dora", "modules_to_save", "alpha_pattern", "trainable_token_indices"):
+    for name in ("use_dora", "modules_to_save", "alpha_pattern", "rank_pattern", "trainable_token_indices", "lora_bias"):
         if cfg.get(name):
             problems.append(f"{name}={cfg[name]!r}")
     if cfg.get("bias", "none") != "none":
         problems.append(f"bias={cfg['bias']!r} (trained biases)")
     if problems:
-        raise ValueError(f"{where}: the adapter in {directory!r} has " + "; ".join(problems)
-                         + ", which cfx.lora does not implement.")
-    return cfg
+        raise ValueError(f"{what} has " + "; ".join(problems) + ", which cfx.lora does not implement.")
 
 
 def load_peft(directory: str | os.PathLike, model: Any) -> tuple[LoraConfig, Any]:
@@ -169,7 +157,7 @@ def load_peft(directory: str | os.PathLike, model: Any) -> tuple[LoraConfig, Any
             found.setdefault(by_module[match["module"]], {})[match["ab"]] = f.get_tensor(key)
     config = _config_for(model, cfg, found, where)
     units = resolve(model, config, where)
-    return config, place(model, units, lambda u: _unit_tensors(u, found[u.path], config.r, where))
+    return config, place(model, units, lambda u: unit_from_peft(u, found[u.path], config.r, where))
 
 
 def _config_for(model: Any, cfg: dict, found: dict, where: str) -> LoraConfig:
@@ -190,7 +178,7 @@ def _config_for(model: Any, cfg: dict, found: dict, where: str) -> LoraConfig:
     return config
 
 
-def _unit_tensors(u: Unit, ab: dict[str, torch.Tensor], r: int, where: str) -> dict:
+def unit_from_peft(u: Unit, ab: dict[str, torch.Tensor], r: int, where: str) -> dict:
     """cfx's ``{"A", "B"}`` of one unit from peft's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)``."""
     out_total = sum(u.out_features)
     A, B = ab.get("A"), ab.get("B")
