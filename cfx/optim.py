@@ -16,7 +16,10 @@ never modifies grads, params or the old state. ``sgd``, ``adam`` and ``adamw`` m
 ``torch.optim`` step for step. For fp16, wrap the optimizer in ``dynamic_loss_scale`` and
 differentiate ``scale_loss(loss, state)``. Inside a sharded step, ``with cfx.optim.sharded(...)``
 makes global norms (clipping, LAMB / LARS trust ratios) and inf/nan checks span every rank's part.
+``accumulate(tx, every)`` steps ``tx`` once per ``every`` micro-batches with their mean gradient
+(a batch larger than memory).
 """
+from cfx._src.optim.accumulate import AccumulateState, accumulate
 from cfx._src.optim.alias import adam, adamw, lamb, lars, sgd
 from cfx._src.optim.base import (
     EmptyState,
@@ -59,8 +62,8 @@ from cfx._src.optim.transforms import (
 )
 
 __all__ = [
-    "EmptyState", "GradientTransformation", "LossScaleState", "ScaleByAdamState",
-    "ScaleByScheduleState", "TraceState", "adam", "adamw", "add_decayed_weights", "all_finite",
+    "AccumulateState", "EmptyState", "GradientTransformation", "LossScaleState", "ScaleByAdamState",
+    "ScaleByScheduleState", "TraceState", "accumulate", "adam", "adamw", "add_decayed_weights", "all_finite",
     "apply_gradients", "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "cosine_decay_schedule",
     "dynamic_loss_scale", "global_norm", "identity", "join_schedules", "lamb", "lars",
     "linear_schedule", "loss_scale", "scale", "scale_by_adam", "scale_by_lars",
