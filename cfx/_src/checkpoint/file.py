@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cfx._src.checkpoint import sharded
+from cfx._src.checkpoint import background, sharded
 from cfx._src.checkpoint.io import check_leaves, cpu_unshared, crc32, write_atomic
 from cfx._src.core import tree as tree_util
 from cfx._src.mesh.spec import P
@@ -45,21 +45,33 @@ def _flat_tensors(tree: Any) -> dict[str, torch.Tensor]:
             raise ValueError(f"cfx.checkpoint.save: leaf {path or _ROOT!r} is a {type(x).__name__}, not a "
                              "tensor; keep numeric state as tensors (or pass it as metadata).")
         out[path or _ROOT] = x
-    return cpu_unshared(out)
+    return out
 
 
-def save(path: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
+def save(path: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None = None,
+         async_: bool = False) -> background.PendingSave | None:
     """Write ``tree`` (and JSON-serialisable ``metadata``) to ``path`` atomically: one file, or,
     when ``tree`` holds ShardedArrays, a directory where every process writes its own blocks
-    (``checkpoint_sharded``; every process calls it)."""
-    from safetensors.torch import save_file
-
+    (``checkpoint_sharded``; every process calls it). With ``async_`` it returns once the tensors
+    are copied to host memory and writes them on a background thread (``background``: wait for it
+    with ``PendingSave.wait()`` or ``cfx.checkpoint.wait()``)."""
     if any(isinstance(x, ShardedArray) for x in tree_util.leaves(tree)):
-        return sharded.save(path, tree, metadata=metadata)
+        return sharded.save(path, tree, metadata=metadata, async_=async_)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    background.wait()  # a save in flight (perhaps to this path) is written first
     tensors = _flat_tensors(tree)
+    if not async_:
+        return _write(path, cpu_unshared(tensors), metadata)
+    copies, ready = background.host_copies(tensors)
+    return background.start(lambda: (ready(), _write(path, copies, metadata)), f"to {path!r}")
+
+
+def _write(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any] | None) -> None:
+    from safetensors.torch import save_file
+
+    directory = os.path.dirname(os.path.abspath(path))
     meta = {_META_KEY: json.dumps(metadata or {}),
             _CRC_KEY: json.dumps({k: crc32(t) for k, t in tensors.items()})}
     prefix = f".tmp-{os.path.basename(path)}-{socket.gethostname()}-"
@@ -113,7 +125,9 @@ def load(path: str | os.PathLike, like: Any, *, mesh=None, specs: Any = P()) -> 
     differs from the template's. Tensors land on the template leaves' devices. A sharded
     checkpoint (a directory) loads onto any ``mesh`` with any ``specs`` (ShardedArray leaves of
     ``like`` bring theirs), each process reading only its blocks' slices, or as whole tensors.
+    This process's save in flight, if any, is written first.
     """
+    background.wait()
     if os.path.isdir(path):
         return sharded.load(path, like, mesh=mesh, specs=specs)
     if mesh is not None:
@@ -138,7 +152,9 @@ def load(path: str | os.PathLike, like: Any, *, mesh=None, specs: Any = P()) -> 
 
 def open_stored(path: str | os.PathLike) -> "FileStored | sharded.Stored":
     """The checkpoint at ``path`` opened for reading rectangles of its leaves: a directory's
-    ``sharded.Stored`` or a file's ``FileStored`` (the same interface; a context manager)."""
+    ``sharded.Stored`` or a file's ``FileStored`` (the same interface; a context manager), after
+    this process's save in flight, if any, is written."""
+    background.wait()
     return sharded.Stored(path) if os.path.isdir(path) else FileStored(path)
 
 

@@ -15,6 +15,11 @@ process 0 writes ``index.json`` under a temporary name and renames it into place
 the commit. A save killed before it leaves the previous index -- and the files it names --
 untouched, so the previous checkpoint still loads; the next save removes the dead files.
 
+``save(..., async_=True)`` returns once this process's blocks are copied to host memory
+(``background``); a thread writes the file and listing, and process 0's thread commits once every
+process's listing is there (the processes meet through the files: a collective from the thread
+would race the training step's). One save is in flight per process; the next waits for it.
+
 ``load(directory, like, mesh=, specs=)`` returns ``like``'s structure with each leaf laid out
 by its own ``spec`` on ``mesh`` (ShardedArray leaves of ``like`` bring their own): for each
 block a process addresses, only the overlapping slices of the stored blocks are read (safetensors
@@ -27,13 +32,17 @@ dtype: a ``ValueError`` naming the path, the file and the fix.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import time
 from typing import Any
 
 import torch
 
 from cfx._src.mesh import memory
+from cfx._src.checkpoint import background
 from cfx._src.checkpoint.io import check_leaves, cpu_unshared, crc32, fsync_dir, write_atomic
 from cfx._src.core import tree as tree_util
 from cfx._src.mesh.layout import is_primary
@@ -46,16 +55,18 @@ _ROOT = "<root>"
 
 
 # -- save ------------------------------------------------------------------------------------------
-def save(directory: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
+def save(directory: str | os.PathLike, tree: Any, *, metadata: dict[str, Any] | None = None,
+         async_: bool = False) -> background.PendingSave | None:
     """Write ``tree`` into ``directory`` (module doc): every process calls it (a collective under
-    ``dist``); returns once the checkpoint is committed."""
+    ``dist``); returns once the checkpoint is committed -- or, with ``async_``, once this process's
+    blocks are copied to host memory, the write going on in the background (``PendingSave``)."""
     blocks, leaves = _blocks_to_write(tree, _process()[0])
-    _write(directory, blocks, leaves, metadata)
+    return _write(directory, blocks, leaves, metadata, async_)
 
 
 def save_boxes(directory: str | os.PathLike, leaves: dict[str, tuple[tuple[int, ...], torch.dtype]],
                boxes: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]], *,
-               metadata: dict[str, Any] | None = None) -> None:
+               metadata: dict[str, Any] | None = None, async_: bool = False) -> background.PendingSave | None:
     """``save`` for state that is not one ShardedArray per leaf (a Plan's, in model coordinates):
     ``leaves`` gives every leaf's global shape and dtype (the same on every process), ``boxes``
     the rectangles ``(global offsets, tensor)`` of each leaf that this process writes; together
@@ -63,27 +74,74 @@ def save_boxes(directory: str | os.PathLike, leaves: dict[str, tuple[tuple[int, 
     listing = {path: {"shape": list(shape), "dtype": _dtype_name(dtype)} for path, (shape, dtype) in leaves.items()}
     blocks = {f"{path}#{i}": (path, t, tuple(offsets))
               for path, own in boxes.items() for i, (offsets, t) in enumerate(own)}
-    _write(directory, blocks, listing, metadata)
+    return _write(directory, blocks, listing, metadata, async_)
 
 
-def _write(directory: str | os.PathLike, blocks: dict, leaves: dict, metadata: dict | None) -> None:
-    from safetensors.torch import save_file
-
+def _write(directory: str | os.PathLike, blocks: dict, leaves: dict, metadata: dict | None,
+           async_: bool) -> background.PendingSave | None:
+    """Every process's file and listing, then process 0's commit (module doc). An asynchronous save
+    copies the blocks to host memory and does the rest on a thread, whose processes meet through
+    the files (each waits for the listings, not on a collective, which would race the step's)."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
+    background.wait()  # the save in flight first: the generations follow one another
     process, processes = _process()
-    generation = _current(directory).get("generation", 0) + 1  # every process reads the same index
+    generation = _next_generation(directory)
+    tensors = {key: t for key, (_, t, _) in blocks.items()}
+    offsets = {key: (path, offsets) for key, (path, _, offsets) in blocks.items()}
+    meta = metadata or {}
+    if not async_:
+        _write_files(directory, generation, process, tensors, offsets)
+        _barrier()
+        if process == 0:
+            _commit(directory, generation, processes, leaves, meta)
+        _barrier()
+        return None
+    copies, ready = background.host_copies(tensors)
+
+    def write() -> None:
+        ready()
+        _write_files(directory, generation, process, copies, offsets)
+        if process == 0:
+            _await_listings(directory, generation, processes)
+            _commit(directory, generation, processes, leaves, meta)
+    return background.start(write, f"of generation {generation} to {directory!r}")
+
+
+_started: dict[str, int] = {}  # directory -> the last generation this process started writing there
+
+
+def _next_generation(directory: str) -> int:
+    """One more than the committed index's or the last this process started (an asynchronous save's
+    commit may still be on its way): every process computes the same number."""
+    generation = max(_current(directory).get("generation", 0), _started.get(os.path.abspath(directory), 0)) + 1
+    _started[os.path.abspath(directory)] = generation
+    return generation
+
+
+def _write_files(directory: str, generation: int, process: int, tensors: dict, offsets: dict) -> None:
+    """This process's blocks as one safetensors file, then its listing (the sign it is done)."""
+    from safetensors.torch import save_file
+
     stem = f"g{generation:06d}-p{process:05d}"
-    tensors = cpu_unshared({key: t for key, (_, t, _) in blocks.items()})
+    tensors = cpu_unshared(tensors)
     write_atomic(os.path.join(directory, stem + ".safetensors"), lambda tmp: save_file(tensors, tmp))
-    listing = {key: {"leaf": path, "offsets": list(offsets), "shape": list(t.shape), "crc32": crc32(tensors[key])}
-               for key, (path, t, offsets) in blocks.items()}
+    listing = {key: {"leaf": path, "offsets": list(lo), "shape": list(tensors[key].shape), "crc32": crc32(tensors[key])}
+               for key, (path, lo) in offsets.items()}
     size = os.path.getsize(os.path.join(directory, stem + ".safetensors"))
     write_atomic(os.path.join(directory, stem + ".json"), lambda tmp: _dump(tmp, {"blocks": listing, "bytes": size}))
-    _barrier()
-    if process == 0:
-        _commit(directory, generation, processes, leaves, metadata or {})
-    _barrier()
+
+
+def _await_listings(directory: str, generation: int, processes: int, timeout: float = 1800.0) -> None:
+    """Process 0's writer: wait until every process's listing of ``generation`` is in place."""
+    names = [os.path.join(directory, f"g{generation:06d}-p{p:05d}.json") for p in range(processes)]
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(n) for n in names):
+        if time.monotonic() > deadline:
+            missing = [os.path.basename(n) for n in names if not os.path.exists(n)]
+            raise TimeoutError(f"processes did not finish their part of {directory!r} in {timeout:.0f} s "
+                               f"(missing {missing[:4]}); the previous checkpoint is still the committed one.")
+        time.sleep(0.02)
 
 
 def _blocks_to_write(tree: Any, process: int) -> tuple[dict, dict]:
@@ -128,10 +186,20 @@ def _commit(directory: str, generation: int, processes: int, leaves: dict, metad
     index = {"format": FORMAT, "generation": generation, "files": files, "leaves": leaves, "metadata": metadata}
     write_atomic(os.path.join(directory, INDEX), lambda tmp: _dump(tmp, index))
     fsync_dir(directory)
-    for name in os.listdir(directory):  # earlier generations, killed saves' leftovers, listings
-        if name != INDEX and (name.endswith(".json") or name not in files):
-            if name.startswith("g") or name.startswith(".tmp-"):
+    for name in os.listdir(directory):  # earlier generations, killed saves' leftovers, listings --
+        made = _generation_of(name)     # not a later one's, which another process may be writing
+        if made is not None and made <= generation and name != INDEX and (name.endswith(".json") or name not in files):
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(directory, name))
+
+
+def _generation_of(name: str) -> int | None:
+    """The generation a file of the directory belongs to (``g000003-p00001.json``, or its temporary
+    ``.tmp-g000003-...``), or None for files that are not a save's."""
+    if name.startswith(f".tmp-{INDEX}"):  # a commit cut short (only process 0 commits, one at a time)
+        return 0
+    match = re.match(r"(?:\.tmp-)?g(\d{6})-", name)
+    return int(match.group(1)) if match else None
 
 
 # -- load ------------------------------------------------------------------------------------------

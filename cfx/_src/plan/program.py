@@ -157,11 +157,14 @@ class Program:
         ``device_get(state.opt_state)`` (a checkpoint)."""
         return self._at_home(TrainState(self.layout.put(params), put_tree(opt_state, self.state_specs, self.mesh)))
 
-    def save(self, directory: str, state: TrainState, *, metadata: dict | None = None) -> None:
+    def save(self, directory: str, state: TrainState, *, metadata: dict | None = None, async_: bool = False):
         """``state`` as a sharded checkpoint directory in model coordinates (``plan.saving``): every
         process writes the regions its ranks own and none gathers anything (every process calls it);
-        a ``.safetensors`` path writes one file of whole tensors instead (process 0 writes it)."""
-        self._files.save(directory, state, metadata=metadata)
+        a ``.safetensors`` path writes one file of whole tensors instead (process 0 writes it).
+        ``async_``: return once the regions are copied to host memory; a background thread writes
+        and commits them while training goes on (returns its ``PendingSave``; ``cfx.checkpoint.wait()``
+        waits for it; the next save waits for it first)."""
+        return self._files.save(directory, state, metadata=metadata, async_=async_)
 
     def load(self, directory: str, like: TrainState) -> tuple[TrainState, dict]:
         """``(state, metadata)`` from a checkpoint ``save`` wrote under any plan of this model and

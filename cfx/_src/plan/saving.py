@@ -49,19 +49,20 @@ class StateFiles:
         self._owners: dict[Region, int] | None = None
 
     # -- saving ------------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, state: Any, *, metadata: dict | None = None) -> None:
+    def save(self, path: str | os.PathLike, state: Any, *, metadata: dict | None = None, async_: bool = False):
         """``state`` at ``path``: a directory of every process's regions, or, for a ``.safetensors``
-        path, one file of whole tensors (module doc). Every process calls it."""
+        path, one file of whole tensors (module doc). Every process calls it. With ``async_`` the
+        regions are copied to host memory and written in the background (the ``PendingSave``)."""
         metadata = {**(metadata or {}), "plan": self.plan}
         if os.fspath(path).endswith(".safetensors"):
-            tensors = self.whole(state)
+            tensors = self.whole(state)  # new tensors: the state may change while they are written
             if 0 in self.mesh.local_ranks:  # the process of rank 0 writes
-                checkpoint_file.save(path, tensors, metadata=metadata)
-            return
+                return checkpoint_file.save(path, tensors, metadata=metadata, async_=async_)
+            return None
         boxes: dict[str, list] = {}
         for region, t in self._owned(state):
             boxes.setdefault(region.path, []).extend(_cut(region, t))
-        checkpoint_sharded.save_boxes(path, self.leaves, boxes, metadata=metadata)
+        return checkpoint_sharded.save_boxes(path, self.leaves, boxes, metadata=metadata, async_=async_)
 
     def whole(self, state: Any) -> dict[str, torch.Tensor]:
         """``{path: whole tensor}``: every model-coordinate leaf of ``state``, on the CPU (under

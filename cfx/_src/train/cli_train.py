@@ -35,14 +35,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--data", default=d.data, help="a text file (default: the Python stdlib's source text)")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--save", default=d.save,
-                   help="checkpoint path: FILE.safetensors (whole tensors), or on a --mesh a DIR each process "
-                        "writes its own blocks into; either resumes under any --mesh and strategy, or none")
-    p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--resume", default=d.resume,
-                   help="checkpoint to resume from: any run's (one device, any --mesh and strategy, --auto)")
-    p.add_argument("--stop-after", type=int, default=d.stop_after,
-                   help="stop and save after N steps of this run (resume later with --resume)")
+    _checkpoint_flags(p, d)
     p.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
                    help="sample this many bytes of text at the end (0: none)")
     p.add_argument("--remat", choices=["none", "blocks", "dots", "auto"], default=d.remat,
@@ -95,6 +88,25 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     except ValueError as e:
         p.error(str(e))
     return cfg
+
+
+def _checkpoint_flags(p, d: TrainConfig) -> None:
+    """Where checkpoints go, when, how a run continues from one, and the per-step log."""
+    p.add_argument("--save", default=d.save,
+                   help="checkpoint path: FILE.safetensors (whole tensors), or on a --mesh a DIR each process "
+                        "writes its own blocks into; either resumes under any --mesh and strategy, or none")
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background: the loop waits only for the copy to host memory "
+                        "(one save in flight; the next waits for it; a kill mid-write keeps the previous one)")
+    p.add_argument("--resume", default=d.resume,
+                   help="checkpoint to resume from: any run's (one device, any --mesh and strategy, --auto); "
+                        "'auto': --save's newest committed checkpoint if there is one, else step 0 (for "
+                        "torchrun --max-restarts: a restarted job continues where it was saved)")
+    p.add_argument("--metrics", default=d.metrics,
+                   help="append every step's train loss (and each eval) to this file as JSON lines")
+    p.add_argument("--stop-after", type=int, default=d.stop_after,
+                   help="stop and save after N steps of this run (resume later with --resume)")
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

@@ -29,7 +29,9 @@ class TrainConfig:
     eval_batches: int = 8
     save: str | None = None        # checkpoint path (.safetensors), written at the end
     save_every: int = 0            # also every N steps when > 0
-    resume: str | None = None      # checkpoint to continue from
+    async_save: bool = False       # write checkpoints on a background thread (the loop waits for the host copy)
+    resume: str | None = None      # checkpoint to continue from; "auto": --save's newest, if any
+    metrics: str | None = None     # append every step's losses here as JSON lines (process 0)
     stop_after: int = 0            # stop (and save) after N steps of this run; 0 runs to --steps
     sample_bytes: int = 200        # bytes of text to sample from the trained model at the end
     remat: str = "none"            # none | blocks (nothing_saveable per block) | dots (dots_saveable) | auto
@@ -71,7 +73,11 @@ def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
         (("nvme_dir",), cfg.offload != "nvme", "applies to --offload nvme only"),
         (("sp",), not cfg.mesh, "needs a mesh: --mesh seq=N (ring, ulysses) or --mesh model=N (megatron)"),
         (("save_every",), not cfg.save, "needs --save PATH (where to write the checkpoints)"),
+        (("async_save",), not cfg.save, "needs --save PATH (where to write the checkpoints)"),
     ]
+    if cfg.resume == "auto" and not cfg.save:
+        raise ValueError("--resume auto continues from --save's newest checkpoint: add --save DIR (a restarted job "
+                         "resumes from it, a first launch starts from step 0).")
     if cfg.auto:
         if not cfg.mesh:
             raise ValueError("--auto searches a plan over a mesh: add --mesh, e.g. --mesh data=2,model=2.")

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 from tqdm.auto import tqdm
 
+from cfx._src.checkpoint import background
 from cfx._src.core import random as jr
 from cfx._src.core import tree as tree_util
 from cfx._src.core.text import format_table, printable
@@ -58,8 +59,11 @@ class Run:
     def evaluate(self) -> float:
         return sum(self.program.loss(self.state, x, y) for x, y in self.val_batches) / len(self.val_batches)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> float:
+        """Save at ``step``; the seconds the loop was held (with ``--async-save``, the host copy)."""
+        t0 = time.perf_counter()
         saving.save(self.cfg, self.program, self.state, step, is_main=self.is_main)
+        return time.perf_counter() - t0
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -74,6 +78,8 @@ def _checked(cfg: TrainConfig) -> tuple[TrainConfig, Plan]:
     """The config to run and its plan; every refusal that needs no model comes here."""
     check_flags(cfg)  # a flag the rest would ignore is refused (the CLI checked what it was given)
     cfg, note = launched_config(cfg)
+    cfg, resumed = saving.resume_auto(cfg)
+    note = "\n".join(n for n in (note, resumed) if n)
     if note and int(os.environ.get("RANK", "0") or 0) == 0:
         print(note, file=sys.stderr, flush=True)
     if cfg.threads > 0:
@@ -137,6 +143,7 @@ class Tally:
     tokens: int = 0
     time: float = 0.0                         # seconds in train steps (not eval, not saving)
     ema: float | None = None                  # the train loss's moving average
+    save_time: float = 0.0                    # seconds the loop was held by saves (not their background writes)
 
     def add(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         self.history["train"].append((step + 1, loss))
@@ -155,6 +162,8 @@ def _fit(run: Run) -> Tally:
     bar = tqdm(range(run.start, tally.end), initial=run.start, total=cfg.steps,
                disable=not (cfg.progress and run.is_main), desc=f"{cfg.model}-{cfg.preset}", unit="step",
                mininterval=0.5)
+    log = _metrics_log(cfg, run)
+    log(step=run.start, eval=tally.history["eval"][-1][1])
     for step in bar:
         x, y = data_lib.sample_batch(run.train_data, jr.fold_in(run.k_data, step), cfg.batch, cfg.seq)
         t0 = time.perf_counter()
@@ -163,16 +172,31 @@ def _fit(run: Run) -> Tally:
         if not math.isfinite(loss) and not scaled:
             raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or use --precision fp32.")
         done = step + 1
+        log(step=done, loss=loss)
         if done == tally.end or (cfg.eval_every and done % cfg.eval_every == 0):
             tally.history["eval"].append((done, run.evaluate()))
-        if cfg.save and cfg.save_every and done % cfg.save_every == 0:
-            run.save(done)
+            log(step=done, eval=tally.history["eval"][-1][1])
+        if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done != tally.end:
+            tally.save_time += run.save(done)
         bar.set_postfix(loss=f"{tally.ema:.3f}", eval=f"{tally.history['eval'][-1][1]:.3f}",
                         tok_s=f"{tally.tokens / max(tally.time, 1e-9):,.0f}", refresh=False)
     bar.close()
     if cfg.save:
-        run.save(tally.end)
+        tally.save_time += run.save(tally.end)
+        background.wait()  # the last checkpoint is committed before the run reports it saved
     return tally
+
+
+def _metrics_log(cfg: TrainConfig, run: Run):
+    """``log(**fields)``: a JSON line appended to ``--metrics`` (process 0, flushed each time: a run
+    killed mid-way keeps every line written), or nothing without it."""
+    if not (cfg.metrics and run.is_main):
+        return lambda **fields: None
+
+    def log(**fields) -> None:
+        with open(cfg.metrics, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+    return log
 
 
 def _finish(run: Run, tally: Tally) -> dict[str, Any]:
@@ -186,6 +210,7 @@ def _finish(run: Run, tally: Tally) -> dict[str, Any]:
         "train_loss_last": tally.ema if tally.ema is not None else float("nan"),
         "eval_loss_first": history["eval"][0][1], "eval_loss_last": history["eval"][-1][1],
         "tokens_per_s": tally.tokens / tally.time if tally.time else 0.0, "train_time_s": tally.time,
+        "save_blocked_s": tally.save_time,
         "history": history, "params": run.program.params(run.state),
         "data": cfg.data or "the Python standard library's source text", "threads": torch.get_num_threads(),
         "saved": cfg.save or None,
@@ -270,5 +295,6 @@ def print_summary(s: dict[str, Any]) -> None:
         ("tokens/s (train steps)", f"{s['tokens_per_s']:,.0f}"), ("train time", f"{s['train_time_s']:.1f} s"),
     ]
     if s.get("saved"):
-        rows.append(("saved", f"{s['saved']} (continue with --resume {s['saved']})"))
+        rows.append(("saved", f"{s['saved']} (continue with --resume {s['saved']}; saves held the loop "
+                              f"{s['save_blocked_s']:.2f} s)"))
     print(format_table(rows, ["summary", "value"]), flush=True)

@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 from cfx._src.checkpoint.file import check_writable, open_stored, save as save_file
+from cfx._src.checkpoint.sharded import INDEX
 from cfx._src.core import random as jr
 from cfx._src.core import tree as tree_util
 from cfx._src.optim.base import chain, identity
@@ -76,14 +77,37 @@ def resume(cfg: TrainConfig, program: Any, state: Any, model: Any, shapes: Any) 
 
 
 def save(cfg: TrainConfig, program: Any, state: Any, step: int, *, is_main: bool) -> None:
-    """``state`` at ``step`` to ``--save`` in model coordinates (every process calls it; module doc)."""
+    """``state`` at ``step`` to ``--save`` in model coordinates (every process calls it; module doc);
+    with ``--async-save`` it returns once the state is copied to host memory (``background``)."""
     meta = {"step": step, "config": dataclasses.asdict(cfg)}
     if isinstance(program, Program):  # a directory of every process's regions, or one file
-        program.save(cfg.save, state, metadata=meta)
+        program.save(cfg.save, state, metadata=meta, async_=cfg.async_save)
         return
     out = {"params": program.params(state), "opt_state": device_get(state.opt_state)}  # every process joins
     if is_main:
-        save_file(cfg.save, out, metadata=meta)
+        save_file(cfg.save, out, metadata=meta, async_=cfg.async_save)
+
+
+def resume_auto(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """``--resume auto``: ``(the config with --resume set to --save's committed checkpoint, or unset
+    when there is none yet, a note for the user)``; other configs as they are. Every process sees
+    the same files (nothing writes them before the first step), so all decide alike."""
+    if cfg.resume != "auto":
+        return cfg, None
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    again = f" (torchrun's restart {restart})" if restart else ""
+    if not committed(cfg.save):
+        return (dataclasses.replace(cfg, resume=None),
+                f"note: --resume auto: no committed checkpoint at {cfg.save!r} yet; starting from step 0{again}.")
+    with open_stored(cfg.save) as stored:
+        step = stored.metadata.get("step", "?")
+    return (dataclasses.replace(cfg, resume=cfg.save),
+            f"note: --resume auto: continuing from {cfg.save!r} at step {step}{again}.")
+
+
+def committed(path: str) -> bool:
+    """Whether ``path`` holds a committed checkpoint: a file, or a directory with its index."""
+    return os.path.isfile(os.path.join(path, INDEX)) if os.path.isdir(path) else os.path.isfile(path)
 
 
 def model_state(cfg: TrainConfig, model: Any, shapes: Any) -> dict[str, Any]:
