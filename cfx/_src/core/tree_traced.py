@@ -29,7 +29,7 @@ def _children(x: Any) -> tuple[str, Any, list, list] | None:
     if isinstance(x, dict):
         keys = list(x) if isinstance(x, collections.OrderedDict) else sorted(x)
         return "dict", (t, tuple(keys), tuple(x), getattr(x, "default_factory", None)), [x[k] for k in keys], keys
-    if isinstance(x, tuple) and hasattr(t, "_fields"):
+    if isinstance(x, tuple) and getattr(t, "_fields", None) is not None:  # (torch 2.11 traces no hasattr on a class)
         return "namedtuple", t, list(x), list(t._fields)
     if isinstance(x, (tuple, list)):
         return t.__name__, t, list(x), list(range(len(x)))

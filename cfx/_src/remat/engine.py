@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from cfx._src.core import context, tree as tree_util
 from cfx._src.remat import policies as pol
+from cfx._src.transforms.autodiff import TRACES_GRAD_WITH_FUNC
 from cfx._src.core.text import format_table
 
 _names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> checkpoint name
@@ -242,6 +243,11 @@ def _compiled(f: Callable[..., Any], policy: pol.Policy, args: tuple, kwargs: di
     recomputes, "save" and "offload" save (a compiled graph does not offload). The policy sees
     whether the op is a matmul and its dtype; names and sizes are not known per op here (``name``
     None, ``nbytes`` 0)."""
+    if TRACES_GRAD_WITH_FUNC:
+        raise ValueError(f"cfx.remat inside cfx.jit needs torch 2.12 or later (this is {torch.__version__}, whose "
+                         "compiled gradients go through torch.func, which checkpointing cannot run under); drop "
+                         "the remat policy from the jitted step, or run the step eagerly (cfx.jit(..., "
+                         "compile=False)), where remat works on any torch.")
     contexts = functools.partial(create_selective_checkpoint_contexts, functools.partial(_decide, policy))
     return checkpoint(f, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 

@@ -49,6 +49,11 @@ def _plain_floats(xs: list) -> bool:
 
 _requires_grad = operator.attrgetter("requires_grad")
 
+# torch 2.11's dynamo cannot trace ``requires_grad_`` on a tensor made in the graph (later ones do;
+# ``trace_autograd_ops`` then traces ``torch.autograd.grad``): there ``cfx.jit`` differentiates
+# through ``torch.func`` instead (``_traced``)
+TRACES_GRAD_WITH_FUNC = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+
 
 def _check_scalar(out: Any, fname: str, has_aux: bool) -> torch.Tensor:
     if has_aux:
@@ -85,6 +90,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
             if not -len(args) <= n < len(args):
                 raise ValueError(f"cfx.{fname}: argnums={argnums!r} but the function was called with "
                                  f"{len(args)} positional argument(s).")
+        if TRACES_GRAD_WITH_FUNC and torch.compiler.is_dynamo_compiling():
+            traced = _traced(fun, args, kwargs, nums, has_aux, fname)
+            if traced is not None:
+                out, trees = traced
+                return out, (trees if multi else trees[0])
         args = list(args)
         flat_inputs, treedefs, spans, plain = [], [], [], True
         for n in nums:
@@ -122,6 +132,35 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
         return out, (trees if multi else trees[0])
 
     return wrapped
+
+
+def _traced(fun: Callable[..., Any], args: tuple, kwargs: dict, nums: tuple, has_aux: bool,
+            fname: str) -> tuple[Any, tuple] | None:
+    """``value_and_grad`` as dynamo traces it (``cfx.jit``) on a torch whose dynamo refuses
+    ``requires_grad_`` in the graph (``TRACES_GRAD_WITH_FUNC``): ``torch.func.grad_and_value`` over
+    the differentiated leaves, so that no tensor is made to require grad there; None when a leaf is
+    not a plain floating tensor outside any grad (the general path handles those). torch.func does
+    not run saved-tensor hooks: a remat policy inside ``cfx.jit`` needs torch 2.12 or later."""
+    flat, treedefs, spans = [], [], []
+    for n in nums:
+        xs, treedef = tree_util.flatten(args[n])
+        if not all(type(x) is torch.Tensor and x.is_floating_point() and not x.requires_grad for x in xs):
+            return None
+        spans.append((len(flat), len(flat) + len(xs)))
+        flat.extend(xs)
+        treedefs.append(treedef)
+
+    def of_leaves(*leaves):
+        full = list(args)
+        for n, td, (a, b) in zip(nums, treedefs, spans):
+            full[n] = tree_util.unflatten(td, list(leaves[a:b]))
+        out = fun(*full, **kwargs)
+        return _check_scalar(out, fname, has_aux).reshape(()), out
+
+    if not flat:
+        return fun(*args, **kwargs), tuple(tree_util.unflatten(td, []) for td in treedefs)
+    grads, (_, out) = torch.func.grad_and_value(of_leaves, argnums=tuple(range(len(flat))), has_aux=True)(*flat)
+    return out, tuple(tree_util.unflatten(td, list(grads[a:b])) for td, (a, b) in zip(treedefs, spans))
 
 
 def _detach(x: Any) -> Any:

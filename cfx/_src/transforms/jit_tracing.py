@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import re
 
 import torch
 
@@ -34,9 +35,16 @@ def _observed_value_error(e: Exception) -> str | None:
     cause = e.__cause__
     text = str(cause.args[0]) if cause is not None and cause.args else ""
     prefix = "raised exception ValueError("
-    if not (type(cause).__name__ == "ObservedValueErrorError" and text.startswith(prefix) and text.endswith(")")):
+    if type(cause).__name__ != "ObservedValueErrorError":
         return None
+    if not (text.startswith(prefix) and text.endswith(")")):  # torch 2.11: the message is in the context only
+        said = re.search(r"raised exception ValueError\(\[ConstantVariable\(str: (\".*\"|'.*')\)\]\)", str(e))
+        return _literal(said.group(1)) if said else None
+    return _literal(text[len(prefix):-1])
+
+
+def _literal(text: str) -> str:
     try:
-        return str(ast.literal_eval(text[len(prefix):-1]))
+        return str(ast.literal_eval(text))
     except (ValueError, SyntaxError):
         return text

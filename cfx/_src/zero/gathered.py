@@ -335,12 +335,10 @@ class Gathered:
     def _source(self, own: list[tuple[str, ShardedLeaf]]) -> ShardSource:
         n = lax.axis_size(self.axis)
         layout = GroupLayout(tuple(p for p, _ in own), tuple(x.shape for _, x in own), n)
-        sources = {id(x.source) for _, x in own}
-        if len(sources) != 1:
-            raise ValueError(f"cfx.zero.gathered: the params of one gathered layer come from "
-                             f"{len(sources)} places (pieces and Gemini chunks mixed); pass params "
-                             "made one way.")
         first = own[0][1]
+        if any(x.source is not first.source for _, x in own):  # (identity, not id(): dynamo traces it)
+            raise ValueError("cfx.zero.gathered: the params of one gathered layer come from more than one "
+                             "place (pieces and Gemini chunks mixed); pass params made one way.")
         if first.source is not None:
             return first.source.for_layout(layout, self.axis, [x.piece for _, x in own])
         for (path, x), k in zip(own, layout.pieces):
