@@ -17,7 +17,9 @@ overlap several loaded ones, so the load reads slices. ``cfx.memory`` books the 
   and resumed by ``pipe=2,data=2``: ``plan_save_bytes_vs_model_state`` (shard bytes over the
   single-device state's; 1.00: every element once, ZeRO's padding left out) and
   ``plan_load_extra_bytes_vs_own_state`` (what the load holds beyond the state it reads into,
-  over that state; target: one region read at a time, at most twice the largest block);
+  over that state; target: one region read at a time, at most twice the largest block); the
+  same state written as a ``torch.distributed.checkpoint`` directory (``to_dcp``) and read back
+  into ``pipe=2,data=2`` (``from_dcp``): its bytes over the model state's, and both times;
 * ``async_save_blocking_vs_sync``: the same loop of train steps on ``data=2 zero=3`` with a save
   every 2 steps, once with synchronous saves and once with ``async_=True``: the time the loop is
   held by its saves (the copy to host memory, and any wait for the save before), over the
@@ -125,7 +127,11 @@ def _plan_resume(model) -> list[Row]:
             t0 = time.perf_counter()
             program.save(directory, state)
             save_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            cfx.checkpoint.to_dcp(os.path.join(directory, "dcp"), program, state)
+            dcp_save_s = time.perf_counter() - t0
             del state
+        dcp_bytes = sum(os.path.getsize(os.path.join(directory, "dcp", n)) for n in os.listdir(os.path.join(directory, "dcp")))
         written = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)
                       if n.endswith(".safetensors"))
         shapes = cfx.eval_shape(model.init, cfx.random.key(0))
@@ -140,7 +146,11 @@ def _plan_resume(model) -> list[Row]:
                 program.load(directory, like)
                 load_s = time.perf_counter() - t0
                 extra = mem.peak("host")
+            t0 = time.perf_counter()
+            program.load(cfx.checkpoint.from_dcp(os.path.join(directory, "dcp"), model, tx), like)
+            dcp_load_s = time.perf_counter() - t0
     own, largest = sum(blocks), max(blocks)
+    head = _numel(shapes["wte"]["w"].shape) * 4  # HF's lm_head.weight, tied to wte but a key of its own
     return [
         Row(f"plan_save_bytes_vs_model_state (GPT-2 {model.config.n_layer} layers, data=4 zero=3)",
             written / model_state, "x", "1.00 (+headers < 1%)", 1.0 <= written / model_state < 1.01),
@@ -149,6 +159,11 @@ def _plan_resume(model) -> list[Row]:
         Row("  own state (4 ranks of this process)", own / 2**20, "MiB"),
         Row("  plan save time", save_s, "s"),
         Row("  plan load time", load_s, "s"),
+        Row("dcp_bytes_vs_model_state (to_dcp: HF names, the tied lm_head written too)", dcp_bytes / model_state, "x",
+            f"<= {1 + head / model_state:.3f} (+ the head, + 1 MiB of DCP metadata)",
+            dcp_bytes <= 1.01 * (model_state + head) + 2**20),
+        Row("  to_dcp time (process 0 writes)", dcp_save_s, "s"),
+        Row("  from_dcp + load time (-> pipe=2,data=2)", dcp_load_s, "s"),
     ]
 
 

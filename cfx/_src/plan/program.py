@@ -166,6 +166,12 @@ class Program:
         waits for it; the next save waits for it first)."""
         return self._files.save(directory, state, metadata=metadata, async_=async_)
 
+    def whole(self, state: TrainState) -> dict[str, torch.Tensor]:
+        """``{"params.<path>" / "opt_state.<path>": whole tensor}``: the state in model coordinates
+        as one device holds it, on the CPU of process 0 (a collective under ``dist``: every process
+        calls it; the other processes' tensors are no use)."""
+        return self._files.whole(state)
+
     def load(self, directory: str, like: TrainState) -> tuple[TrainState, dict]:
         """``(state, metadata)`` from a checkpoint ``save`` wrote under any plan of this model and
         optimizer (another mesh, ZeRO stage or pipe axis), read into ``like`` (this program's state,
