@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -78,3 +78,15 @@ def batches(data: torch.Tensor, key: torch.Tensor, batch: int, seq_len: int) -> 
     while True:
         yield sample_batch(data, jr.fold_in(key, i), batch, seq_len)
         i += 1
+
+
+class RunKeys(NamedTuple):
+    init: torch.Tensor      # the params' init
+    data: torch.Tensor      # training batch i: fold_in(data, i)
+    val: torch.Tensor       # eval batch i: fold_in(val, i)
+    dropout: torch.Tensor   # dropout of training step i: fold_in(dropout, i)
+
+
+def run_keys(seed: int) -> RunKeys:
+    """The keys ``python -m cfx.train --seed SEED`` splits its seed into, in its order."""
+    return RunKeys(*jr.split(jr.key(seed), 4))

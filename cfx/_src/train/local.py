@@ -95,3 +95,14 @@ class LocalProgram:
     def sample(self, state: TrainState, prompt: bytes, *, steps: int, key: torch.Tensor, context: int) -> bytes:
         return sample_bytes(self.model, self.policy.cast_to_compute(state.params), prompt, steps=steps, key=key,
                             context=context)
+
+
+def program_for(plan: Any, model: Any, tx: Any, mesh: Any, *, nvme_dir: str | None = None,
+                jit: bool | str = False) -> Any:
+    """One device's program without a mesh, else the plan's (``jit``: each rank's step compiled)."""
+    if mesh is None:
+        if jit:
+            raise ValueError("jit=True compiles a Plan's step on a mesh; give the plan an axis (e.g. 'data=1') "
+                             "or drop jit.")
+        return LocalProgram(plan, model, tx)
+    return plan.step(model, tx, mesh=mesh, nvme_dir=nvme_dir, jit=jit)

@@ -29,7 +29,7 @@ from cfx._src.precision.amp import policy as amp_policy
 from cfx._src.train import data as data_lib
 from cfx._src.train import saving
 from cfx._src.train.config import TrainConfig, check_flags, plan_of
-from cfx._src.train.local import LocalProgram
+from cfx._src.train.local import program_for
 from cfx._src.train.model import build_model, build_optimizer
 from cfx._src.transforms.shapes import eval_shape
 
@@ -95,7 +95,7 @@ def _start(cfg: TrainConfig, plan: Plan, stack: contextlib.ExitStack) -> Run:
     corpus = data_lib.text_file(cfg.data) if cfg.data else data_lib.stdlib_corpus()
     train_data, val_data = data_lib.train_val_split(corpus)
     model = build_model(cfg)
-    k_init, k_data, k_val, k_drop = jr.split(jr.key(cfg.seed), 4)
+    k_init, k_data, k_val, k_drop = data_lib.run_keys(cfg.seed)
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]
     shapes = eval_shape(model.init, k_init)  # the parameter count and a checkpoint's layout
@@ -116,11 +116,9 @@ def program_of(cfg: TrainConfig, plan: Plan, model, mesh) -> Any:
     over the same optimizer (its global-norm clip included: ``build_optimizer``), so that each
     one's state is the same in model coordinates and a checkpoint resumes under any of them."""
     tx = build_optimizer(cfg, model)
-    if mesh is None:
-        return LocalProgram(plan, model, tx)
-    if cfg.auto:  # the searched plan (cfx.autoshard), shown before the first step
+    if cfg.auto and mesh is not None:  # the searched plan (cfx.autoshard), shown before the first step
         return auto_program(cfg, model, tx, mesh)
-    return plan.step(model, tx, mesh=mesh, nvme_dir=cfg.nvme_dir)
+    return program_for(plan, model, tx, mesh, nvme_dir=cfg.nvme_dir)
 
 
 def auto_program(cfg: TrainConfig, model, tx, mesh):

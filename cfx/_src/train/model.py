@@ -49,6 +49,14 @@ def decay_mask(model) -> Any:
     return mask
 
 
+def build_schedule(cfg: TrainConfig):
+    """The learning rate of each optimizer step: ``--warmup`` steps up to ``--lr``, then cosine
+    decay to ``--lr * --min-lr-ratio`` at ``--steps``."""
+    return warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup, cfg.steps),
+        decay_steps=max(cfg.steps, 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
 def build_optimizer(cfg: TrainConfig, model, *, clip_slot: bool = True) -> GradientTransformation:
     """AdamW with warmup + cosine after a global-norm clip (``--grad-clip``), inside fp16's loss
     scaling (the clip sees the unscaled grads). Every program runs this same optimizer -- on a mesh
@@ -57,10 +65,7 @@ def build_optimizer(cfg: TrainConfig, model, *, clip_slot: bool = True) -> Gradi
     ``identity`` under ``--grad-clip 0``: the state's structure depends on the model and the
     precision only. ``clip_slot=False``: the chain without that place, as runs before it saved
     (``saving`` reads their checkpoints)."""
-    schedule = warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup, cfg.steps),
-        decay_steps=max(cfg.steps, 1), end_value=cfg.lr * cfg.min_lr_ratio)
-    parts = [adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(model))]
+    parts = [adamw(build_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask(model))]
     if clip_slot:
         parts.insert(0, clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else identity())
     tx = chain(*parts)
