@@ -7,7 +7,8 @@ its output only: nothing is exchanged outside the collectives the body issues (S
 
 The first mesh of a process initialises the world if nobody has: gloo for CPU tensors and, where
 CUDA is available, NCCL for CUDA tensors in the same groups (torch's ``"cpu:gloo,cuda:nccl"``), each
-process on its ``LOCAL_RANK``'s device (``world_backend``). Closing a mesh releases
+process on its ``LOCAL_RANK``'s device (``world_backend``), each attempt of a job torchrun restarts
+on a rendezvous of its own (``init_world``). Closing a mesh releases
 its groups but leaves the world up for the next mesh, because torch cannot re-initialise a world
 on the same rendezvous store (the second world finds the first one's stale addresses there).
 """
@@ -33,6 +34,21 @@ def world_backend() -> str:
     return "gloo"
 
 
+def init_world(backend: str, timeout: datetime.timedelta) -> None:
+    """The world's process group. Under torchrun's agent store, each attempt of a job that torchrun
+    restarts (``--max-restarts``) rendezvouses under a key prefix of its own: torch keeps the same
+    store across attempts, so the restarted ranks would otherwise read the dead attempt's gloo
+    addresses and time out connecting to them."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    world = int(env["WORLD_SIZE"])
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    attempt = dist.PrefixStore(f"/cfx/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=world, timeout=timeout)
+
+
 class DistBackend:
     name = "dist"
 
@@ -42,7 +58,7 @@ class DistBackend:
             backend = world_backend()
             if "nccl" in backend:  # a process per GPU: its collectives' CUDA tensors live there
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=mesh.timeout))
+            init_world(backend, datetime.timedelta(seconds=mesh.timeout))
         world = dist.get_world_size()
         if world != mesh.size:
             raise ValueError(f"{mesh.shape} needs {mesh.size} ranks but the process group has {world}; "
