@@ -42,3 +42,32 @@ def test_fused_head_loss_equals_the_unfused_loss_and_gradients(name):
     unfused = model.head_loss(params, model.hidden(params, tokens), targets, fused=False)  # the CPU's default
     torch.testing.assert_close(model.loss(params, tokens, targets), unfused)
     torch.testing.assert_close(unfused.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_id_checks_do_not_make_the_host_wait():
+    """On CUDA the token and target checks are device-side assertions: a train step's loss reads
+    nothing back (the launches run ahead of the kernels), and a bad id still stops the run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += str(func) in ("aten._local_scalar_dense.default", "aten.is_nonzero.default")
+            return func(*args, **(kwargs or {}))
+
+    model = cfx.models.gpt2("tiny", n_layer=1, vocab_size=64, n_embd=32, n_head=4, n_positions=16)
+    params = cfx.tree.map(lambda x: x.cuda(), model.init(cfx.random.key(0)))
+    tokens = cfx.random.randint(cfx.random.key(1), (2, 17), 0, 64).cuda()
+    with Syncs() as syncs:
+        loss, _ = cfx.value_and_grad(model.loss)(params, tokens[:, :-1], tokens[:, 1:])
+    assert syncs.n == 0 and torch.isfinite(loss).item()
+    # (a failed device-side assertion poisons the CUDA context, so the bad id runs in a subprocess)
+    import subprocess
+    import sys
+    code = ("import torch, cfx; m = cfx.models.gpt2('tiny', n_layer=1, vocab_size=64, n_embd=32, n_head=4, "
+            "n_positions=16); p = cfx.tree.map(lambda x: x.cuda(), m.init(cfx.random.key(0))); "
+            "t = torch.full((1, 8), 70).cuda(); m.apply(p, t); torch.cuda.synchronize()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "assert" in proc.stderr.lower()

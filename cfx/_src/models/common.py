@@ -100,13 +100,11 @@ def check_inputs(where: str, tokens: Any, mask: Any, *, vocab_size: int, max_len
     if T > max_len:
         raise ValueError(f"{where}: sequence length {T} exceeds {max_len_name}={max_len}. Crop the "
                          f"sequence, or build the model with {max_len_name}>={T}.")
-    if is_abstract(tokens):  # a shape-only run: no ids to check
-        lo, hi = 0, 0
-    else:
+    if not is_abstract(tokens) and not _asserted_on_device(where, "token", tokens, vocab_size):
         lo, hi = (int(v) for v in torch.aminmax(tokens))  # one reduction: cheap next to the forward
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"{where}: token ids must lie in [0, vocab_size={vocab_size}), got ids in "
-                         f"[{lo}, {hi}].")
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{where}: token ids must lie in [0, vocab_size={vocab_size}), got ids in "
+                             f"[{lo}, {hi}].")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (B, T):
             got = (f"dtype {mask.dtype}, shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor)
@@ -115,13 +113,30 @@ def check_inputs(where: str, tokens: Any, mask: Any, *, vocab_size: int, max_len
                              f"(True = real token), got {got}.")
 
 
+def _asserted_on_device(where: str, what: str, ids: torch.Tensor, vocab_size: int, *, ignore: int | None = None
+                        ) -> bool:
+    """On an accelerator, check that ``ids`` (but ``ignore``) lie in ``[0, vocab_size)`` with an
+    asynchronous device-side assertion, and say so (True): reading the range back would make the
+    host wait for the device every step, so the launches could no longer run ahead of the kernels.
+    A bad id still stops the run, with this message in the device's error, never silently. On the
+    CPU, False: the caller reads the range (one cheap reduction) and raises a ValueError."""
+    if ids.device.type == "cpu":
+        return False
+    ok = (ids >= 0) & (ids < vocab_size)
+    if ignore is not None:
+        ok |= ids == ignore
+    torch._assert_async(ok.all(), f"{where}: {what} ids must lie in [0, vocab_size={vocab_size})"
+                        + (f" or be {ignore}" if ignore is not None else ""))
+    return True
+
+
 def check_targets(where: str, tokens: torch.Tensor, targets: Any, *, vocab_size: int) -> None:
     _check_int_2d(where, "targets", targets)
     if targets.shape != tokens.shape:
         raise ValueError(f"{where}: targets shape {tuple(targets.shape)} differs from tokens shape "
                          f"{tuple(tokens.shape)}; targets[b, t] is the token that should follow "
                          "tokens[b, t] (use -100 to ignore a position).")
-    if is_abstract(targets):  # a shape-only run: no ids to check
+    if is_abstract(targets) or _asserted_on_device(where, "target", targets, vocab_size, ignore=IGNORE_INDEX):
         return
     valid = targets[targets != IGNORE_INDEX]
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
