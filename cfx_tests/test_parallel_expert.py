@@ -1,7 +1,8 @@
 """Expert parallelism (``cfx.parallel.expert_parallel``): experts split over an ``expert`` axis, tokens
 sent to their experts' ranks by ``cfx.lax.ragged_all_to_all`` and back. The MoE layer and Mixtral
 (with its load-balancing loss over the whole batch) equal one device in outputs, loss and every
-gradient (fp64), dropless, on 2 and 4 ranks; bad layouts are refused before any collective."""
+gradient (fp64), dropless, on 2 and 4 ranks; split inside its experts over a model axis as well
+(tensor parallelism) too; bad layouts are refused before any collective."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,6 +56,29 @@ def test_mixtral_over_an_expert_axis_equals_one_device(n):
     # the cross-entropy runs in fp32 (cfx's loss): the mean of per-rank means differs in its last bits
     torch.testing.assert_close(cfx.device_get(got), want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cfx.device_get(grads), want_grads, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mesh_shape", [{"model": 2}, {"expert": 2, "model": 2}])
+def test_moe_layer_split_inside_its_experts_equals_one_device(mesh_shape):
+    layer = cfx.nn.MoE(8, 12, 4, top_k=2)
+    p = f64(cfx.tree.map(lambda t: t * 20, layer.init(cfx.random.key(3))))
+    x = cfx.random.normal(cfx.random.key(4), (4, 3, 8)).double()
+    want, want_grads = cfx.value_and_grad(lambda p, x: layer.apply(p, x).pow(2).sum(), argnums=(0, 1))(p, x)
+    split = dataclasses.replace(layer, model_axis="model", expert_axis="expert" if "expert" in mesh_shape else None)
+    rows = "expert" if "expert" in mesh_shape else None
+    with cfx.Mesh(mesh_shape) as mesh:  # each expert's hidden units over model (12 -> 6 per rank)
+        rules = {"mlp": "model", **({"experts": "expert"} if rows else {})}
+        specs = cfx.Rules(rules).specs(layer.axes(), mesh=mesh)
+
+        def body(p, x):
+            local = dataclasses.replace(split, hidden=layer.hidden // 2)
+            out = local.apply(p, x).pow(2).sum()
+            return cfx.lax.psum(out, rows) if rows else out
+        run = cfx.shard_map(body, mesh=mesh, in_specs=(specs, P(rows)), out_specs=P())
+        got, grads = cfx.value_and_grad(run, argnums=(0, 1))(p, x)
+    torch.testing.assert_close(cfx.device_get(got), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cfx.device_get(grads), want_grads, rtol=1e-12, atol=1e-12)
 
 
 def test_ragged_all_to_all_moves_rows_and_their_cotangents_back():

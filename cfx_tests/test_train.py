@@ -160,7 +160,7 @@ def test_fp16_cli_run_prints_the_note(text_file, capsys):
 
 
 def test_mesh_flag_errors(text_file, capsys):
-    assert main(["--mesh", "data=2,expert=2", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
+    assert main(["--mesh", "data=2,experts=2", "--steps", "1", "--data", text_file, "--no-progress"]) == 2
     assert "AXIS=SIZE" in capsys.readouterr().err
     assert main(["--mesh", "pipe=2", "--microbatches", "3", "--steps", "1", "--data", text_file,
                  "--no-progress"]) == 2

@@ -5,7 +5,9 @@ Params as Llama's, with each block's ``mlp`` the experts' ``{"router", "gate", "
 ``loss`` adds ``router_aux_loss_coef`` times the load-balancing loss over all layers (as
 transformers' ``MixtralForCausalLM`` does with ``output_router_logits=True``) and
 ``router_z_loss_coef`` times the router z-loss; ``router_stats`` returns the routing (how many
-rows each expert got, per layer). Weights convert to and from Hugging Face ``MixtralForCausalLM``.
+rows each expert got, per layer). Where the batch's rows are split over mesh axes (``stats_axes``:
+data and expert parallelism) the statistics are summed over them first, so the auxiliary losses
+are the whole batch's, as on one device. Weights convert to and from Hugging Face ``MixtralForCausalLM``.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from cfx._src.lax import collectives as lax
 from cfx._src.models.common import _check_int_2d, check_targets, config_from_preset
 from cfx._src.models.llama import Llama, LlamaConfig
 from cfx._src.nn.block import TransformerBlock
@@ -56,6 +59,7 @@ class Mixtral(Llama):
     """The Mixtral decoder. ``blocks`` defaults to ``n_layer`` ``TransformerBlock``s with ``moe``."""
 
     config: MixtralConfig
+    stats_axes: tuple = ()  # the mesh axes the batch's rows are split over (``expert_parallel``, a Plan)
 
     def __post_init__(self):
         c = self.config
@@ -85,30 +89,36 @@ class Mixtral(Llama):
         Every position counts in the load balance (transformers without an attention mask)."""
         del key
         c = self.config
-        if self.remat_plan is not None or self.seq is not None or self.vocab_axis is not None:
-            raise ValueError("Mixtral.loss: remat=auto schedules, sequence parallelism and tensor parallelism "
-                             "do not carry the routers' statistics yet; train Mixtral with data / expert "
-                             "parallelism, ZeRO and remat=blocks.")
+        if self.remat_plan is not None or self.seq is not None:
+            raise ValueError("Mixtral.loss: remat=auto schedules and sequence parallelism do not carry the routers' "
+                             "statistics yet; train Mixtral with data / expert / tensor parallelism, ZeRO and "
+                             "remat=blocks.")
         where = "Mixtral.loss"
         _check_int_2d(where, "tokens", tokens)
         check_targets(where, tokens, targets, vocab_size=c.vocab_size)
         x, stats = self.router_stats(params, tokens, mask=mask)
         loss = self.head_loss(params, x, targets)
+        if not (c.router_aux_loss_coef or c.router_z_loss_coef):
+            return loss
         total = sum(stats[1:], stats[0])
-        if c.router_aux_loss_coef:
-            loss = loss + c.router_aux_loss_coef * load_balancing_loss(total)
-        if c.router_z_loss_coef:
-            loss = loss + c.router_z_loss_coef * z_loss(total)
-        return loss
+        if self.stats_axes:  # the whole batch's routing, as one device sees it
+            total = total.psum(self.stats_axes)
+        aux = c.router_aux_loss_coef * load_balancing_loss(total) + c.router_z_loss_coef * z_loss(total)
+        # ``loss`` is this rank's rows' (it varies over the batch's axes), ``aux`` the whole batch's (it
+        # does not): JAX pvarys it where the two meet, so the transpose sums every rank's cotangent into
+        # it -- without that a gradient taken on each rank and then averaged over them (a Plan's) would
+        # get 1/n of the auxiliary term's
+        return loss + (lax.pvary(aux, self.stats_axes) if self.stats_axes else aux)
 
     def parts(self) -> Any:
         """Llama's parts protocol, where it loses nothing: pipeline stages do not carry the routers'
         statistics to the loss, so with an auxiliary loss it is refused."""
         c = self.config
         if c.router_aux_loss_coef or c.router_z_loss_coef:
-            raise ValueError("Mixtral: pipeline stages do not carry the routers' statistics to the loss yet; "
-                             "train without the pipe axis, or with router_aux_loss_coef=0 and "
-                             "router_z_loss_coef=0.")
+            raise ValueError("Mixtral: pipeline stages do not carry the routers' statistics to the loss (the load "
+                             "balance is the whole batch's, which no stage sees: the stages run microbatches); "
+                             "train without the pipe axis (data=, expert=, model=, ZeRO, remat=blocks), or with "
+                             "router_aux_loss_coef=0 and router_z_loss_coef=0.")
         return super().parts()
 
     def hf_config(self) -> Any:

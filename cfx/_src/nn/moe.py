@@ -7,12 +7,20 @@ are sorted by expert, each expert's rows run through one grouped matmul per proj
 (``F.grouped_mm``; a padded batched matmul where it does not apply, e.g. fp64), and the weighted
 rows are added back to their tokens in expert order.
 
+``model_axis`` (tensor parallelism, inside ``shard_map``): each expert's hidden units are split over
+that axis (``gate`` / ``up`` by columns, ``down`` by rows, as Megatron's MLP), the rows enter
+through ``pvary`` and the weighted partial outputs are summed with one ``psum``; the router stays
+whole.
+
 ``capacity_factor`` instead gives every expert room for ``ceil(capacity_factor N k / E)`` rows:
 an expert's rows beyond that, in token order, are dropped (their contribution is zero), the same
-tokens every time, and ``RouterStats.dropped`` counts them.
+tokens every time, and ``RouterStats.dropped`` counts them. Where the batch is split over ranks (data or
+expert parallelism) the capacity is each rank's, over its own tokens (GShard's groups), so what is
+dropped is not what one device running the whole batch drops.
 
 ``apply_with_stats`` also returns the router's ``RouterStats`` (how many rows each expert got, the
-sum of its probabilities, the rows, the sum of squared log-partition values), summed over layers
+sum of its probabilities, the rows, the sum of squared log-partition values) over this rank's
+tokens, summed over layers -- and, where the batch is split, over ranks (``RouterStats.psum``) --
 by the model; ``load_balancing_loss`` (Switch / Mixtral, as transformers computes it over all
 layers) and ``z_loss`` (ST-MoE) are functions of the sum.
 """
@@ -44,6 +52,12 @@ class RouterStats(NamedTuple):
     def __add__(self, other: "RouterStats") -> "RouterStats":  # summed over layers
         return RouterStats(*(a + b for a, b in zip(self, other)))
 
+    def psum(self, axis) -> "RouterStats":
+        """Summed over the ranks of mesh ``axis`` (a name or a tuple; the batch's), in one all-reduce."""
+        flat = lax.psum(torch.cat([t.reshape(-1).float() for t in self]), axis)
+        E = self.counts.shape[0]
+        return RouterStats(flat[:E], flat[E:2 * E], flat[2 * E], flat[2 * E + 1], flat[2 * E + 2])
+
 
 def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
     """``E * sum_e f_e P_e``: ``f_e`` the rows routed to expert ``e`` per token, ``P_e`` its mean
@@ -73,6 +87,7 @@ class MoE:
     capacity_factor: float | None = None
     init_std: float = 0.02
     expert_axis: str | None = None  # expert parallelism: the mesh axis the experts are split over
+    model_axis: str | None = None   # tensor parallelism: the axis each expert's hidden units are split over
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.n_experts:
@@ -113,20 +128,25 @@ class MoE:
         counts = torch.bincount(pair_expert, minlength=E)  # (E,)
         keep = self._kept(counts, order.shape[0])
         token = order // k  # (N k,): each sorted row's token
+        # tensor parallelism: Megatron's f into the split hidden units (the router keeps the input whole)
+        xs = (flat if self.model_axis is None else lax.pvary(flat, self.model_axis))[token]  # (N k, C)
         if self.expert_axis is None:
-            out = self._experts(params, flat[token], counts)  # (N k, C)
+            out = self._experts(params, xs, counts)  # (N k, C)
         else:
-            out = self._experts_over_axis(params, flat[token], counts)
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+            out = self._experts_over_axis(params, xs, counts)
+        w = weights.reshape(-1)[order, None]
+        if self.model_axis is not None:  # replicated weights meet each rank's partial rows: their
+            w = lax.pvary(w.to(torch.promote_types(w.dtype, out.dtype)), self.model_axis)  # cotangents summed wide
+        out = out * w.to(out.dtype)
         if keep is not None:
             out = out * keep[:, None].to(out.dtype)
         y = torch.zeros_like(flat).index_add(0, token, out.to(flat.dtype))  # (N, C), in expert order
+        if self.model_axis is not None:  # Megatron's g: the partial sums over the hidden units
+            y = lax.psum(y, self.model_axis)
         dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum().float()
         stats = RouterStats(counts.float(), probs.sum(0), torch.tensor(float(N), device=x.device),
                             torch.logsumexp(logits.float(), -1).pow(2).sum(), dropped)
-        if self.expert_axis is not None:  # every rank's tokens: the statistics of the whole batch
-            stats = RouterStats(*(lax.psum(t, self.expert_axis) for t in stats))
-        return y.view(x.shape), stats
+        return y.view(x.shape), stats  # this rank's tokens' (a model sums them over layers and ranks)
 
     def _kept(self, counts: torch.Tensor, rows: int) -> torch.Tensor | None:
         """Capacity mode: which sorted rows fit their expert's capacity (token order decides)."""

@@ -23,6 +23,7 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.optim.base import chain
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.loss_scale import LossScaleState
+from cfx._src.parallel.expert import expert_parallel, has_experts, tensor_parallel_experts
 from cfx._src.parallel.megatron import tensor_parallel
 from cfx._src.parallel.sequence import SequenceSplit, sequence_parallel
 from cfx._src.parallel.state import state_specs
@@ -50,12 +51,23 @@ def remat_blocks(model: Any, mode: str) -> Any:
 
 def parallel_model(plan, model: Any) -> Any:
     """Steps 1-2 of ``program``'s doc: the sequence split over ``seq`` (ring / Ulysses attention),
-    then every block tensor-parallel over ``model`` (with ``sp=megatron``, Megatron-SP)."""
+    a mixture of experts' experts over ``expert`` and its routers' statistics summed over the batch's
+    axes, then every block tensor-parallel over ``model`` (with ``sp=megatron``, Megatron-SP)."""
     if plan.sp in ("ring", "ulysses"):
         model = sequence_parallel(model, "seq", method=plan.sp)
+    if has_experts(model) and plan.batch_axes:
+        model = expert_parallel(model, "expert" if plan.has("expert") else None, stats_axes=plan.batch_axes)
     if plan.has("model"):
-        model = tensor_parallel(model, "model", sequence=plan.sp == "megatron")
+        model = split_over_model(model, sequence=plan.sp == "megatron")
     return model
+
+
+def split_over_model(model: Any, *, sequence: bool = False, vocab: bool | None = None) -> Any:
+    """``model`` Megatron-split over ``model``: ``tensor_parallel``, or for a mixture of experts
+    ``tensor_parallel_experts`` (each expert's hidden units split; no Megatron-SP, checked by the plan)."""
+    if has_experts(model):
+        return tensor_parallel_experts(model, "model")
+    return tensor_parallel(model, "model", sequence=sequence, vocab=vocab)
 
 
 def sequence_order(plan, length: int) -> torch.Tensor | None:
@@ -145,9 +157,10 @@ def check_model(plan, model) -> None:
             raise ValueError(f"{where}: {type(model).__name__} cannot split its sequence (it has no `seq` field, "
                              "as GPT2, Llama and Bert do); drop seq= from the mesh.")
         _check_ulysses_heads(plan, model, where)
+    _check_experts(plan, model, where)
     if plan.has("model"):
         n = plan.size("model")
-        for block in getattr(tensor_parallel(model, "model"), "blocks", ()):
+        for block in getattr(split_over_model(model), "blocks", ()):
             block.check(n)
         vocab = getattr(hook(model, "config"), "vocab_size", None)
         if plan.sp != "megatron" and vocab is not None and vocab % n:
@@ -159,6 +172,34 @@ def check_model(plan, model) -> None:
             raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
         stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
         make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
+
+
+def _check_experts(plan, model, where: str) -> None:
+    """An expert axis splits the experts of a mixture-of-experts model, each block's over its ranks;
+    what does not carry the routers' statistics yet is refused."""
+    moe = has_experts(model)
+    if plan.has("expert"):
+        n = plan.size("expert")
+        if not moe:
+            raise ValueError(f"{where}: the expert axis splits a mixture of experts' experts; {type(model).__name__} "
+                             "has none (TransformerBlock(moe=...), as cfx.models.mixtral). Drop expert= (or use data=).")
+        for i, b in enumerate(model.blocks):
+            if b.moe is not None and b.moe.n_experts % n:
+                raise ValueError(f"{where}: block {i}'s {b.moe.n_experts} experts do not split over expert={n}; "
+                                 f"use an expert axis size dividing {b.moe.n_experts}.")
+    if not moe:
+        return
+    if plan.has("seq") or plan.sp == "megatron" or plan.remat == "auto":
+        raise ValueError(f"{where}: sequence parallelism (seq=, sp=megatron) and remat=auto do not carry the routers' "
+                         "statistics yet; train a mixture of experts with data / expert / tensor parallelism "
+                         "(model=, sp=none), ZeRO and remat=blocks or dots.")
+    try:
+        if plan.batch_axes:  # its routers' statistics must sum over the batch's axes
+            expert_parallel(model, None, stats_axes=plan.batch_axes)
+        if plan.has("pipe"):  # the stages' parts, if they carry what its loss needs (Mixtral's aux losses)
+            parts_of(model, f"{where} (pipe axis)")
+    except ValueError as e:
+        raise ValueError(e.args[0] if str(e).startswith(where) else f"{where}: {e}") from None
 
 
 def _check_loss_function(plan, model: LossModel, where: str) -> None:

@@ -3,7 +3,9 @@
     Plan.parse("pipe=2,data=2,model=2 zero=2 remat=blocks microbatches=4")
 
 The text is whitespace-separated groups of comma-separated ``key=value`` pairs; a key that is a
-mesh axis (``pipe``, ``data``, ``seq``, ``model``) sets that axis's size, in the order given.
+mesh axis (``pipe``, ``data``, ``expert``, ``seq``, ``model``) sets that axis's size, in the order
+given. ``expert`` splits a mixture of experts' experts, and the batch's rows with ``data`` (the
+peers' expert parallelism folded into data parallelism).
 ``sp=`` names the sequence parallelism: ``ring`` (the default with a ``seq`` axis) or ``ulysses``
 over ``seq``, or ``megatron`` over ``model`` (Megatron-SP, no ``seq`` axis).
 ``remat=auto:512MiB`` / ``offload=auto:64MiB`` carry their budgets. ``str(plan)`` writes the
@@ -17,7 +19,7 @@ from typing import Any, Mapping
 
 from cfx._src.core.text import format_bytes, parse_bytes
 
-AXES = ("pipe", "data", "seq", "model")
+AXES = ("pipe", "data", "expert", "seq", "model")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "host", "nvme", "auto")
 REMATS = ("none", "blocks", "dots", "auto")
@@ -95,6 +97,11 @@ class PlanConfig:
         return axis in self.mesh_shape
 
     @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch's rows are split over: ``data`` and ``expert`` (each rank's own rows)."""
+        return tuple(a for a in ("data", "expert") if self.has(a))
+
+    @property
     def default_sp(self) -> str:
         return "ring" if self.has("seq") else "none"
 
@@ -155,7 +162,7 @@ class PlanConfig:
     def check_batch(self, rows: int, length: int | None = None) -> None:
         """ValueError unless a global batch of ``rows`` splits over ``data`` and then into the
         pipeline's microbatches, and sequences of ``length`` over the sequence axis."""
-        data = self.size("data")
+        data = self.size("data") * self.size("expert")  # the rows split over both
         axis = self.sequence_axis
         if length is not None and axis is not None:
             n = self.size(axis)
@@ -166,7 +173,8 @@ class PlanConfig:
                                  f"use a length that is a multiple of {step}, padding the rest with masked "
                                  "positions (targets -100).")
         if rows % data:
-            raise ValueError(f"Plan {str(self)!r}: the batch of {rows} rows does not split over data={data}; "
+            over = " x ".join(f"{a}={self.size(a)}" for a in self.batch_axes)
+            raise ValueError(f"Plan {str(self)!r}: the batch of {rows} rows does not split over {over}; "
                              f"use a multiple of {data}.")
         if self.has("pipe") and (rows // data) % self.microbatches:
             raise ValueError(f"Plan {str(self)!r}: each data rank's {rows // data} rows do not split into "

@@ -27,6 +27,7 @@ from cfx._src.core.text import format_table
 from cfx._src.zero.flat import piece_size
 from cfx._src.zero.offload import gather_groups
 from cfx._src.models.parts import hook
+from cfx._src.parallel.expert import has_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,10 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
             raise ValueError(f"Plan {str(plan)!r}: describe(batch=) rehearses a token model's step on (rows, seq); "
                              f"{type(model).__name__} takes a batch of its own. Drop batch= (the model state's "
                              "bytes are still described), or measure its step with cfx.memory.track(ops=True).")
+        if has_experts(model):
+            raise ValueError(f"Plan {str(plan)!r}: describe(batch=) rehearses the step on shapes, and a mixture of "
+                             "experts' routing sizes its expert batches from the data. Drop batch= (the model "
+                             "state's bytes are still described), or measure a step with cfx.memory.track(ops=True).")
         rows, seq = batch
         plan.check_batch(rows, seq)
         program = Program(plan, model, tx if tx is not None else adamw(1e-3), mesh)

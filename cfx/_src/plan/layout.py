@@ -2,9 +2,10 @@
 
 Specs come from the model's logical axes (``model.axes()``) through rules: Megatron's
 ``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` -> ``model`` when the mesh has a model axis
-(``vocab`` stays whole under Megatron-SP), all else replicated; batches split their rows over
-``data`` and, with sequence parallelism, their positions over ``seq`` (``model`` for Megatron-SP). Without a pipe axis the stored tree *is*
-the model's params tree.
+(``vocab`` stays whole under Megatron-SP), a mixture of experts' ``experts`` -> ``expert``
+(``EXPERT_RULES``), all else replicated; batches split their rows over ``data`` (and ``expert``)
+and, with sequence parallelism, their positions over ``seq`` (``model`` for Megatron-SP). Without
+a pipe axis the stored tree *is* the model's params tree.
 
 With a pipe axis of ``p`` ranks and ``v`` virtual stages per rank, each stage runs ``k`` of the
 ``L`` blocks (``L = p * v * k``) and a rank must hold only its own stages' blocks. The stored
@@ -36,6 +37,7 @@ from cfx._src.spmd.init_sharded import init_sharded
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.layout import block_shape, check_spec
 from cfx._src.mesh.spec import P, is_spec
+from cfx._src.parallel.expert import EXPERT_RULES
 from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.parallel.rules import Rules
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
@@ -54,7 +56,8 @@ class Layout:
         self.cfg, self.mesh = cfg, mesh
         tp = cfg.has("model")
         split = {k: "model" for k in MEGATRON_RULES if tp and not (k == "vocab" and cfg.sp == "megatron")}
-        self.rules = Rules({"batch": "data" if cfg.has("data") else None, "length": cfg.sequence_axis, **split})
+        experts = EXPERT_RULES if cfg.has("expert") else {}
+        self.rules = Rules({"batch": cfg.batch_axes or None, "length": cfg.sequence_axis, **split, **experts})
         self.model_shapes = eval_shape(model.init, random.key(0))
         self.model_specs = self._model_specs(model, mesh)
         # tokens (B, T): the sequence split too; a model may name its batch's axes (a Denoiser's: rows)

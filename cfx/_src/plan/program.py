@@ -6,7 +6,11 @@ runtime already has:
 1. sequence parallelism (``seq`` axis): each rank holds ``T/N`` positions of every sequence
    and attention gathers the rest (``sp=ring``: keys and values round the ring, positions in
    zigzag order; ``sp=ulysses``: all-to-alls between a sequence and a head split);
-2. tensor parallelism: every block Megatron-split over ``model``, the vocabulary too (with
+2. expert parallelism (``expert`` axis): a mixture of experts' experts split over it, the batch's rows
+   split over it as over ``data``, each token sent to its experts' ranks and back; the routers'
+   statistics summed over the batch's axes (the whole batch's load balance), each rank's gradient
+   averaged over ``expert`` (``expert_grads``); then tensor parallelism: every block Megatron-split
+   over ``model``, the vocabulary too (with
    ``sp=megatron``: Megatron-SP, the sequence split over ``model`` between the blocks' matmuls,
    the vocabulary whole); the gradients of what the sequence split replicates are summed;
 3. ZeRO-3 (``zero=3``): each block, then the rest of the model, gathered just before use;
@@ -54,12 +58,12 @@ from cfx._src.models.parts import hook, parts_of
 from cfx._src.optim.base import apply_gradients
 from cfx._src.optim.loss_scale import loss_scale
 from cfx._src.optim.reduction import sharded
-from cfx._src.parallel.megatron import tensor_parallel
+from cfx._src.parallel.expert import expert_grads, expert_parallel
 from cfx._src.parallel.sequence import sequence_grads
 from cfx._src.parallel.state import tree_pmean
 from cfx._src.pipeline.executor import pipeline
 from cfx._src.plan.build import (check_jit, check_mesh, check_model, free_device_bytes, make_optimizer, make_placement,
-                                 make_schedule, parallel_model, sequence_order, wrap_blocks)
+                                 make_schedule, parallel_model, sequence_order, split_over_model, wrap_blocks)
 from cfx._src.plan.layout import Layout, put_tree
 from cfx._src.plan.saving import StateFiles
 from cfx._src.remat.plan import solve as solve_remat
@@ -239,12 +243,13 @@ class Program:
         loss, grads = self._loss_and_grads(local, batch, key, scale)
         _watch(grads, "grad", "device" if self.home == "device" else "host")
         if self.layout.zero3:  # grads are already reduce-scattered pieces; update this rank's view
-            loss = lax.pmean(loss, "data")
+            loss = lax.pmean(loss, self.plan.batch_axes)
             with donation.donated(tree_util.leaves(grads)):
                 new, opt_state = apply_gradients(self.opt, grads, opt_state, local)
             return TrainState(self.layout.stack_local(new.pieces), opt_state), loss
+        if self.plan.batch_axes:
+            loss = lax.pmean(loss, self.plan.batch_axes)
         if self.plan.has("data"):
-            loss = lax.pmean(loss, "data")
             if not self.plan.zero:  # plain data parallel: one flat all-reduce (ZeRO reduce-scatters)
                 grads = tree_pmean(grads, "data")
         on = local if self.layout.opt_on_local else params  # what the optimizer steps
@@ -266,7 +271,7 @@ class Program:
         if self.plan.offload == "none":  # (a compiled step reads nothing of its rank here)
             return self._run(local, batch, key, scale, self.policy.cast_to_compute)
         placement = self.placement_of(current_or_none().rank)
-        agree = [a for a in ("data", "seq", "model") if self.plan.has(a)]  # ranks that run the same accesses
+        agree = [a for a in ("data", "expert", "seq", "model") if self.plan.has(a)]  # ranks that run the same accesses
         with placement.step(local, agree=lambda v: lax.pmax(v, tuple(agree)) if agree else v):
             # the chunk copies are cast to the compute dtype; the pieces stay as stored
             return self._run(local, batch, key, scale, placement.tree)
@@ -287,7 +292,8 @@ class Program:
                 return (loss if scale is None else loss * scale), loss
             grad_fn = self.opt.value_and_grad if self.layout.zero3 else value_and_grad
             (_, loss), grads = grad_fn(scaled, has_aux=True)(local)
-        return loss, self._sum_sequence_shares(tree_util.map(lambda g, p: g.to(p.dtype), grads, local))
+        grads = self._sum_sequence_shares(tree_util.map(lambda g, p: g.to(p.dtype), grads, local))
+        return loss, self._mean_over_experts(grads)
 
     def _sum_sequence_shares(self, grads: Any) -> Any:
         """Each rank's gradient covers its own positions: summed over the sequence axis for every
@@ -300,6 +306,16 @@ class Program:
         summed = sequence_grads(pieces, self.layout.local_specs if axis == "model" else P(), axis)
         return ZeroParams(summed, grads.shapes, grads.n) if isinstance(grads, ZeroParams) else summed
 
+    def _mean_over_experts(self, grads: Any) -> Any:
+        """Each expert rank's gradient covers its own rows: averaged over ``expert`` for every leaf it
+        replicates; the experts' own, which the exchange's transpose summed over every rank's rows,
+        divided by its size (``expert_grads``)."""
+        if not self.plan.has("expert"):
+            return grads
+        pieces = grads.pieces if isinstance(grads, ZeroParams) else grads
+        mean = expert_grads(pieces, self.layout.local_specs, "expert")
+        return ZeroParams(mean, grads.shapes, grads.n) if isinstance(grads, ZeroParams) else mean
+
     # -- eval and sampling, sharded like the step ------------------------------------------------
     def _eval_loss(self, params, batch):
         local = self.policy.cast_to_compute(self.layout.local_view(params))
@@ -308,7 +324,7 @@ class Program:
         else:
             with torch.no_grad():
                 loss = self.eval_model.loss(local, *batch)
-        return lax.pmean(loss, "data") if self.plan.has("data") else loss
+        return lax.pmean(loss, self.plan.batch_axes) if self.plan.batch_axes else loss
 
     def loss(self, state: TrainState, *batch: torch.Tensor) -> float:
         """The model's loss on a global batch (``tokens, targets``, or a ``check_train_batch`` model's;
@@ -337,7 +353,8 @@ class Program:
         gathers the vocabulary-parallel logits); under a pipe axis each rank first gathers the other
         stages' blocks (inference only)."""
         tp = self.plan.has("model") and self.plan.sp != "megatron"  # the vocabulary split over model
-        model = tensor_parallel(self.model, "model", vocab=tp) if self.plan.has("model") else self.model
+        model = expert_parallel(self.model, "expert", stats_axes=()) if self.plan.has("expert") else self.model
+        model = split_over_model(model, vocab=tp) if self.plan.has("model") else model
         policy = self.policy
 
         def body(params):
