@@ -68,8 +68,11 @@ class TensorParallelBlock:
                                  f"{what}={size} is not divisible by {n}; use a mesh axis size dividing it.")
 
     def _local_layers(self, n: int) -> dict:
-        """The block's sublayers as one rank of ``n`` runs them (made once per ``n``)."""
-        local = self._local_by_n.get(n)
+        """The block's sublayers as one rank of ``n`` runs them (made once per ``n``; made afresh
+        while torch.compile traces, which would otherwise guard on the cache's contents and
+        recompile once it fills -- torch 2.11 does)."""
+        compiling = torch.compiler.is_dynamo_compiling()
+        local = None if compiling else self._local_by_n.get(n)
         if local is None:
             self.check(n)
             layers = self.block._layers()
@@ -78,7 +81,8 @@ class TensorParallelBlock:
                      "attn": dataclasses.replace(attn, n_heads=attn.n_heads // n,
                                                  n_kv_heads=attn.kv_heads // n, head_dim=attn.dim),
                      "mlp": dataclasses.replace(mlp, hidden=mlp.hidden // n)}
-            self._local_by_n[n] = local
+            if not compiling:
+                self._local_by_n[n] = local
         return local
 
     def apply(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
