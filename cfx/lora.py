@@ -15,12 +15,19 @@ peft's ``adapter_config.json`` + ``adapter_model.safetensors`` (GPT-2, Llama, OP
 ``load_diffusers`` write and read the adapters of a Stable Diffusion pipeline's UNet (preset
 ``"unet-attn"``) and text encoder (``"attn"``) as diffusers' ``pytorch_lora_weights.safetensors``, which
 ``StableDiffusionPipeline.load_lora_weights`` loads.
+
+For tensor and pipeline parallelism the adapters over a frozen base are a model of their own:
+``lora_model(model, config, frozen)`` (a ``LoraModel``) has the adapters for params, each ``A`` split
+like its base weight's input dim and ``B`` like its output under a ``model`` axis, each block attaching
+its own frozen block, so any Plan trains it (``python -m cfx.train --lora`` does).
 """
 from cfx._src.diffusion.lora import load_diffusers, save_diffusers
 from cfx._src.lora.adapters import attach, axes, init, merge, unmerge
 from cfx._src.lora.config import ALL_LINEAR, PRESETS, LoraConfig
+from cfx._src.lora.model import LoraModel
 from cfx._src.lora.peft import load_peft, save_peft
 from cfx._src.nn.lora_weight import LoraWeight
+from cfx._src.train.model import lora_model
 
-__all__ = ["ALL_LINEAR", "LoraConfig", "LoraWeight", "PRESETS", "attach", "axes", "init", "load_diffusers",
-           "load_peft", "merge", "save_diffusers", "save_peft", "unmerge"]
+__all__ = ["ALL_LINEAR", "LoraConfig", "LoraModel", "LoraWeight", "PRESETS", "attach", "axes", "init",
+           "load_diffusers", "load_peft", "lora_model", "merge", "save_diffusers", "save_peft", "unmerge"]

@@ -7,6 +7,10 @@ dtype or a ``QuantizedWeight`` (int8: QLoRA's recipe with cfx's int8); ``A`` ``(
 ``(r, out)`` keep their own dtype (fp32 next to a bf16 base): the input is cast to it for the
 adapter's path and the sum rounds once to the base path's dtype, as peft does.
 
+``x @ w`` with a ``LoraWeight`` ``w`` is the same sum (``__rmatmul__``, without a bias): what code that
+multiplies by a Linear's weight itself runs, e.g. Megatron's row-parallel output projections, where
+each rank's ``x`` and ``A`` are its share of the input dim and the sum over ranks completes both terms.
+
 A pytree node: its children are ``base``, ``A``, ``B`` and the dropout ``key`` (paths ``....w.base``,
 ``....w.A``, ...; ``key=None`` is an empty subtree, no dropout); ``scale`` and the dropout ``rate`` are
 static. ``weight_nodes_as_leaves`` shows a params tree holding such nodes (and ``QuantizedWeight`` s)
@@ -22,6 +26,7 @@ import torch
 from cfx._src.core import tree as tree_util
 from cfx._src.nn.dropout import dropout
 from cfx._src.precision.quant import QuantizedWeight
+from cfx_kernels.int8_matmul import int8_matmul
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,6 +52,13 @@ class LoraWeight:
         if self.key is not None and self.rate:
             h = dropout(h, self.rate, self.key)
         return ((h @ self.A) @ self.B) * self.scale  # (..., r) -> (..., out), peft's order of operations
+
+    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ (base + scale * A @ B)`` as ``x @ base + delta(x)``, as ``Linear.apply`` runs it
+        (dropout included); (..., in) -> (..., out) in the base product's dtype."""
+        base = self.base
+        y = int8_matmul(x, base.q, base.scale) if isinstance(base, QuantizedWeight) else x @ base
+        return (y + self.delta(x)).to(y.dtype)
 
     def merged(self, sign: float = 1.0) -> torch.Tensor:
         """``base + sign * scale * A @ B`` in ``base``'s dtype (computed in the wider of the two)."""

@@ -2,6 +2,7 @@
 
     python -m cfx.train --model gpt2 --preset tiny --steps 300 --precision bf16
     python -m cfx.train --mesh pipe=2,data=2,model=2 --zero 1 --remat blocks --save run/
+    python -m cfx.train --lora r=8,alpha=16,targets=attn --lora-base int8 --init-from run/ --mesh model=2
 
 The flags are ``TrainConfig``'s fields; one that the others would make ignored is refused here,
 before anything runs (``check_flags``). The run shows a progress bar and prints its summary.
@@ -36,6 +37,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     _checkpoint_flags(p, d)
+    _lora_flags(p, d)
     p.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
                    help="sample this many bytes of text at the end (0: none)")
     p.add_argument("--remat", choices=["none", "blocks", "dots", "auto"], default=d.remat,
@@ -107,6 +109,20 @@ def _checkpoint_flags(p, d: TrainConfig) -> None:
                    help="append every step's train loss (and each eval) to this file as JSON lines")
     p.add_argument("--stop-after", type=int, default=d.stop_after,
                    help="stop and save after N steps of this run (resume later with --resume)")
+
+
+def _lora_flags(p, d: TrainConfig) -> None:
+    """Fine-tuning LoRA adapters over a frozen base (``cfx.lora``)."""
+    p.add_argument("--lora", default=d.lora,
+                   help="train LoRA adapters over a frozen base instead of every param, e.g. r=8,alpha=16,targets=attn "
+                        "(keys r, alpha, targets: presets attn, qkv, mlp, all-linear or patterns joined by +, and rslora); "
+                        "checkpoints hold the adapters and their optimizer state")
+    p.add_argument("--lora-base", choices=["fp32", "bf16", "fp16", "int8"], default=d.lora_base,
+                   help="how --lora's frozen base is stored: int8 Linear weights (QLoRA's recipe), or --precision's "
+                        "dtype (the default)")
+    p.add_argument("--init-from", default=d.init_from,
+                   help="--lora's frozen base: a Hugging Face model directory or a python -m cfx.train checkpoint "
+                        "(default: the model --model / --preset / --seed initialise); --resume needs it again")
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cfx._src.lora.config import LoraConfig
 from cfx._src.plan.config import parse_mesh
 from cfx._src.plan.plan import Plan
 
@@ -51,6 +52,9 @@ class TrainConfig:
     threads: int = 0               # torch intra-op threads; 0 keeps torch's default
     progress: bool = True
     json: str | None = None        # write the summary as JSON here
+    lora: str | None = None        # e.g. "r=8,alpha=16,targets=attn": train LoRA adapters over a frozen base
+    lora_base: str | None = None   # fp32 | bf16 | fp16 | int8: how the frozen base is stored (default: --precision's)
+    init_from: str | None = None   # the frozen base: a Hugging Face directory or a cfx.train checkpoint
 
 
 def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
@@ -93,12 +97,41 @@ def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
             raise ValueError("--auto searches an fp32 step; drop --precision or drop --auto.")
         if cfg.save and not cfg.save.endswith(".safetensors"):  # (it resumes any checkpoint)
             raise ValueError("--auto saves one .safetensors file (gathered): give --save PATH.safetensors.")
+    _check_lora(cfg, axes, set_)
     rules.append((("auto_budget",), not cfg.auto, "applies to --auto only"))
     rules.append((("verbose",), not cfg.auto, "prints --auto's whole plan; applies to --auto only"))
     for names, ignored, why in rules:
         for name in names:
             if ignored and name in set_:
                 raise ValueError(f"--{name.replace('_', '-')} {why}; as given it would be ignored.")
+
+
+def _check_lora(cfg: TrainConfig, axes: set[str], set_: set[str]) -> None:
+    """``--lora``, ``--lora-base`` and ``--init-from`` against each other and the rest (``check_flags``)."""
+    if not cfg.lora:
+        for name in ("lora_base", "init_from"):
+            if name in set_:
+                raise ValueError(f"--{name.replace('_', '-')} sets up the frozen base of --lora; add --lora (e.g. "
+                                 "--lora r=8,alpha=16,targets=attn), or drop it.")
+        return
+    config = LoraConfig.parse(cfg.lora)  # a ValueError naming --lora and the fix
+    if cfg.init_from and set_ & {"model", "preset"}:
+        raise ValueError("--init-from gives the model (its config); drop --model / --preset.")
+    if cfg.lora_base not in (None, "int8", cfg.precision):
+        raise ValueError(f"--lora-base {cfg.lora_base}: the frozen base computes beside the adapters in --precision's "
+                         f"dtype ({cfg.precision}); use --precision {cfg.lora_base} (the adapters keep fp32 master "
+                         f"copies), or --lora-base {cfg.precision} or int8.")
+    refused = [(cfg.auto, "--auto searches a plan for every param; drop --auto (a --mesh with --zero trains the "
+                          "adapters)"),
+               (cfg.remat == "auto", "--remat auto solves a schedule over the model's own blocks; use --remat blocks "
+                                     "or dots"),
+               ("seq" in axes or cfg.sp is not None, "sequence parallelism is not wired for adapters; drop the seq "
+                                                     "axis and --sp"),
+               (bool(config.dropout), "adapter dropout is not wired through the model's blocks (they get keys for "
+                                      "the model's own dropout only); use dropout=0")]
+    for bad, why in refused:
+        if bad:
+            raise ValueError(f"--lora: {why}.")
 
 
 def plan_of(cfg: TrainConfig) -> Plan:

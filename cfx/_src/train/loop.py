@@ -4,7 +4,9 @@ One driver over a ``cfx.parallel.Plan`` (``config.plan_of``): the plan's program
 front -- one device's for the trivial plan (``local.LocalProgram``), ``cfx.autoshard``'s searched
 one under ``--auto`` (``AutoProgram``), the plan's own (``Plan.step``) otherwise -- and the loop asks
 each the same things: ``init(key)``, ``program(state, (tokens, targets), key) -> (state, {"loss"})``,
-``loss``, ``params``, ``put`` and ``sample``. Checkpoints are ``saving``'s.
+``loss``, ``params``, ``put`` and ``sample``. Checkpoints are ``saving``'s. Under ``--lora`` the model
+is the adapters over a frozen base (``saving.trained_model``), and every program trains them as it
+trains any model.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from cfx._src.train import data as data_lib
 from cfx._src.train import saving
 from cfx._src.train.config import TrainConfig, check_flags, plan_of
 from cfx._src.train.local import program_for
-from cfx._src.train.model import build_model, build_optimizer
+from cfx._src.train.model import build_optimizer
 from cfx._src.transforms.shapes import eval_shape
 
 
@@ -94,7 +96,7 @@ def _start(cfg: TrainConfig, plan: Plan, stack: contextlib.ExitStack) -> Run:
     resumed from ``--resume``."""
     corpus = data_lib.text_file(cfg.data) if cfg.data else data_lib.stdlib_corpus()
     train_data, val_data = data_lib.train_val_split(corpus)
-    model = build_model(cfg)
+    model = saving.trained_model(cfg)  # under --lora: the adapters over the frozen base
     k_init, k_data, k_val, k_drop = data_lib.run_keys(cfg.seed)
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]
@@ -201,7 +203,8 @@ def _finish(run: Run, tally: Tally) -> dict[str, Any]:
     """The summary (returned by every process; rank 0 prints it, the sample and ``--json``)."""
     cfg, history = run.cfg, tally.history
     summary = {
-        "model": f"{cfg.model}-{cfg.preset}", "n_params": run.n_params, "mesh": cfg.mesh or "none",
+        "model": cfg.init_from or f"{cfg.model}-{cfg.preset}", "lora": cfg.lora, "n_params": run.n_params,
+        "mesh": cfg.mesh or "none",
         "precision": cfg.precision, "strategy": strategy(cfg), "steps": tally.end - run.start,
         "tokens": tally.tokens,
         "train_loss_first": history["train"][0][1] if history["train"] else float("nan"),
@@ -274,6 +277,9 @@ def strategy(cfg: TrainConfig) -> str:
         parts.append(f"offload {cfg.offload}" + (f" (budget {cfg.offload_budget or 'what is free'})"
                                                  if cfg.offload == "auto" else ""))
     parts.append(f"remat {cfg.remat}" + (f" (budget {cfg.remat_budget})" if cfg.remat == "auto" else ""))
+    if cfg.lora:
+        parts.append(f"lora {cfg.lora} over a frozen {cfg.lora_base or cfg.precision} base"
+                     + (f" from {cfg.init_from}" if cfg.init_from else ""))
     plan = plan_of(cfg)
     if plan.sp != "none":
         parts.append(f"sequence parallel {plan.sp}")
@@ -285,7 +291,8 @@ def strategy(cfg: TrainConfig) -> str:
 
 def print_summary(s: dict[str, Any]) -> None:
     rows = [
-        ("model", s["model"]), ("strategy", s["strategy"]), ("parameters", f"{s['n_params']:,}"),
+        ("model", s["model"]), ("strategy", s["strategy"]),
+        ("parameters", f"{s['n_params']:,}" + (" (trained: the adapters)" if s.get("lora") else "")),
         ("data", s["data"]), ("threads", f"{s['threads']} intra-op (--threads; 1 is fastest on a busy machine)"),
         ("steps", s["steps"]), ("tokens", f"{s['tokens']:,}"),
         ("train loss (first -> last, EMA)", f"{s['train_loss_first']:.3f} -> {s['train_loss_last']:.3f}"),

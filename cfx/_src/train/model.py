@@ -1,21 +1,33 @@
 """The training job's model and optimizer, as its flags name them: a byte-level ``--model`` /
-``--preset`` decoder, and AdamW with warmup and cosine decay (weight decay on matrices only)."""
+``--preset`` decoder, and AdamW with warmup and cosine decay (weight decay on matrices only).
+
+Under ``--lora`` the model the job trains is a ``cfx.lora`` ``LoraModel``: the adapters over a frozen
+base (``lora_model``), stored as ``--lora-base`` says (``frozen_base``), split over a model axis by
+Megatron's rules (``megatron_split``)."""
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from cfx._src.core import tree as tree_util
 from cfx._src.core.tree import is_axes_leaf
+from cfx._src.lora.config import LoraConfig
+from cfx._src.lora.model import LoraModel
 from cfx._src.models.gpt2 import gpt2
 from cfx._src.models.llama import llama
 from cfx._src.models.mixtral import mixtral
 from cfx._src.models.opt import opt
+from cfx._src.nn.lora_weight import is_weight_node
 from cfx._src.optim.alias import adamw
 from cfx._src.optim.base import GradientTransformation, chain, identity
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.loss_scale import dynamic_loss_scale
 from cfx._src.optim.schedules import warmup_cosine_decay_schedule
+from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
+from cfx._src.parallel.rules import Rules
 from cfx._src.precision.amp import policy
+from cfx._src.precision.quant import quantize
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.data import VOCAB_SIZE
 
@@ -24,12 +36,40 @@ FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, "opt": opt}
 
 def build_model(cfg: TrainConfig) -> Any:
     """``--model`` at ``--preset`` over bytes; ValueError unless ``--seq`` fits its context."""
-    model = FAMILIES[cfg.model](cfg.preset, vocab_size=VOCAB_SIZE)
+    return check_context(cfg, FAMILIES[cfg.model](cfg.preset, vocab_size=VOCAB_SIZE), f"{cfg.model} {cfg.preset!r}")
+
+
+def check_context(cfg: TrainConfig, model: Any, what: str) -> Any:
+    """``model``, or a ValueError unless ``--seq`` fits its context (``what`` names it)."""
     max_len = getattr(model.config, model.max_len_name)
     if cfg.seq > max_len:
-        raise ValueError(f"--seq {cfg.seq} exceeds the {cfg.model} {cfg.preset!r} context of {max_len}; "
-                         f"use --seq {max_len} or less.")
+        raise ValueError(f"--seq {cfg.seq} exceeds the {what} context of {max_len}; use --seq {max_len} or less.")
     return model
+
+
+def megatron_split(model: Any, axis: str) -> tuple[Any, Any]:
+    """``model`` Megatron tensor-parallel over ``axis`` and its params' specs under it (how a
+    ``LoraModel`` splits its frozen base: each rank runs on its block of it)."""
+    tp = tensor_parallel(model, axis)
+    rules = {k: axis for k in MEGATRON_RULES if k != "vocab" or getattr(tp, "vocab_axis", None) is not None}
+    return tp, Rules(rules).specs(model.axes())
+
+
+def lora_model(model: Any, config: LoraConfig, base: Any) -> LoraModel:
+    """The adapters ``config`` puts on ``model`` over its frozen params ``base``, as a model a Plan
+    trains on any mesh (``cfx._src.lora.model``; a model axis splits it as ``megatron_split``)."""
+    return LoraModel(model, config, base, split=megatron_split)
+
+
+def frozen_base(cfg: TrainConfig, model: Any, params: Any) -> Any:
+    """``params`` as ``--lora-base`` stores the frozen base: ``int8`` Linear weights
+    (``cfx.quant.quantize``), every other floating leaf in ``--precision``'s compute dtype (the
+    adapters compute in it beside them)."""
+    if cfg.lora_base == "int8":
+        params = quantize(params, "int8", axes=model.axes())
+    dtype = policy(cfg.precision).compute_dtype
+    return tree_util.map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                         params, is_leaf=is_weight_node)
 
 
 def decay_mask(model) -> Any:

@@ -10,6 +10,11 @@ as one file of whole tensors (``Program.save``); one device and ``--auto`` write
 path (process 0). ``--resume`` reads either kind: a Plan's program each region its ranks hold
 (``Program.load``), the others whole tensors (``put``).
 
+Under ``--lora`` the trained state is the adapters and their optimizer state (the model is a
+``LoraModel``; metadata ``"lora"`` says so and names the frozen base), and the base is built again
+from the run's flags (``base_params``: ``--init-from``'s, or the model ``--seed`` initialises);
+``read_params`` returns the base with the adapters merged.
+
 A checkpoint of another model or optimizer is a ValueError that says what differs ("the checkpoint
 has 4 blocks, the model 8") and the flags it was saved with. One written before every program ran
 the same optimizer -- a mesh's, without the clip's place in the chain, or a Plan's or ``--auto``'s
@@ -26,16 +31,22 @@ from cfx._src.checkpoint.file import check_writable, open_stored, save as save_f
 from cfx._src.checkpoint.sharded import INDEX
 from cfx._src.core import random as jr
 from cfx._src.core import tree as tree_util
+from cfx._src.lora.adapters import merge
+from cfx._src.lora.config import LoraConfig
+from cfx._src.lora.model import LoraModel
+from cfx._src.models.hf_dir import from_pretrained
 from cfx._src.optim.base import chain, identity
 from cfx._src.plan.program import Program
 from cfx._src.plan.saving import model_leaves, state_differences
+from cfx._src.precision.quant import dequantize
 from cfx._src.spmd.arrays import device_get
 from cfx._src.train.config import TrainConfig
-from cfx._src.train.model import build_model, build_optimizer
+from cfx._src.train.data import VOCAB_SIZE, run_keys
+from cfx._src.train.model import build_model, build_optimizer, check_context, frozen_base, lora_model
 from cfx._src.transforms.shapes import eval_shape
 
 # the flags that decide the state's leaves (the others -- learning rate, clip, mesh, ... -- do not)
-STATE_FLAGS = ("model", "preset", "precision")
+STATE_FLAGS = ("model", "preset", "precision", "lora")
 
 
 def sharded_save(cfg: TrainConfig) -> bool:
@@ -80,6 +91,8 @@ def save(cfg: TrainConfig, program: Any, state: Any, step: int, *, is_main: bool
     """``state`` at ``step`` to ``--save`` in model coordinates (every process calls it; module doc);
     with ``--async-save`` it returns once the state is copied to host memory (``background``)."""
     meta = {"step": step, "config": dataclasses.asdict(cfg)}
+    if cfg.lora:  # the state is the adapters alone: say so, and over which frozen base
+        meta["lora"] = {"adapters": cfg.lora, "base": _base_name(cfg), "stored": cfg.lora_base or cfg.precision}
     if isinstance(program, Program):  # a directory of every process's regions, or one file
         program.save(cfg.save, state, metadata=meta, async_=cfg.async_save)
         return
@@ -121,6 +134,7 @@ def _checked(stored: Any, cfg: TrainConfig, model: Any, shapes: Any) -> Any:
     want = model_leaves(shapes, build_optimizer(cfg, model))
     have = {path: (stored.shape(path), stored.dtype(path)) for path in stored.leaves}
     if have == want:
+        _check_base(stored, cfg)
         return stored
     for names in _older_names(cfg, model, shapes):
         if set(names.values()) == set(have) and all(have[theirs] == want[ours] for ours, theirs in names.items()):
@@ -131,6 +145,42 @@ def _checked(stored: Any, cfg: TrainConfig, model: Any, shapes: Any) -> Any:
             if flags else "")
     raise ValueError(f"--resume {stored.path!r}: {state_differences(have, want)}{said}. Resume with the --model, "
                      "--preset and --precision that saved it (the mesh and the strategy flags may differ).")
+
+
+def _check_base(stored: Any, cfg: TrainConfig) -> None:
+    """ValueError if ``stored`` holds adapters trained over another frozen base than this run's."""
+    saved = stored.metadata.get("lora")
+    if saved and cfg.lora and saved.get("base") != _base_name(cfg):
+        raise ValueError(f"--resume {stored.path!r} holds adapters trained over {saved.get('base')}, but this run's "
+                         f"frozen base is {_base_name(cfg)}; resume with the --init-from (or --model, --preset and "
+                         "--seed) that saved it.")
+
+
+def _base_name(cfg: TrainConfig) -> str:
+    if cfg.init_from:
+        return f"--init-from {os.path.abspath(cfg.init_from)}"
+    return f"--model {cfg.model} --preset {cfg.preset} --seed {cfg.seed}"
+
+
+def base_params(cfg: TrainConfig) -> tuple[Any, Any]:
+    """``(model, params)`` of ``--lora``'s frozen base before ``--lora-base`` stores it: ``--init-from``'s
+    (a Hugging Face directory, or a ``python -m cfx.train`` checkpoint: ``read_params``), else ``--model``
+    at ``--preset`` initialised from ``fold_in(the run's init key, 1)`` (its adapters take the init key)."""
+    path = cfg.init_from
+    if not path:
+        model = build_model(cfg)
+        return model, model.init(jr.fold_in(run_keys(cfg.seed).init, 1))
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        model, params = from_pretrained(path)
+    elif committed(path):
+        model, params = read_params(path)
+    else:
+        raise ValueError(f"--init-from {path!r}: neither a Hugging Face model directory (with config.json) nor a "
+                         "python -m cfx.train checkpoint (a file, or a directory with index.json).")
+    if getattr(model.config, "vocab_size", 0) < VOCAB_SIZE:
+        raise ValueError(f"--init-from {path!r}: a vocabulary of {model.config.vocab_size} cannot read the job's "
+                         f"{VOCAB_SIZE} byte ids; fine-tune a model of {VOCAB_SIZE} tokens or more.")
+    return check_context(cfg, model, f"--init-from {path!r}"), params
 
 
 def _flags(value, names: list[str]) -> str:
@@ -169,17 +219,30 @@ def read_params(path: str) -> tuple[Any, Any]:
     of a run on a mesh under any plan (its params are in the model's own coordinates), as whole
     tensors; ValueError if ``path`` is not one."""
     with open_stored(path) as stored:
-        model, items, treedef = _params_of(path, stored.metadata)
-        return model, tree_util.unflatten(treedef, [stored.region(f"params.{p}", (0,) * x.dim(), tuple(x.shape))
-                                                    for p, x in items])
+        cfg, model = _model_of(path, stored.metadata)
+        items, treedef = tree_util.flatten_with_path(eval_shape(model.init, jr.key(0)))
+        params = tree_util.unflatten(treedef, [stored.region(f"params.{p}", (0,) * x.dim(), tuple(x.shape))
+                                               for p, x in items])
+    if not isinstance(model, LoraModel):
+        return model, params
+    # the base as the run held it (int8 weights read back as what they stand for), the adapters merged in fp32
+    base = tree_util.map(lambda x: x.float(), dequantize(model.base))
+    return model.model, merge(base, params, model.lora)
 
 
-def _params_of(path: str, meta: dict) -> tuple[Any, list, Any]:
-    """``(model, [(path, shape)], treedef)`` of the params a checkpoint's metadata describes."""
+def _model_of(path: str, meta: dict) -> tuple[TrainConfig, Any]:
+    """``(the run's config, the model whose params it saved)`` from a checkpoint's metadata."""
     if "config" not in meta:
         raise ValueError(f"--checkpoint {path!r}: not a python -m cfx.train checkpoint (no training config in "
                          "its metadata); pass a Hugging Face directory instead.")
-    fields = {k: v for k, v in meta["config"].items() if k in TrainConfig.__dataclass_fields__}
-    model = build_model(TrainConfig(**fields))
-    items, treedef = tree_util.flatten_with_path(eval_shape(model.init, jr.key(0)))
-    return model, items, treedef
+    cfg = TrainConfig(**{k: v for k, v in meta["config"].items() if k in TrainConfig.__dataclass_fields__})
+    return cfg, trained_model(cfg)
+
+
+def trained_model(cfg: TrainConfig) -> Any:
+    """The model a run of ``cfg`` trains: ``--model`` at ``--preset``, or under ``--lora`` the adapters
+    over its frozen base (``base_params``, stored as ``--lora-base`` says)."""
+    if not cfg.lora:
+        return build_model(cfg)
+    model, params = base_params(cfg)
+    return lora_model(model, LoraConfig.parse(cfg.lora), frozen_base(cfg, model, params))

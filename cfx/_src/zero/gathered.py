@@ -299,8 +299,11 @@ class Gathered:
             step = None  # a remat recompute is no step of forward: nothing to prefetch
         # the step's outermost gathered layer (the model's root) runs through the whole forward
         # and its backward starts where forward ends: what backward reads of its params stays
-        # gathered for it instead of being freed and gathered again at once (FSDP's root)
-        root = step is not None and not step.order
+        # gathered for it instead of being freed and gathered again at once (FSDP's root) -- unless
+        # it runs under a remat region's hooks (a model whose first gathered layer is a block, as
+        # LoRA's adapters-only model): remat's recompute replays no root, so it is an ordinary layer
+        root = (step is not None and not step.order
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
         if step is not None:
             src.prefetch = self.prefetch and not root
             src._started = step.take(src.pieces)
