@@ -1,9 +1,11 @@
 """cfx.nn.MoE: the sorted, grouped dispatch equals a plain loop over experts (outputs and gradients,
 top-1 and top-2, fp32 through ``F.grouped_mm`` and fp64 through the padded batched matmul); the
-capacity mode drops exactly the rows a token-order rule drops; the router's statistics and the
-auxiliary losses follow their formulas."""
+capacity mode drops exactly the rows a token-order rule drops, within each group of ``group_size``
+consecutive tokens where groups are set (one group: today's rule, bitwise); the router's statistics
+and the auxiliary losses follow their formulas."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -68,6 +70,31 @@ def test_capacity_mode_drops_the_rows_a_token_order_rule_drops():
     torch.testing.assert_close(layer.apply(p, x), y)  # the same tokens every time
 
 
+@pytest.mark.parametrize("group_size", [4, 6, 12, 24])
+def test_capacity_groups_apply_the_token_order_rule_to_each_group(group_size):
+    layer = cfx.nn.MoE(8, 12, 4, top_k=2, capacity_factor=0.75)
+    grouped = dataclasses.replace(layer, group_size=group_size)
+    p = cfx.tree.map(lambda t: t * 20, layer.init(cfx.random.key(0)))
+    x = cfx.random.normal(cfx.random.key(1), (4, 6, 8))  # 24 tokens: groups of 4 and 12 cut across rows
+    capacity = math.ceil(0.75 * group_size * 2 / 4)
+
+    def reference(p, x):  # each group of consecutive tokens on its own, as a loop over experts with its capacity
+        flat = x.reshape(-1, 8)
+        return torch.cat([loop_reference(layer, p, g, capacity=capacity) for g in flat.split(group_size)]).view(x.shape)
+    y, stats = grouped.apply_with_stats(p, x)
+    torch.testing.assert_close(y, reference(p, x))
+    dropped = sum(float(layer.apply_with_stats(p, g)[1].dropped) for g in x.reshape(-1, 8).split(group_size))
+    assert float(stats.dropped) == dropped > 0
+    grads = cfx.grad(lambda p, x: grouped.apply(p, x).pow(2).sum(), argnums=(0, 1))(p, x)
+    want = cfx.grad(lambda p, x: reference(p, x).pow(2).sum(), argnums=(0, 1))(p, x)
+    torch.testing.assert_close(grads, want)
+    whole_y, whole = layer.apply_with_stats(p, x)
+    if group_size == 24:  # one group: the rule without groups, bit for bit
+        assert torch.equal(y, whole_y) and torch.equal(stats.dropped, whole.dropped)
+    else:  # the groups decide other drops than one capacity over all the tokens
+        assert not torch.equal(stats.dropped, whole.dropped)
+
+
 def test_router_stats_and_auxiliary_losses_follow_their_formulas():
     layer = cfx.nn.MoE(8, 12, 4, top_k=2)
     p = layer.init(cfx.random.key(0))
@@ -91,6 +118,13 @@ def test_bad_configuration_and_input_are_refused():
         cfx.nn.MoE(8, 12, 2, top_k=3)
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         cfx.nn.MoE(8, 12, 2, capacity_factor=0)
+    with pytest.raises(ValueError, match="group_size must be a positive number of tokens"):
+        cfx.nn.MoE(8, 12, 2, capacity_factor=1.0, group_size=0)
+    with pytest.raises(ValueError, match=r"MoE\(group_size=4\).*pass capacity_factor= as well"):
+        cfx.nn.MoE(8, 12, 2, group_size=4)
     layer = cfx.nn.MoE(8, 12, 2)
     with pytest.raises(ValueError, match="expected features=8"):
         layer.apply(layer.init(cfx.random.key(0)), torch.zeros(2, 7))
+    grouped = cfx.nn.MoE(8, 12, 2, capacity_factor=1.0, group_size=4)
+    with pytest.raises(ValueError, match=r"this call's 6 tokens \(x shape \(2, 3, 8\)\) do not form whole groups of 4"):
+        grouped.apply(grouped.init(cfx.random.key(0)), torch.zeros(2, 3, 8))

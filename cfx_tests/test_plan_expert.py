@@ -1,7 +1,9 @@
 """The expert axis in a Plan: Mixtral, its load-balancing loss included, trains under expert=2 and 4,
 data=2,expert=2 with ZeRO-1 and ZeRO-3 (and remat), expert=2,model=2 (tensor parallelism inside the
 experts) and pipe=2 (with the auxiliary losses off, which a pipeline cannot carry: refused otherwise)
-with every step's loss and gradients equal to one device's (rtol 1e-5) for five steps. The auxiliary
+with every step's loss and gradients equal to one device's (rtol 1e-5) for five steps; in capacity mode
+with groups (``capacity_group_size``) a plan equals one device running the same groups, and without
+groups a plan that splits the batch is refused. The auxiliary
 loss's gradient taken inside a shard_map body -- each rank's own, then averaged, as a Plan does --
 equals one device's, and the same body tracking varying axes (JAX's check_vma) agrees: the explicit
 pvary is what JAX inserts implicitly. What cannot train is refused before any rank runs."""
@@ -21,10 +23,10 @@ from cfx_tests.test_models_mixtral import tiny
 B, T, V, STEPS = 8, 8, 64, 5
 
 
-def model_and_params(aux: float = 0.02):
+def model_and_params(aux: float = 0.02, **kw):
     """A 2-layer Mixtral of 4 experts whose routers are scaled up, so that no token's top-2 is a near
     tie that a rounding difference could flip."""
-    model = tiny(n_layer=2, router_aux_loss_coef=aux, router_z_loss_coef=aux / 2)
+    model = tiny(n_layer=2, router_aux_loss_coef=aux, router_z_loss_coef=aux / 2, **kw)
     params = model.init(cfx.random.key(0))
     for block in params["blocks"]:
         block["mlp"]["router"] = block["mlp"]["router"] * 30
@@ -49,10 +51,10 @@ def batches():
 REFERENCE = {}
 
 
-def reference(aux: float):
+def reference(aux: float, **kw):
     """One device's loss and gradients at each of the five steps."""
-    if aux not in REFERENCE:
-        model, params = model_and_params(aux)
+    if (aux, *kw.items()) not in REFERENCE:
+        model, params = model_and_params(aux, **kw)
         tx = optimizer()
         state, out = tx.init(params), []
         for x, y in batches():
@@ -60,18 +62,18 @@ def reference(aux: float):
             u, state = tx.update(g, state, params)
             params = cfx.optim.apply_updates(params, u)
             out.append((loss, dict(cfx.tree.flatten_with_path(g)[0])))
-        REFERENCE[aux] = out
-    return REFERENCE[aux]
+        REFERENCE[(aux, *kw.items())] = out
+    return REFERENCE[(aux, *kw.items())]
 
 
-def assert_trains_as_one_device(text: str, aux: float = 0.02):
+def assert_trains_as_one_device(text: str, aux: float = 0.02, **kw):
     plan = Plan.parse(text)
     assert Plan.parse(str(plan)) == plan
-    model, params = model_and_params(aux)
+    model, params = model_and_params(aux, **kw)
     with plan.make_mesh() as mesh:
         step = plan.step(model, optimizer(), mesh=mesh)
         state = step.init_from(params)
-        for i, ((want_loss, want_grads), batch) in enumerate(zip(reference(aux), batches())):
+        for i, ((want_loss, want_grads), batch) in enumerate(zip(reference(aux, **kw), batches())):
             state, metrics = step(state, batch)
             torch.testing.assert_close(cfx.device_get(metrics["loss"]), want_loss, rtol=1e-5, atol=0)
             whole = step.whole(state)
@@ -104,6 +106,20 @@ def test_drawn_expert_plans_train_as_one_device(expert, data, model, zero, remat
         return  # up to 4 ranks, the batch split over data or expert
     mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
     assert_trains_as_one_device(f"{mesh} zero={zero if data > 1 else 0} remat={remat}")
+
+
+CAPACITY = dict(capacity_factor=0.5, capacity_group_size=2 * T)  # groups of 2 rows: 4 to a batch of 8
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text", ["expert=2", "data=2,expert=2 zero=1", "pipe=2,expert=2 microbatches=2"])
+def test_capacity_mode_trains_as_one_device_running_the_same_groups(text):
+    model, params = model_and_params(**CAPACITY)  # the groups decide: one capacity over the batch drops others
+    x = batches()[0][0]
+    dropped = [float(s.dropped) for s in model.router_stats(params, x)[1]]
+    ungrouped = model_and_params(capacity_factor=0.5)[0]
+    assert min(dropped) > 0 and dropped != [float(s.dropped) for s in ungrouped.router_stats(params, x)[1]]
+    assert_trains_as_one_device(text, aux=0.0 if "pipe" in text else 0.02, **CAPACITY)
 
 
 def in_body_grads(check_vma: bool):
@@ -155,6 +171,17 @@ def test_what_cannot_train_is_refused_before_any_rank_runs(text, match):
     model = cfx.models.gpt2("tiny", n_layer=2) if match == "GPT2 has none" else model_and_params()[0]
     with pytest.raises(ValueError, match=match):
         Plan.parse(text).check(model)
+
+
+@pytest.mark.parametrize("text, split", [("data=2", r"expert_parallel over \('data',\)"),
+                                         ("expert=2", r"expert_parallel over \('expert',\)"),
+                                         ("pipe=2 microbatches=2", "microbatches=2")])
+def test_capacity_without_groups_is_refused_where_the_batch_is_split(text, split):
+    model = model_and_params(aux=0.0, capacity_factor=1.0)[0]
+    with pytest.raises(ValueError, match=f"Plan '{text}': Mixtral: block 0's MoE\\(capacity_factor=1.0\\) has no "
+                                         f"group_size, and {split} splits the batch's rows.*capacity_group_size=S"):
+        Plan.parse(text).check(model)
+    Plan.parse("pipe=2").check(model)  # one microbatch: nothing split
 
 
 def test_a_batch_must_split_over_data_and_expert():

@@ -34,13 +34,15 @@ MIXTRAL_PRESETS: dict[str, dict[str, Any]] = {
 @dataclasses.dataclass(frozen=True)
 class MixtralConfig(LlamaConfig):
     """Llama's fields and the experts': ``n_experts``, ``top_k``, the auxiliary losses' weights and
-    an optional ``capacity_factor`` (None: dropless)."""
+    an optional ``capacity_factor`` (None: dropless) and ``capacity_group_size`` (tokens per group, each
+    with its own capacity: ``cfx.nn.MoE(group_size=...)``, which a split batch needs)."""
 
     n_experts: int = 8
     top_k: int = 2
     router_aux_loss_coef: float = 0.02
     router_z_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    capacity_group_size: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -67,7 +69,8 @@ class Mixtral(Llama):
             c.hidden_size, c.n_head, c.intermediate_size, n_kv_heads=c.n_kv_heads, norm="rmsnorm",
             norm_eps=c.rms_norm_eps, bias=False, rope=True, rope_theta=c.rope_theta, init_std=c.init_std,
             moe=MoE(c.hidden_size, c.intermediate_size, c.n_experts, top_k=c.top_k,
-                    capacity_factor=c.capacity_factor, init_std=c.init_std)), c.n_layer)
+                    capacity_factor=c.capacity_factor, group_size=c.capacity_group_size,
+                    init_std=c.init_std)), c.n_layer)
 
     def router_stats(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, list[RouterStats]]:

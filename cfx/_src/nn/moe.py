@@ -14,9 +14,14 @@ whole.
 
 ``capacity_factor`` instead gives every expert room for ``ceil(capacity_factor N k / E)`` rows:
 an expert's rows beyond that, in token order, are dropped (their contribution is zero), the same
-tokens every time, and ``RouterStats.dropped`` counts them. Where the batch is split over ranks (data or
-expert parallelism) the capacity is each rank's, over its own tokens (GShard's groups), so what is
-dropped is not what one device running the whole batch drops.
+tokens every time, and ``RouterStats.dropped`` counts them. ``group_size=S`` makes the rule GShard's
+groups: the tokens (in order: batch row by batch row) form consecutive groups of ``S``, and the
+capacity, ``ceil(capacity_factor S k / E)``, is each expert's within each group. A split of the
+batch's rows over ranks (data or expert parallelism, a pipeline's microbatches) whose every rank
+holds whole groups then drops exactly the rows one device drops with the same ``group_size``: the
+rule is the same, wherever the groups run. Without ``group_size`` the call's tokens are one group,
+so a split batch would change what is dropped: an expert-parallel layer refuses it, and so do
+``expert_parallel`` and a ``Plan`` that split the batch.
 
 ``apply_with_stats`` also returns the router's ``RouterStats`` (how many rows each expert got, the
 sum of its probabilities, the rows, the sum of squared log-partition values) over this rank's
@@ -85,6 +90,7 @@ class MoE:
     top_k: int = 2
     normalize: bool = True
     capacity_factor: float | None = None
+    group_size: int | None = None   # capacity mode: tokens per group, each with its own capacity (module doc)
     init_std: float = 0.02
     expert_axis: str | None = None  # expert parallelism: the mesh axis the experts are split over
     model_axis: str | None = None   # tensor parallelism: the axis each expert's hidden units are split over
@@ -95,6 +101,13 @@ class MoE:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"MoE: capacity_factor must be positive (or None: dropless), got "
                              f"{self.capacity_factor}.")
+        if self.group_size is not None:
+            if not (isinstance(self.group_size, int) and self.group_size >= 1):
+                raise ValueError(f"MoE: group_size must be a positive number of tokens (or None: the call's tokens "
+                                 f"are one group), got {self.group_size!r}.")
+            if self.capacity_factor is None:
+                raise ValueError(f"MoE(group_size={self.group_size}): groups only set where the capacity applies; "
+                                 "pass capacity_factor= as well, or drop group_size (dropless routing has no groups).")
 
     def init(self, key: torch.Tensor) -> dict:
         C, I, E = self.features, self.hidden, self.n_experts
@@ -118,6 +131,7 @@ class MoE:
                              f"features={self.features} (x shape {tuple(x.shape)}).")
         flat = x.reshape(-1, self.features)  # (N, C)
         N, E, k = flat.shape[0], self.n_experts, self.top_k
+        self._check_groups(N, tuple(x.shape))
         logits = flat @ params["router"].to(flat.dtype)  # (N, E)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = torch.topk(probs, k, dim=-1)  # (N, k) each
@@ -126,7 +140,7 @@ class MoE:
         pair_expert = experts.reshape(-1)  # (N k,): row j is token j // k
         order = torch.argsort(pair_expert, stable=True)  # by expert, token order within one
         counts = torch.bincount(pair_expert, minlength=E)  # (E,)
-        keep = self._kept(counts, order.shape[0])
+        keep = self._kept(counts, order, pair_expert)
         token = order // k  # (N k,): each sorted row's token
         # tensor parallelism: Megatron's f into the split hidden units (the router keeps the input whole)
         xs = (flat if self.model_axis is None else lax.pvary(flat, self.model_axis))[token]  # (N k, C)
@@ -148,13 +162,38 @@ class MoE:
                             torch.logsumexp(logits.float(), -1).pow(2).sum(), dropped)
         return y.view(x.shape), stats  # this rank's tokens' (a model sums them over layers and ranks)
 
-    def _kept(self, counts: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """Capacity mode: which sorted rows fit their expert's capacity (token order decides)."""
+    def _check_groups(self, N: int, shape: tuple) -> None:
+        """ValueError where the capacity's groups do not fit this call (module doc), on every rank alike:
+        before any collective."""
+        if self.capacity_factor is None:
+            return
+        if self.group_size is None and self.expert_axis is not None:
+            raise ValueError(f"MoE(capacity_factor={self.capacity_factor}, expert_axis={self.expert_axis!r}): the "
+                             "batch is split over the expert axis, so each rank's capacity would cover only its own "
+                             "tokens and drop other rows than one device does; set group_size= (tokens per group, "
+                             "dividing each rank's tokens) so both apply the same rule.")
+        if self.group_size is not None and N % self.group_size:
+            raise ValueError(f"MoE(group_size={self.group_size}): this call's {N} tokens (x shape {shape}) do not "
+                             f"form whole groups of {self.group_size}; use a group size dividing the tokens each "
+                             "rank (and pipeline microbatch) sees, e.g. a multiple of the sequence length that "
+                             "divides them.")
+
+    def _kept(self, counts: torch.Tensor, order: torch.Tensor, pair_expert: torch.Tensor) -> torch.Tensor | None:
+        """Capacity mode: which sorted rows fit their expert's capacity in their group (token order
+        decides). ``order`` (N k,) sorts the rows of ``pair_expert`` (N k,) by expert, stably."""
         if self.capacity_factor is None:
             return None
-        capacity = math.ceil(self.capacity_factor * rows / self.n_experts)
+        rows, k, E = order.shape[0], self.top_k, self.n_experts
+        size = rows if self.group_size is None else self.group_size * k  # rows per group
+        capacity = math.ceil(self.capacity_factor * size / E)
         starts = torch.cumsum(counts, 0) - counts  # (E,): each expert's first sorted row
         rank = torch.arange(rows, device=counts.device) - torch.repeat_interleave(starts, counts)
+        if size < rows:  # several groups: a row's rank among its expert's rows of earlier groups taken off
+            group = order // size  # (N k,): each sorted row's group (rows of a token stay in its group)
+            per_group = torch.bincount(torch.arange(rows, device=order.device) // size * E + pair_expert,
+                                       minlength=rows // size * E).view(-1, E)  # (G, E)
+            before = torch.cumsum(per_group, 0) - per_group  # (G, E): each expert's rows in earlier groups
+            rank = rank - before[group, pair_expert[order]]
         return rank < capacity  # (N k,)
 
     def _experts_over_axis(self, params: dict, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,10 @@ parallelism). Each MoE layer sends every (token, expert) row to its expert's ran
 back the same way; the backward is the transposed exchange. The router is replicated, and the
 routers' statistics are summed over the axes the batch is split over (``stats_axes``: ``axis``,
 and ``data`` where the rows are split over it as well), so the load-balancing loss is the whole
-batch's.
+batch's. An MoE with a ``capacity_factor`` must name its groups (``MoE(group_size=...)``,
+``MixtralConfig(capacity_group_size=...)``) to run on a split batch: then each rank's capacity is
+that of its own whole groups, and what is dropped is what one device with the same group size
+drops (``check_capacity_groups``; without groups a split would silently change it).
 
 ``tensor_parallel_experts(model, axis="model")`` splits it Megatron's way as well (inside the experts:
 each expert's hidden units over ``axis``; the attention heads and the vocabulary as
@@ -41,6 +44,19 @@ def has_experts(model: Any) -> bool:
     return any(getattr(b, "moe", None) is not None for b in getattr(model, "blocks", None) or ())
 
 
+def check_capacity_groups(model: Any, split: str) -> None:
+    """ValueError if a capacity-mode MoE block of ``model`` has no ``group_size`` while the batch's rows are
+    split (``split`` says how, for the message): each part would apply the capacity to its own tokens."""
+    for i, b in enumerate(getattr(model, "blocks", None) or ()):
+        moe = getattr(b, "moe", None)
+        if moe is not None and moe.capacity_factor is not None and moe.group_size is None:
+            raise ValueError(f"{type(model).__name__}: block {i}'s MoE(capacity_factor={moe.capacity_factor}) has no "
+                             f"group_size, and {split} splits the batch's rows, so each part would apply the "
+                             "capacity to its own tokens and drop other rows than one device does. Set the groups "
+                             "explicitly (MixtralConfig(capacity_group_size=S), MoE(group_size=S): S tokens per "
+                             "group, dividing each rank's tokens), or drop capacity_factor (dropless).")
+
+
 def expert_parallel(model: Any, axis: str | None = "expert", *, stats_axes: tuple[str, ...] | None = None) -> Any:
     """``model`` with its MoE blocks' experts split over ``axis`` (module doc; None: experts whole)
     and its routers' statistics summed over ``stats_axes`` (default ``(axis,)``): every mesh axis
@@ -54,6 +70,8 @@ def expert_parallel(model: Any, axis: str | None = "expert", *, stats_axes: tupl
         raise ValueError(f"expert_parallel: {name} splits its batch over {stats_axes}, but has no `stats_axes` "
                          "field to sum its routers' statistics over them (as cfx.models.Mixtral has): its "
                          "load-balancing loss would be each rank's own. Add the field, or train it on one device.")
+    if stats_axes or axis:
+        check_capacity_groups(model, f"expert_parallel over {tuple(stats_axes) or (axis,)}")
     if axis is not None:
         model = model.map_blocks(lambda b: b if b.moe is None else dataclasses.replace(
             b, moe=dataclasses.replace(b.moe, expert_axis=axis)))

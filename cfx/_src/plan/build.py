@@ -23,7 +23,7 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.optim.base import chain
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.loss_scale import LossScaleState
-from cfx._src.parallel.expert import expert_parallel, has_experts, tensor_parallel_experts
+from cfx._src.parallel.expert import check_capacity_groups, expert_parallel, has_experts, tensor_parallel_experts
 from cfx._src.parallel.megatron import tensor_parallel
 from cfx._src.parallel.sequence import SequenceSplit, sequence_parallel
 from cfx._src.parallel.state import state_specs
@@ -198,6 +198,8 @@ def _check_experts(plan, model, where: str) -> None:
             expert_parallel(model, None, stats_axes=plan.batch_axes)
         if plan.has("pipe"):  # the stages' parts, if they carry what its loss needs (Mixtral's aux losses)
             parts_of(model, f"{where} (pipe axis)")
+            if plan.microbatches > 1:  # each microbatch routed on its own: capacity needs explicit groups
+                check_capacity_groups(model, f"microbatches={plan.microbatches}")
     except ValueError as e:
         raise ValueError(e.args[0] if str(e).startswith(where) else f"{where}: {e}") from None
 
