@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 import cfx
 from cfx import P
 from cfx._src.lax import collectives
+from cfx._src.transforms.autodiff import TRACES_GRAD_WITH_FUNC
 from cfx.parallel import MEGATRON_RULES, state_specs, tensor_parallel, tree_pmean
 
 pytestmark = pytest.mark.timeout(300)
@@ -148,6 +149,10 @@ def test_a_zero3_remat_plan_step_compiles_and_equals_eager():
         ref, got = eager.init(cfx.random.key(0)), jitted.init(cfx.random.key(0))
         dynamo.reset()
         counters.clear()
+        if TRACES_GRAD_WITH_FUNC:  # torch 2.11: remat inside cfx.jit is refused, saying what to do instead
+            with pytest.raises(ValueError, match="needs torch 2.12 or later"):
+                jitted(got, (data[0][:, :-1], data[0][:, 1:]))
+            return
         for t in data:
             ref, ref_metrics = eager(ref, (t[:, :-1], t[:, 1:]))
             got, metrics = jitted(got, (t[:, :-1], t[:, 1:]))
