@@ -70,10 +70,11 @@ def test_adapters_over_an_int8_base_train_under_a_plan_as_on_one_device(text):
     assert all(torch.equal(a, b) for a, b in zip(cfx.tree.leaves(base), cfx.tree.leaves(before)))
 
 
-def _run(text, lm, adapters, tx):
+def _run(text, lm, adapters, tx, *, prepare=lambda lm, plan, mesh: lm):
+    """The adapters after three steps of ``lm`` (``prepare(lm, plan, mesh)`` first) under Plan ``text``."""
     plan = cfx.parallel.Plan.parse(text)
     with plan.make_mesh() as mesh:
-        step = plan.step(lm, tx, mesh=mesh)
+        step = plan.step(prepare(lm, plan, mesh), tx, mesh=mesh)
         state = step.init_from(adapters)
         for b in batches():
             state, _ = step(state, b)

@@ -120,3 +120,33 @@ def test_flags_that_do_not_apply_are_refused(flags, match, corpus, pretrained):
 def test_an_init_from_that_is_no_model_is_refused(tmp_path, corpus):
     with pytest.raises(ValueError, match="neither a Hugging Face model directory"):
         train(config(corpus, str(tmp_path)))
+
+
+def test_under_zero3_the_frozen_base_is_sharded_and_the_run_is_one_devices(tmp_path, corpus, pretrained, full):
+    """``--mesh data=2 --zero 3``: each rank keeps half of the int8 base (``LoraModel.shard_base``),
+    and the losses and adapters are one device's within the rounding of the split batch."""
+    from cfx._src.lora.sharded import ShardedBase
+    from cfx._src.train import loop
+    made = []
+    real = loop.program_of
+
+    def spy(cfg, plan, model, mesh):
+        made.append(model)
+        return real(cfg, plan, model, mesh)
+    loop.program_of = spy
+    try:
+        got = train(config(corpus, pretrained, mesh="data=2", zero=3))
+    finally:
+        loop.program_of = real
+    assert isinstance(made[0].base, ShardedBase)
+    whole = _whole_base_bytes(pretrained)
+    assert 0.5 * whole <= made[0].base_bytes(0) <= 0.51 * whole  # half of it, up to ZeRO's padding
+    torch.testing.assert_close([loss for _, loss in got["history"]["train"]],
+                               [loss for _, loss in full["history"]["train"]], **TOL)
+    cfx.tree.assert_close(got["params"], full["params"], **TOL)
+
+
+def _whole_base_bytes(pretrained) -> int:
+    model, params = cfx.models.from_pretrained(pretrained)
+    base = cfx.quant.quantize(params, "int8", axes=model.axes())
+    return sum(x.numel() * x.element_size() for x in cfx.tree.leaves(base))

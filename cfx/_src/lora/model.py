@@ -11,7 +11,9 @@ alone. Block ``i`` is a ``LoraBlock`` holding block ``i`` of the frozen base: it
 to it and runs the base block, so what wraps a block -- ZeRO-3's gathering, remat, a pipeline stage --
 wraps the adapters' block and gathers, recomputes or stages the adapters while the base stays as given
 (each process keeps the whole base; a pipeline rank runs the blocks of its stages, each with its own
-frozen block). The embedding and the head run on the base's top-level params.
+frozen block). The embedding and the head run on the base's top-level params. Under ZeRO-3,
+``shard_base(mesh)`` shards the base like the params instead (``sharded.py``): each rank keeps ``1/n`` of
+it, every block's gathered just before it runs and freed after, without gradients.
 
 Under a model axis (``tensor_parallel(axis)``, the hook a Plan calls) the base model is split by
 ``split(model, axis) -> (split model, the base params' specs)`` and every rank runs on its block of the
@@ -28,6 +30,7 @@ function instead).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -38,12 +41,11 @@ from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.lora.adapters import attach, axes as adapter_axes, init as adapter_init
 from cfx._src.lora.config import LoraConfig, resolve
+from cfx._src.lora.sharded import ShardedBase, block_at, shard_tree
 from cfx._src.mesh.context import current
-from cfx._src.mesh.layout import block_of
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.models.common import check_params
 from cfx._src.nn.lora_weight import LoraWeight, is_weight_node
-from cfx._src.precision.quant import QuantizedWeight
 from cfx._src.transforms.shapes import eval_shape
 
 WHERE = "cfx.lora model"
@@ -56,17 +58,15 @@ def rank_block(tree: Any, specs: Any) -> Any:
     if specs is None:
         return tree
     ctx = current(WHERE)
-    leaves, treedef = tree_util.flatten(tree, is_leaf=is_weight_node)
-    spec_leaves = tree_util.leaves(specs, is_leaf=is_spec)
-    assert len(leaves) == len(spec_leaves), (len(leaves), len(spec_leaves))
+    return block_at(tree, specs, ctx.mesh, ctx.coords)
 
-    def local(x: Any, spec: P) -> Any:
-        if isinstance(x, QuantizedWeight):
-            out = P(*tuple(spec)[1:2])  # (out,) scales split with the weight's columns
-            return QuantizedWeight(block_of(x.q, spec, ctx.mesh, ctx.coords),
-                                   block_of(x.scale, out, ctx.mesh, ctx.coords))
-        return block_of(x, spec, ctx.mesh, ctx.coords) if isinstance(x, torch.Tensor) else x
-    return tree_util.unflatten(treedef, [local(x, s) for x, s in zip(leaves, spec_leaves)])
+
+def _frozen(base: Any, specs: Any, device: torch.device) -> Any:
+    """A context giving this rank's block of the frozen ``base``: gathered for its body if it is a
+    ``ShardedBase`` (``shard_base``), else its block under ``specs`` (views)."""
+    if isinstance(base, ShardedBase):
+        return base.gathered(device)
+    return contextlib.nullcontext(rank_block(base, specs))
 
 
 def _axes(spec: P, dim: int) -> tuple[str, ...]:
@@ -124,15 +124,16 @@ class LoraBlock:
         self.block.check(n)
 
     def apply(self, adapters: Any, x: torch.Tensor, **kwargs: Any) -> Any:
-        return self.block.apply(self._params(adapters), x, **kwargs)
+        with _frozen(self.base, self.specs, x.device) as base:
+            return self.block.apply(self._params(base, adapters), x, **kwargs)
 
     def apply_with_stats(self, adapters: Any, x: torch.Tensor, **kwargs: Any) -> Any:
         """The base block's ``apply_with_stats`` (a mixture of experts': its output and router statistics)."""
-        return self.block.apply_with_stats(self._params(adapters), x, **kwargs)
+        with _frozen(self.base, self.specs, x.device) as base:
+            return self.block.apply_with_stats(self._params(base, adapters), x, **kwargs)
 
-    def _params(self, adapters: Any) -> Any:
+    def _params(self, base: Any, adapters: Any) -> Any:
         """The block's params as it runs: this rank's block of the base with ``adapters`` attached."""
-        base = rank_block(self.base, self.specs)
         if not tree_util.leaves(adapters):  # a block the targets pick nothing in runs as it is
             return base
         base = attach(base, adapters, self.lora)
@@ -153,6 +154,7 @@ class LoraModel:
     specs: Any = None
     split: Callable[[Any, str], tuple[Any, Any]] | None = None
     blocks: tuple = None
+    presplit: tuple | None = None  # shard_base on a mesh with a model axis: (split model, its specs)
 
     def __post_init__(self):
         if self.blocks is None:
@@ -210,29 +212,74 @@ class LoraModel:
         """The same adapters with every ``LoraBlock`` replaced by ``f(block)`` (remat, ZeRO-3's gathering)."""
         return dataclasses.replace(self, blocks=tuple(f(b) for b in self.blocks))
 
-    def _top(self) -> dict:
-        """The base's params outside the blocks (embeddings, final norm, head), this rank's block of them."""
+    def _top(self, device: torch.device) -> Any:
+        """A context giving the base's params outside the blocks (embeddings, final norm, head), this
+        rank's block of them (gathered for its body when the base is sharded)."""
+        if self.presplit is not None:
+            raise ValueError(f"{WHERE}: the base was sharded for a mesh with a model axis (shard_base); run it "
+                             "under that Plan, which splits it, or shard it on a mesh without a model axis.")
+        if isinstance(self.base, ShardedBase):
+            return self.base.gathered(device)
         top = {k: v for k, v in self.base.items() if k != "blocks"}
-        return rank_block(top, None if self.specs is None else {k: v for k, v in self.specs.items() if k != "blocks"})
-
-    def _params(self, adapters: Any) -> dict:
-        return {**self._top(), "blocks": adapters["blocks"]}
+        return contextlib.nullcontext(
+            rank_block(top, None if self.specs is None else {k: v for k, v in self.specs.items() if k != "blocks"}))
 
     def apply(self, adapters: Any, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The base model's ``apply`` with the adapters attached (logits)."""
-        return self._inner.apply(self._params(adapters), tokens, **kwargs)
+        with self._top(tokens.device) as top:
+            return self._inner.apply({**top, "blocks": adapters["blocks"]}, tokens, **kwargs)
 
     def loss(self, adapters: Any, tokens: torch.Tensor, targets: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The base model's ``loss`` with the adapters attached."""
-        return self._inner.loss(self._params(adapters), tokens, targets, **kwargs)
+        with self._top(tokens.device) as top:
+            return self._inner.loss({**top, "blocks": adapters["blocks"]}, tokens, targets, **kwargs)
 
     def parts(self) -> Any:
         """The base model's parts over the frozen embedding and head: every top-level param is the
-        base's, so the stages own none of this model's."""
+        base's, so the stages own none of this model's (a sharded top is gathered around each)."""
         inner = self._inner.parts()
-        return dataclasses.replace(inner, first=(), last=(),
-                                   embed=lambda p, tokens: inner.embed(self._top(), tokens),
-                                   head_loss=lambda p, x, targets: inner.head_loss(self._top(), x, targets))
+
+        def embed(p, tokens):
+            with self._top(tokens.device) as top:
+                return inner.embed(top, tokens)
+
+        def head_loss(p, x, targets):
+            with self._top(x.device) as top:
+                return inner.head_loss(top, x, targets)
+        return dataclasses.replace(inner, first=(), last=(), embed=embed, head_loss=head_loss)
+
+    def shard_base(self, mesh: Any, *, axis: str = "data", host: bool = False) -> "LoraModel":
+        """The same adapters over the frozen base sharded like ZeRO-3's params over ``axis`` of ``mesh``
+        (``cfx._src.lora.sharded``): each rank keeps ``1/n`` of it (of its block of it, when ``mesh`` has a
+        model axis: the base is split over it first, as the Plan will), every block's gathered just
+        before it runs and freed after, without gradients; the embedding and head likewise around their
+        use. ``host``: the shards live in host memory, copied to the device for each gather. Drop the
+        whole base afterwards: the result holds only the shards."""
+        if axis not in mesh.axis_names:
+            raise ValueError(f"{WHERE}: shard_base(axis={axis!r}) but the mesh {mesh!r} has no such axis; shard over "
+                             "the plan's data axis (zero=3), e.g. shard_base(mesh, axis='data').")
+        if isinstance(self.base, ShardedBase) or any(not isinstance(b, LoraBlock) for b in self.blocks):
+            raise ValueError(f"{WHERE}: shard the base once, before the Plan wraps the blocks.")
+        model, specs, presplit = self.model, self.specs, None
+        if specs is None and mesh.shape.get("model", 1) > 1:
+            if self.split is None:
+                raise ValueError(f"{WHERE}: the mesh has a model axis but no split was given (split=); build it with "
+                                 "cfx._src.train.model.lora_model, which passes Megatron's.")
+            model, specs = presplit = self.split(self.model, "model")
+        device = torch.device("cpu") if host else None
+        n = len(self.blocks)
+        blocks = tuple(dataclasses.replace(b, base=shard_tree(b.base, s, mesh, axis, device=device))
+                       for b, s in zip(self.blocks, specs["blocks"] if specs is not None else [None] * n))
+        top = {k: v for k, v in self.base.items() if k != "blocks"}
+        top_specs = None if specs is None else {k: v for k, v in specs.items() if k != "blocks"}
+        return dataclasses.replace(self, base=shard_tree(top, top_specs, mesh, axis, device=device),
+                                   blocks=blocks, presplit=presplit)
+
+    def base_bytes(self, rank: int) -> int:
+        """Bytes of the frozen base rank ``rank`` keeps: its shards once ``shard_base`` ran, else the whole base."""
+        if isinstance(self.base, ShardedBase):
+            return self.base.nbytes(rank) + sum(_inner_base(b).nbytes(rank) for b in self.blocks)
+        return sum(x.numel() * x.element_size() for x in tree_util.leaves(self.base))
 
     def tensor_parallel(self, axis: str) -> "LoraModel":
         """The same adapters over ``split(model, axis)``: each rank runs on its block of the base (module doc)."""
@@ -241,5 +288,20 @@ class LoraModel:
                              "cfx._src.train.model.lora_model, which passes Megatron's.")
         if self.specs is not None or any(not isinstance(b, LoraBlock) for b in self.blocks):
             raise ValueError(f"{WHERE}: split the model over {axis!r} once, before wrapping its blocks.")
+        if isinstance(self.base, ShardedBase):  # sharded for this split already (shard_base)
+            if self.presplit is None or axis != "model":
+                raise ValueError(f"{WHERE}: the base was sharded on a mesh without a model axis; call shard_base "
+                                 f"with the Plan's mesh (model axis {axis!r}).")
+            model, specs = self.presplit
+            blocks = tuple(dataclasses.replace(b, block=sb, specs=s)
+                           for b, sb, s in zip(self.blocks, model.blocks, specs["blocks"]))
+            return dataclasses.replace(self, model=model, specs=specs, blocks=blocks, presplit=None)
         model, specs = self.split(self.model, axis)
         return LoraModel(model, self.lora, self.base, specs=specs)
+
+
+def _inner_base(block: Any) -> ShardedBase:
+    """The sharded base of a ``LoraBlock`` (or of one a Plan wrapped: remat, ZeRO-3's gathering)."""
+    while not isinstance(block, LoraBlock):
+        block = getattr(block, "layer", None) or getattr(block, "block")
+    return block.base

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from cfx._src.checkpoint import background
 from cfx._src.core import random as jr
+from cfx._src.lora.model import LoraModel
 from cfx._src.core import tree as tree_util
 from cfx._src.core.text import format_table, printable
 from cfx._src.plan.plan import Plan
@@ -106,6 +107,8 @@ def _start(cfg: TrainConfig, plan: Plan, stack: contextlib.ExitStack) -> Run:
         plan.check_batch(cfg.batch, cfg.seq)
     saving.check_resume(cfg, model, shapes)
     mesh = stack.enter_context(plan.make_mesh()) if plan.mesh else None
+    if isinstance(model, LoraModel) and plan.zero == 3 and plan.has("data"):  # the frozen base ZeRO-3's too
+        model = model.shard_base(mesh, host=plan.offload == "host")
     program = program_of(cfg, plan, model, mesh)
     state = program.init(k_init)  # on a mesh ShardedArrays: each process builds only its blocks
     state, start = saving.resume(cfg, program, state, model, shapes)  # from any program's checkpoint

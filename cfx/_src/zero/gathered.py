@@ -186,6 +186,20 @@ class _RegatherHooks:
         return ctx.__exit__(*exc)
 
 
+@contextlib.contextmanager
+def frozen_gathered(src: ShardSource):
+    """The leaves of a group no gradient flows to (a LoRA adapter's frozen base) from this rank's
+    shard, read from ``src``: all-gathered now; while inside, what autograd saves of them becomes a
+    ``_Ref``, so the buffer dies with the caller's leaves and backward re-gathers it (freed once the
+    nodes that saved it have run). No gradient, no reduce-scatter, no prefetch."""
+    if torch.compiler.is_dynamo_compiling():  # cfx.jit: a traced all-gather; the compiler decides what stays
+        yield _gather_traced(src)
+        return
+    full = src.gather(backward=False)
+    with _RegatherHooks(src, full):
+        yield src.layout.leaves_of_full(full)
+
+
 def _inner_gathered(obj: Any, depth: int = 0) -> "Gathered | None":
     """The ``Gathered`` ``obj`` is or wraps (``cfx.remat(gathered(b))``), else None."""
     if isinstance(obj, Gathered):
