@@ -8,6 +8,15 @@ to and from Hugging Face ``ViTForImageClassification`` with ``cfx.models.to_hf``
 A batch is ``(images (B, channels, H, W) float, labels (B,) int)``: its rows split over ``data``
 (``batch_axes``), and the blocks are ``TransformerBlock`` s, so a ``cfx.parallel.Plan`` runs it over
 data, ZeRO, Megatron's model axis and pipe stages (the parts protocol) as it runs the language models.
+
+Sequence parallelism (``seq``: ``sequence_parallel`` 's ring or Ulysses over a ``seq`` axis, or
+Megatron-SP's ``tensor_parallel(model, "model", sequence=True)``): the images stay whole on every
+rank (replicated over the sequence axis), each rank embeds them all (one strided convolution) and
+keeps its share of the ``1 + N`` tokens in the split's order (the ring's zigzag). ``1 + N`` seldom
+splits (197 for ViT-B/16), so ``SequenceSplit.share`` pads it to a multiple of the split (``2n`` for
+the zigzag) with zero tokens that every attention masks out as keys; the head reads the [CLS] token,
+which position 0 puts on the axis's rank 0, and the loss counts it once (``SequenceSplit.from_first``).
+Pipeline stages do not carry that mask: pipe with a split sequence is refused.
 """
 from __future__ import annotations
 
@@ -87,6 +96,7 @@ class ViT(DecoderLM):
 
     config: ViTConfig
     blocks: tuple = None
+    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``, ``tensor_parallel(sequence=True)``)
     remat_plan: Any = None
     batch_axes = ("batch",)  # images (B, channels, H, W) and labels (B,): rows split over data, nothing else
 
@@ -117,25 +127,28 @@ class ViT(DecoderLM):
 
     # -- forward -----------------------------------------------------------------------------
     def encode(self, params: dict, images: torch.Tensor, *, key: torch.Tensor | None = None) -> torch.Tensor:
-        """The final LayerNorm's output ``(B, 1 + N, C)``: the [CLS] token, then the patches row by row."""
+        """The final LayerNorm's output ``(B, 1 + N, C)``: the [CLS] token, then the patches row by row
+        (with the sequence split over an axis: this rank's share of the padded sequence, the module doc)."""
         c = self.config
         self.check_images(f"{type(self).__name__}.apply", images)
         check_params(f"{type(self).__name__}.apply", self, params)
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
-        x = dropout(self._embed(params, images), c.dropout, keys[0])  # (B, 1 + N, C)
-        x = self.run_blocks(params["blocks"], x, mask=None, keys=keys[1:])
+        x = dropout(self._embed(params, images), c.dropout, keys[0])  # (B, 1 + N, C): every rank the same
+        x, mask = (x, None) if self.seq is None else self.seq.share(x)  # this rank's (B, T/n, C), padding masked
+        x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:])
         return self._layers()["ln_f"].apply(params["ln_f"], x)
 
     def apply(self, params: dict, images: torch.Tensor, *, key: torch.Tensor | None = None) -> torch.Tensor:
         """Class logits ``(B, num_labels)`` for images ``(B, num_channels, image_size, image_size)``
         (cast to the params' dtype); ``key=None`` means no dropout."""
-        return self._classify(params, self.encode(params, images, key=key))
+        logits = self._classify(params, self.encode(params, images, key=key))
+        return logits if self.seq is None else self.seq.from_first(logits)  # every rank: the [CLS] token's
 
     def loss(self, params: dict, images: torch.Tensor, labels: torch.Tensor, *,
              key: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross-entropy (fp32) of the logits against ``labels (B,)``, one class id per image."""
         self._check_labels(f"{type(self).__name__}.loss", images, labels)
-        return self._loss(self.apply(params, images, key=key), labels)
+        return self._loss(self._classify(params, self.encode(params, images, key=key)), labels)
 
     def _embed(self, params: dict, images: torch.Tensor) -> torch.Tensor:
         table = params["wpe"]["w"]  # (1 + N, C); never quantised: its dtype is the params'
@@ -148,7 +161,10 @@ class ViT(DecoderLM):
         return self._layers()["classifier"].apply(params["classifier"], x[:, 0])  # (B, C) -> (B, L): [CLS]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits[:, None, :], labels[:, None])  # (B, 1, L) against (B, 1)
+        loss = cross_entropy(logits[:, None, :], labels[:, None])  # (B, 1, L) against (B, 1)
+        # sequence split: rank 0 holds the [CLS] token; its loss counts once (the others add 0),
+        # so each rank's gradient is its share (summed over the axis, as every split model's)
+        return loss if self.seq is None else self.seq.from_first(loss)
 
     # -- checks --------------------------------------------------------------------------------
     def check_images(self, where: str, images: Any) -> None:
@@ -190,6 +206,10 @@ class ViT(DecoderLM):
     def parts(self) -> ModelParts:
         """Patch embedding + [CLS] + positions | blocks | final norm + classifier + loss (dropout off)."""
         c = self.config
+        if self.seq is not None:
+            raise ValueError(f"ViT.parts(): pipeline stages of a ViT whose sequence is split over {self.seq.axis!r} "
+                             "(their padded [CLS] + patches need a key mask the stages do not carry); drop pipe= "
+                             "or the sequence split (seq=, sp=megatron).")
 
         def head_loss(params: dict, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             x = self._layers()["ln_f"].apply(params["ln_f"], x)  # (b, 1 + N, C)

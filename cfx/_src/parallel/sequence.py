@@ -19,7 +19,9 @@ The model learns only where its positions are (``positions``: the global ids of 
 tokens, for learned and rotary position embeddings) and that its loss is a mean over every
 rank's tokens (``cfx._src.nn.loss.mean_over_sequence``). Feed tokens, targets and masks in the layout's order:
 ``x[:, split.order(T)]`` (the identity for ``"contiguous"``); a per-token mean loss does not
-depend on that order. Compose with tensor parallelism by applying this first:
+depend on that order. A model that builds its whole sequence on every rank (a ViT's [CLS] +
+patches) takes its share with ``SequenceSplit.share`` (padded, the padding masked as keys), and a
+head reading one token ([CLS], position 0) counts it once with ``SequenceSplit.from_first``. Compose with tensor parallelism by applying this first:
 ``tensor_parallel(sequence_parallel(model), "model")``.
 """
 from __future__ import annotations
@@ -73,6 +75,26 @@ class SequenceSplit:
             return mine.view(u, local)[lax.axis_index(uly)].to(device)
         n, r = lax.axis_size(self.axis), lax.axis_index(self.axis)
         return self.order(local * n, n).view(n, local)[r].to(device)
+
+    def share(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's share ``(B, T'/N, ...)`` of a whole sequence ``x (B, T, ...)`` every rank holds
+        (a ViT's [CLS] + patches), in the split's order, and its key-padding mask ``(B, T'/N)``
+        (True = real; None when ``T`` splits as it is): ``T`` is padded with zeros to ``T'``, a
+        multiple of the ranks (of twice them for the zigzag), the padding hidden from attention."""
+        B, T = x.shape[:2]
+        n = lax.axis_size(self.axis)  # a hybrid's pair: the product
+        step = 2 * n if self.layout == "zigzag" else n  # the zigzag: two chunks per rank
+        padded = -(-T // step) * step
+        pos = self.positions(padded // n, x.device)  # this rank's global positions in the padded sequence
+        if padded == T:
+            return x[:, pos], None
+        x = torch.cat([x, x.new_zeros(B, padded - T, *x.shape[2:])], dim=1)
+        return x[:, pos], (pos < T)[None, :].repeat(B, 1)
+
+    def from_first(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the rank holding position 0 computed it (rank 0 of the axis, in every layout) on
+        every rank: a head that reads one token ([CLS]) counts it once, each rank's gradient its share."""
+        return lax.psum(t * (lax.axis_index(self.axis) == 0), self.axis)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                mask: torch.Tensor | None, impl: str) -> torch.Tensor:
@@ -144,7 +166,7 @@ def sequence_parallel(model: Any, axis: str = "seq", *, method: str = "ring", la
                           layout or ("contiguous" if method == "ulysses" else "zigzag"))
     if not has_hook(model, "seq") or not isinstance(getattr(model, "blocks", None), tuple):
         raise ValueError(f"sequence_parallel: {type(model).__name__} is not a cfx model with blocks and a `seq` "
-                         "field (GPT2, Llama, Bert).")
+                         "field (GPT2, Llama, Bert, ViT).")
 
     def split_block(block):
         if not hasattr(block, "seq") or not dataclasses.is_dataclass(block):
