@@ -27,6 +27,7 @@ from cfx._src.parallel.expert import check_capacity_groups, expert_parallel, has
 from cfx._src.parallel.megatron import tensor_parallel
 from cfx._src.parallel.sequence import SequenceSplit, sequence_parallel
 from cfx._src.parallel.state import state_specs
+from cfx._src.parallel.tp_block import GridBlock, tensor_parallel_grid
 from cfx._src.pipeline import schedule as schedules
 from cfx._src.plan.layout import Layout, stored_order
 from cfx._src.remat import policies as cp
@@ -52,13 +53,16 @@ def remat_blocks(model: Any, mode: str) -> Any:
 def parallel_model(plan, model: Any) -> Any:
     """Steps 1-2 of ``program``'s doc: the sequence split over ``seq`` (ring / Ulysses attention),
     a mixture of experts' experts over ``expert`` and its routers' statistics summed over the batch's
-    axes, then every block tensor-parallel over ``model`` (with ``sp=megatron``, Megatron-SP)."""
+    axes, then every block tensor-parallel over ``model`` (with ``sp=megatron``, Megatron-SP), or with
+    ``tp`` over the 2D / 2.5D / 3D grid of ``row``, ``col`` (and ``dep``)."""
     if plan.sp in ("ring", "ulysses"):
         model = sequence_parallel(model, "seq", method=plan.sp)
     if has_experts(model) and plan.batch_axes:
         model = expert_parallel(model, "expert" if plan.has("expert") else None, stats_axes=plan.batch_axes)
     if plan.has("model"):
         model = split_over_model(model, sequence=plan.sp == "megatron")
+    if plan.tp is not None:
+        model = tensor_parallel_grid(model, plan.tp)
     return model
 
 
@@ -158,6 +162,8 @@ def check_model(plan, model) -> None:
                              "as GPT2, Llama and Bert do); drop seq= from the mesh.")
         _check_ulysses_heads(plan, model, where)
     _check_experts(plan, model, where)
+    if plan.tp is not None:
+        _check_grid(plan, model, where)
     if plan.has("model"):
         n = plan.size("model")
         for block in getattr(split_over_model(model), "blocks", ()):
@@ -172,6 +178,20 @@ def check_model(plan, model) -> None:
             raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
         stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
         make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
+
+
+def _check_grid(plan, model, where: str) -> None:
+    """``tp``: the model's blocks are plain TransformerBlocks whose heads, features and hidden units
+    split over the grid (``GridBlock.check``)."""
+    if isinstance(model, LossModel):
+        raise ValueError(f"{where}: tp={plan.tp} splits the TransformerBlocks of a model; the loss function "
+                         f"{model.name!r} has none. Drop tp= and the grid axes (or pass a cfx model).")
+    try:
+        grid = tensor_parallel_grid(model, plan.tp)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e} Drop tp= and the grid axes for this model.") from None
+    for i, b in enumerate(grid.blocks if not isinstance(grid, GridBlock) else (grid,)):
+        b.check(plan.size("row"), f"{where}, block {i}")
 
 
 def _check_experts(plan, model, where: str) -> None:

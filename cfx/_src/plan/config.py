@@ -5,7 +5,9 @@
 The text is whitespace-separated groups of comma-separated ``key=value`` pairs; a key that is a
 mesh axis (``pipe``, ``data``, ``expert``, ``seq``, ``model``) sets that axis's size, in the order
 given. ``expert`` splits a mixture of experts' experts, and the batch's rows with ``data`` (the
-peers' expert parallelism folded into data parallelism).
+peers' expert parallelism folded into data parallelism). ``row``, ``col`` and ``dep`` are the grid
+of ``tp=2d`` (``row`` x ``col``), ``tp=2.5d`` and ``tp=3d`` (``row`` x ``col`` x ``dep``): 2D / 2.5D /
+3D tensor parallelism of every block (``cfx.parallel.tensor_parallel_grid``), with ``data``.
 ``sp=`` names the sequence parallelism: ``ring`` (the default with a ``seq`` axis) or ``ulysses``
 over ``seq``, or ``megatron`` over ``model`` (Megatron-SP, no ``seq`` axis).
 ``remat=auto:512MiB`` / ``offload=auto:64MiB`` carry their budgets. ``str(plan)`` writes the
@@ -19,7 +21,8 @@ from typing import Any, Mapping
 
 from cfx._src.core.text import format_bytes, parse_bytes
 
-AXES = ("pipe", "data", "expert", "seq", "model")
+AXES = ("pipe", "data", "expert", "seq", "model", "row", "col", "dep")
+GRID_AXES = {"2d": ("row", "col"), "2.5d": ("row", "col", "dep"), "3d": ("row", "col", "dep")}
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "host", "nvme", "auto")
 REMATS = ("none", "blocks", "dots", "auto")
@@ -65,6 +68,7 @@ class PlanConfig:
     chunks: int = 1                            # virtual stages per pipe rank (interleaved)
     precision: str = "fp32"
     sp: str | None = None                      # sequence parallelism; None: ring with a seq axis, else none
+    tp: str | None = None                      # 2d | 2.5d | 3d: grid tensor parallelism over row, col (, dep)
 
     def __post_init__(self):
         mesh = self.mesh
@@ -158,6 +162,42 @@ class PlanConfig:
         elif self.chunks > 1 and self.schedule != "interleaved":
             raise ValueError(f"Plan: chunks={self.chunks} (virtual stages per rank) needs "
                              f"schedule=interleaved, not {self.schedule}.")
+        self._check_grid()
+
+    def _check_grid(self) -> None:
+        """``tp`` names exactly the grid axes the mesh has, its shape, and only the axes it is wired with."""
+        grid = [a for a in ("row", "col", "dep") if self.has(a)]
+        if self.tp is None:
+            if grid:
+                raise ValueError(f"Plan: the axes {grid} of the mesh {dict(self.mesh)} are a tensor-parallel grid; "
+                                 "name its scheme: tp=2d (row, col), tp=2.5d or tp=3d (row, col, dep).")
+            return
+        _one_of("tp", self.tp, tuple(GRID_AXES))
+        want = GRID_AXES[self.tp]
+        if tuple(grid) != want:
+            raise ValueError(f"Plan: tp={self.tp} splits every block over the axes {want}; the mesh "
+                             f"{dict(self.mesh)} has {tuple(grid)}. Give the mesh exactly "
+                             f"{', '.join(a + '=N' for a in want)} (and data=N).")
+        q = self.size("row")
+        if self.size("col") != q or (self.tp == "3d" and self.size("dep") != q):
+            need = "row = col = dep (a cube)" if self.tp == "3d" else "row = col (a square grid)"
+            raise ValueError(f"Plan: tp={self.tp} needs {need}; the mesh {dict(self.mesh)} has "
+                             + ", ".join(f"{a}={self.size(a)}" for a in want) + ". Give those axes equal sizes.")
+        other = [a for a in ("pipe", "expert", "seq", "model") if self.has(a)]
+        if other:
+            raise ValueError(f"Plan: tp={self.tp} is wired with data parallelism (and ZeRO) only, not with the "
+                             f"axes {other} of the mesh {dict(self.mesh)}; drop {', '.join(a + '=' for a in other)} "
+                             "(or use Megatron's model= axis without tp=).")
+        if self.offload != "none" or self.remat == "auto":
+            raise ValueError(f"Plan: tp={self.tp} does not take offload={self.offload} / remat={self.remat} yet; "
+                             "use offload=none and remat=none, blocks or dots.")
+
+    @property
+    def grid_rows(self) -> int:
+        """How many ranks of the grid split each data rank's rows inside a block (1 without ``tp``)."""
+        if self.tp is None:
+            return 1
+        return self.size("row") * (self.size("dep") if self.tp != "2d" else 1)
 
     def check_batch(self, rows: int, length: int | None = None) -> None:
         """ValueError unless a global batch of ``rows`` splits over ``data`` and then into the
@@ -176,6 +216,10 @@ class PlanConfig:
             over = " x ".join(f"{a}={self.size(a)}" for a in self.batch_axes)
             raise ValueError(f"Plan {str(self)!r}: the batch of {rows} rows does not split over {over}; "
                              f"use a multiple of {data}.")
+        if (rows // data) % self.grid_rows:
+            raise ValueError(f"Plan {str(self)!r}: each data rank's {rows // data} rows do not split over the "
+                             f"{self.grid_rows} ranks of the tp={self.tp} grid that split a block's batch; use a "
+                             f"batch of a multiple of {data * self.grid_rows} rows.")
         if self.has("pipe") and (rows // data) % self.microbatches:
             raise ValueError(f"Plan {str(self)!r}: each data rank's {rows // data} rows do not split into "
                              f"microbatches={self.microbatches}; use a batch of a multiple of "
@@ -203,6 +247,8 @@ class PlanConfig:
             groups.append(f"precision={self.precision}")
         if self.sp != self.default_sp:
             groups.append(f"sp={self.sp}")
+        if self.tp is not None:
+            groups.append(f"tp={self.tp}")
         return " ".join(groups) or "single-device"
 
     @classmethod
@@ -229,11 +275,11 @@ class PlanConfig:
                 kw[key] = mode
                 if budget:
                     kw[f"{key}_budget"] = budget
-            elif key in ("schedule", "precision", "sp"):
+            elif key in ("schedule", "precision", "sp", "tp"):
                 kw[key] = value
             else:
                 raise ValueError(f"Plan.parse({text!r}): unknown key {key!r}; keys are the axes {AXES} "
-                                 "and zero, offload, remat, schedule, microbatches, chunks, precision, sp.")
+                                 "and zero, offload, remat, schedule, microbatches, chunks, precision, sp, tp.")
         return dict(kw, mesh=parse_mesh(",".join(axes), where=f"Plan.parse({text!r})") if axes else ())
 
 

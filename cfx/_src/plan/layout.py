@@ -3,7 +3,8 @@
 Specs come from the model's logical axes (``model.axes()``) through rules: Megatron's
 ``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` -> ``model`` when the mesh has a model axis
 (``vocab`` stays whole under Megatron-SP), a mixture of experts' ``experts`` -> ``expert``
-(``EXPERT_RULES``), all else replicated; batches split their rows over ``data`` (and ``expert``)
+(``EXPERT_RULES``), all else replicated (with ``tp``: the blocks' specs on the grid, ``grid_specs``);
+batches split their rows over ``data`` (and ``expert``)
 and, with sequence parallelism, their positions over ``seq`` (``model`` for Megatron-SP). Without
 a pipe axis the stored tree *is* the model's params tree.
 
@@ -40,6 +41,7 @@ from cfx._src.mesh.spec import P, is_spec
 from cfx._src.parallel.expert import EXPERT_RULES
 from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.parallel.rules import Rules
+from cfx._src.parallel.tp_block import grid_specs, tensor_parallel_grid
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.spmd.spec_tree import broadcast_specs
@@ -81,7 +83,10 @@ class Layout:
 
     def _model_specs(self, model, mesh) -> Any:
         """The params' specs: the model's own (``param_specs``: a P or a pytree prefix, broadcast and
-        checked against every leaf's shape), else its logical axes through the plan's rules."""
+        checked against every leaf's shape), with ``tp`` the grid's (``grid_specs``: the blocks split
+        over row, col, dep; the rest replicated), else its logical axes through the plan's rules."""
+        if self.cfg.tp is not None:
+            return grid_specs(tensor_parallel_grid(model, self.cfg.tp), mesh=mesh)
         own = hook(model, "param_specs")
         if own is None:
             return self.rules.specs(model.axes(), mesh=mesh)

@@ -351,11 +351,16 @@ class Program:
     def sample(self, state: TrainState, prompt: bytes, *, steps: int, key: torch.Tensor, context: int) -> bytes:
         """``sample_bytes`` with the tensor-parallel model on every rank (same key: same text; it
         gathers the vocabulary-parallel logits); under a pipe axis each rank first gathers the other
-        stages' blocks (inference only)."""
+        stages' blocks, under ``tp`` the whole params (inference only)."""
         tp = self.plan.has("model") and self.plan.sp != "megatron"  # the vocabulary split over model
         model = expert_parallel(self.model, "expert", stats_axes=()) if self.plan.has("expert") else self.model
         model = split_over_model(model, vocab=tp) if self.plan.has("model") else model
         policy = self.policy
+        if self.plan.tp is not None:  # a grid block keeps no KV cache: every rank samples the whole model
+            whole = self.params(state)
+            return shard_map(lambda p: sample_bytes(self.model, policy.cast_to_compute(p), prompt, steps=steps,
+                                                    key=key, context=context),
+                             mesh=self.mesh, in_specs=(P(),), out_specs=P())(whole)
 
         def body(params):
             whole = self.layout.gather_blocks(params)

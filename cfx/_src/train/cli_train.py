@@ -2,6 +2,7 @@
 
     python -m cfx.train --model gpt2 --preset tiny --steps 300 --precision bf16
     python -m cfx.train --mesh pipe=2,data=2,model=2 --zero 1 --remat blocks --save run/
+    python -m cfx.train --mesh data=2,row=2,col=2 --tp 2d --zero 1
     python -m cfx.train --lora r=8,alpha=16,targets=attn --lora-base int8 --init-from run/ --mesh model=2
 
 The flags are ``TrainConfig``'s fields; one that the others would make ignored is refused here,
@@ -38,6 +39,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     _checkpoint_flags(p, d)
     _lora_flags(p, d)
+    _grid_flags(p, d)
     p.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
                    help="sample this many bytes of text at the end (0: none)")
     p.add_argument("--remat", choices=["none", "blocks", "dots", "auto"], default=d.remat,
@@ -109,6 +111,14 @@ def _checkpoint_flags(p, d: TrainConfig) -> None:
                    help="append every step's train loss (and each eval) to this file as JSON lines")
     p.add_argument("--stop-after", type=int, default=d.stop_after,
                    help="stop and save after N steps of this run (resume later with --resume)")
+
+
+def _grid_flags(p, d: TrainConfig) -> None:
+    """2D / 2.5D / 3D tensor parallelism over the mesh's ``row``, ``col`` (and ``dep``) axes."""
+    p.add_argument("--tp", choices=["2d", "2.5d", "3d"], default=d.tp,
+                   help="split every block over a grid of --mesh axes: 2d over row x col (Optimus), 2.5d over "
+                        "row x col x dep (Tesseract), 3d over a row = col = dep cube; e.g. --mesh "
+                        "data=2,row=2,col=2 --tp 2d")
 
 
 def _lora_flags(p, d: TrainConfig) -> None:

@@ -46,6 +46,7 @@ class TrainConfig:
     microbatches: int = 4          # micro-batches per step with a pipe axis
     chunks: int = 2                # virtual stages per rank for --schedule interleaved
     sp: str | None = None          # ring | ulysses over a seq axis, megatron over model (None: ring with seq)
+    tp: str | None = None          # 2d | 2.5d | 3d: grid tensor parallelism over the mesh's row, col (, dep) axes
     auto: bool = False             # search the plan over --mesh with cfx.autoshard
     auto_budget: str | None = None # memory per rank for --auto's search (params, grads, moments, activations)
     verbose: bool = False          # --auto: print every param's spec and the collectives too
@@ -76,6 +77,8 @@ def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
         (("offload_budget",), cfg.offload != "auto", "applies to --offload auto only"),
         (("nvme_dir",), cfg.offload != "nvme", "applies to --offload nvme only"),
         (("sp",), not cfg.mesh, "needs a mesh: --mesh seq=N (ring, ulysses) or --mesh model=N (megatron)"),
+        (("tp",), not axes & {"row", "col", "dep"}, "splits every block over the grid axes of --mesh: add "
+         "row=N,col=N (2d) or row=N,col=N,dep=N (2.5d, 3d), e.g. --mesh data=2,row=2,col=2 --tp 2d"),
         (("save_every",), not cfg.save, "needs --save PATH (where to write the checkpoints)"),
         (("async_save",), not cfg.save, "needs --save PATH (where to write the checkpoints)"),
     ]
@@ -127,6 +130,8 @@ def _check_lora(cfg: TrainConfig, axes: set[str], set_: set[str]) -> None:
                                      "or dots"),
                ("seq" in axes or cfg.sp is not None, "sequence parallelism is not wired for adapters; drop the seq "
                                                      "axis and --sp"),
+               (cfg.tp is not None, "--tp's grid blocks split plain weights, not adapters over a frozen base; drop "
+                                    "--tp and its row, col, dep axes (--mesh model=N splits adapters)"),
                (bool(config.dropout), "adapter dropout is not wired through the model's blocks (they get keys for "
                                       "the model's own dropout only); use dropout=0")]
     for bad, why in refused:
@@ -144,4 +149,4 @@ def plan_of(cfg: TrainConfig) -> Plan:
     return Plan(mesh=mesh, zero=cfg.zero, offload=cfg.offload,
                 offload_budget=cfg.offload_budget if cfg.offload == "auto" else None, remat=cfg.remat,
                 remat_budget=cfg.remat_budget if cfg.remat == "auto" else None, precision=cfg.precision,
-                sp=cfg.sp, **pipe)
+                sp=cfg.sp, tp=cfg.tp, **pipe)

@@ -286,6 +286,8 @@ def strategy(cfg: TrainConfig) -> str:
     plan = plan_of(cfg)
     if plan.sp != "none":
         parts.append(f"sequence parallel {plan.sp}")
+    if plan.tp:
+        parts.append(f"tensor parallel {plan.tp} (grid)")
     if plan.has("pipe"):
         parts.append(f"schedule {cfg.schedule}, {cfg.microbatches} microbatches"
                      + (f", {cfg.chunks} chunks" if cfg.schedule == "interleaved" else ""))
