@@ -124,6 +124,9 @@ def test_a_kill_during_the_background_write_keeps_the_previous_checkpoint(tmp_pa
     like = {"w": torch.zeros(4096, 2048)}
     got, meta = cfx.checkpoint.load(d, like)
     assert meta == {"step": 1} and torch.equal(got["w"], torch.ones(4096, 2048))
+    stale = d / ".tmpAbC123"  # what safetensors' own temporary file looks like when its writer died
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 60, time.time() - 60))
     with cfx.Mesh({"data": 2}) as mesh:  # the next save clears what the killed one left
         cfx.checkpoint.save(d, {"w": cfx.device_put(torch.full((4096, 2048), 3.0), mesh, P("data"))},
                             metadata={"step": 3})

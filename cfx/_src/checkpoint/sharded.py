@@ -173,9 +173,10 @@ def _blocks_to_write(tree: Any, process: int) -> tuple[dict, dict]:
 def _commit(directory: str, generation: int, processes: int, leaves: dict, metadata: dict) -> None:
     """Process 0, after every process wrote: the index from the processes' listings, renamed into
     place; then the files of earlier (or killed) saves removed."""
-    files = {}
+    files, listed = {}, []
     for p in range(processes):
         stem = f"g{generation:06d}-p{p:05d}"
+        listed.append(os.path.getmtime(os.path.join(directory, stem + ".json")))
         with open(os.path.join(directory, stem + ".json")) as f:
             listing = json.load(f)
         files[stem + ".safetensors"] = listing["bytes"]
@@ -188,9 +189,17 @@ def _commit(directory: str, generation: int, processes: int, leaves: dict, metad
     fsync_dir(directory)
     for name in os.listdir(directory):  # earlier generations, killed saves' leftovers, listings --
         made = _generation_of(name)     # not a later one's, which another process may be writing
-        if made is not None and made <= generation and name != INDEX and (name.endswith(".json") or name not in files):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(directory, name))
+        path = os.path.join(directory, name)
+        ours = made is not None and made <= generation and name != INDEX and (name.endswith(".json") or name not in files)
+        with contextlib.suppress(FileNotFoundError):
+            if ours or (_SAFETENSORS_TMP.fullmatch(name) and os.path.getmtime(path) < min(listed)):
+                os.remove(path)
+
+
+# safetensors writes a file through a temporary ``.tmpXXXXXX`` beside it (Rust's tempfile): one a killed
+# save left is older than every listing of the generation being committed, while one a process is
+# writing now for a later generation is newer than its own listing of this one
+_SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 def _generation_of(name: str) -> int | None:
