@@ -21,6 +21,12 @@ import torch.distributed as dist
 
 from cfx._src.mesh import context as ctx_lib, ledger
 
+# torch's flight recorder (on by default) gathers the Python traceback of every collective it
+# enqueues; with every rank a thread of one process, two ranks gathering at once deadlocked on its
+# lock and the GIL (seen on torch 2.13, in a clean-clone CI run). The thread backend runs without it
+# unless the user set its size; it is read once, when the first process group is made.
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
+
 
 class RankFailure(Exception):
     """Carries one rank's exception and formatted traceback to the controller."""
