@@ -153,6 +153,32 @@ def test_eager_donation_updates_in_place_and_equals_the_pure_step():
     assert _ptrs(state.params) + _ptrs(state.opt) == before
 
 
+def test_eager_donation_reads_each_calls_own_structure():
+    """The eager path reads a call's arguments through the last call's structure while they fit;
+    a call of another structure (a key more, a list for a tuple, a tensor where a subtree was) is
+    walked anew, and each call donates exactly its own leaves."""
+    def step(state, g):
+        return {k: v.add_(g) if torch.is_tensor(v) else [x.add_(g) for x in v] for k, v in state.items()}
+
+    def ref(state, g):
+        return {k: v + g if torch.is_tensor(v) else [x + g for x in v] for k, v in state.items()}
+
+    estep = cfx.jit(step, donate_argnums=0, compile=False)
+    shapes = [{"a": torch.zeros(2), "b": [torch.zeros(3)]},
+              {"a": torch.zeros(2), "b": [torch.zeros(3)]},
+              {"a": torch.zeros(2), "b": [torch.zeros(3)], "c": torch.zeros(1)},
+              {"a": torch.zeros(2), "b": [torch.zeros(3), torch.zeros(4)]},
+              {"a": torch.zeros(2), "b": torch.zeros(3)}]
+    for i, state in enumerate(shapes):
+        given = cfx.tree.leaves(state)
+        want = ref(_copy(state), torch.tensor(float(i)))
+        got = estep(state, torch.tensor(float(i)))
+        cfx.tree.assert_tree_close(got, want)
+        for x in given:  # every donated leaf of this call, and only those, is gone
+            with pytest.raises(ValueError, match="donated"):
+                x + 1
+
+
 @pytest.mark.timeout(300)
 def test_only_the_signature_recompiles():
     def f(x, scale, n):
@@ -272,3 +298,19 @@ def test_remat_policies_become_what_the_compiler_recomputes():
     # one block: q, k, v, o, fc, proj are recomputed in backward under nothing_saveable; dots_saveable
     # keeps every matmul output (and recomputes only the cheap ops between them)
     assert counts == {"nothing_saveable": plain + 6, "dots_saveable": plain}
+
+
+def test_donated_buffers_are_known_by_object_and_by_storage():
+    from cfx._src.core import donation
+
+    a, b, other = torch.zeros(4), torch.zeros(3), torch.zeros(2)
+    assert not donation.all_donated([a])
+    with donation.donated([a, b, torch.zeros(0)]):
+        assert donation.all_donated([a, b]) and donation.all_donated([b])
+        assert donation.all_donated([a[1:], b.view(3, 1)])  # views: by their storage
+        assert not donation.all_donated([a, other]) and not donation.all_donated([a, 1.0])
+        assert donation.is_donated(a[2:]) and not donation.is_donated(other)
+        with donation.donated([other]):
+            assert donation.all_donated([a, other])
+        assert not donation.all_donated([other])
+    assert not donation.all_donated([a])

@@ -61,3 +61,33 @@ def test_mismatched_structure_names_the_path():
                      {"blocks": [{}, {"c": torch.zeros(1)}]})
     with pytest.raises(AssertionError, match=r"leaf 'a\.w'"):
         cfx.tree.assert_tree_close({"a": {"w": torch.zeros(2)}}, {"a": {"w": torch.ones(2)}})
+
+
+def test_leaves_as_reads_a_tree_of_the_given_structure_and_refuses_any_other():
+    from cfx._src.core.tree import leaves_as
+
+    t = sample()
+    leaves, treedef = cfx.tree.flatten(t)
+    got = leaves_as(dict(reversed(list(t.items()))), treedef)  # the same tree, its keys in another order
+    assert got is not None and len(got) == len(leaves) and all(a is b for a, b in zip(got, leaves))
+    other = sample()
+    other["blocks"][1]["b"] = torch.ones(1)  # None (an empty subtree) became a leaf
+    extra = sample() | {"more": torch.ones(1)}
+    as_tuple = sample() | {"blocks": tuple(t["blocks"])}
+    deeper = sample()
+    deeper["state"] = State(mu={"x": {"y": torch.ones(1)}}, count=torch.tensor(3))  # a subtree where a leaf was
+    number = sample()
+    number["state"] = State(mu={"x": 1.0}, count=torch.tensor(3))  # a leaf that is not a tensor
+    for bad in (other, extra, as_tuple, deeper, number):
+        assert leaves_as(bad, treedef) is None
+
+
+def test_leaves_as_reads_the_leaves_in_the_structures_order():
+    from collections import OrderedDict
+
+    from cfx._src.core.tree import leaves_as
+
+    a, b = torch.zeros(1), torch.ones(1)
+    _, treedef = cfx.tree.flatten({"a": a, "b": b})
+    assert leaves_as({"b": b, "a": a}, treedef) == [a, b]  # keys looked up, whatever the insertion order
+    assert leaves_as(OrderedDict(b=b, a=a), treedef) == [a, b]  # (dict-like types read alike: see its doc)

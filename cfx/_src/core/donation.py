@@ -20,6 +20,9 @@ from cfx._src.core import context
 # Empty in a compiled region (context.Var): there the compiler owns every buffer, and cfx.jit's
 # donate_argnums writes the outputs into the donated inputs itself.
 _donated: context.Var[frozenset] = context.Var("cfx_donated", frozenset())
+# The donated tensor objects themselves (ids: they are alive while donated), which code reading
+# the very leaves it was given (an optimizer's state) finds without asking for their storages.
+_donated_ids: context.Var[frozenset] = context.Var("cfx_donated_ids", frozenset())
 
 
 def _key(t: torch.Tensor) -> int:
@@ -38,15 +41,19 @@ def donated(tensors: Iterable[Any], *, keys: Iterable[int] | None = None):
         yield
         return
     if keys is None:
-        keys = {_key(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
+        keys = set(storage_keys(tensors))
     elif all(map(_numel, tensors)):
         keys = set(keys)
     else:
         keys = {k for t, k in zip(tensors, keys) if t.numel()}
+        tensors = [t for t in tensors if t.numel()]
     token = _donated.set(_donated.get() | keys)
+    ids = _donated_ids.set(_donated_ids.get().union(map(id, tensors)))
     try:
         yield
     finally:
+        _donated_ids.reset(ids)
         _donated.reset(token)
 
 
@@ -66,6 +73,8 @@ def all_donated(ts: Iterable[Any]) -> bool:
     if not keys:
         return False
     ts = ts if isinstance(ts, (list, tuple)) else list(ts)
+    if _donated_ids.get().issuperset(map(id, ts)):  # the donated tensors themselves (non-empty all)
+        return True
     if not all(isinstance(t, torch.Tensor) for t in ts):
         return False
     return all(map(_numel, ts)) and keys.issuperset(map(_cdata, map(_storage, ts)))
@@ -87,18 +96,24 @@ def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, in
     else:
         free = list(range(len(donated)))
     if in_place:
-        taken = _kept_in_place(outs, donated, free, fits)
+        taken = _returned_as_is(outs, donated, free)
+        if len(taken) < len(free):  # (an in-place step returns every buffer as itself: done)
+            kept = set(taken.values())
+            taken.update(_kept_in_place(outs, donated, [j for j in free if j not in kept], fits, skip=taken))
         claimed = set(taken.values())
-        if len(claimed) == len(free):  # every buffer kept its output (an in-place step): none to offer
+        if len(claimed) == len(free):  # every buffer kept its output: none to offer
             return taken
         free = [j for j in free if j not in claimed]
-        busy = {_key(x) for i, x in enumerate(outs) if isinstance(x, torch.Tensor)
-                and not (distinct and i in taken)}
+        rest = [i for i in range(len(outs)) if i not in taken]
+        busy = {_key(outs[i]) for i in (rest if distinct else range(len(outs))) if isinstance(outs[i], torch.Tensor)}
         free = [j for j in free if _key(donated[j]) not in busy]
-    for i, x in enumerate(outs):
+    else:
+        rest = range(len(outs))
+    for i in rest:
+        x = outs[i]
         if not free:
             break
-        if i in taken or not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor):
             continue
         for j in free:
             if fits(i, j):
@@ -108,16 +123,32 @@ def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, in
     return taken
 
 
+def _returned_as_is(outs: list[Any], donated: list[torch.Tensor], free: list[int]) -> dict[int, int]:
+    """``assign``'s first pass: each free donated tensor returned as it is (by the first output that
+    is it) keeps its buffer. By identity alone: in an in-place step that is every buffer but the few
+    (a step counter) computed anew, so the passes over buffers below run over those few."""
+    ids = list(map(id, donated))
+    at = dict(zip(ids, range(len(ids)))) if len(free) == len(ids) else {ids[j]: j for j in free}
+    taken = {i: j for i, j in enumerate(map(at.get, map(id, outs))) if j is not None}
+    if len(set(taken.values())) < len(taken):  # a tensor returned twice: its first output keeps it
+        seen: set[int] = set()
+        taken = {i: j for i, j in taken.items() if not (j in seen or seen.add(j))}
+    return taken
+
+
 def _kept_in_place(outs: list[Any], donated: list[torch.Tensor], free: list[int],
-                   fits: Callable[[int, int], bool]) -> dict[int, int]:
-    """``assign``'s first pass: in order, each output computed in a free donated buffer (starting
-    where it starts, and fitting it) keeps that buffer, unless an earlier output took it."""
+                   fits: Callable[[int, int], bool], *, skip: dict[int, int]) -> dict[int, int]:
+    """``assign``'s second pass: in order, each output (but those in ``skip``) computed in a free
+    donated buffer (starting where it starts, and fitting it) keeps that buffer, unless an earlier
+    output took it."""
     at: dict[int, list[int]] = {}  # data_ptr -> the free donated buffers starting there
     for j in free:
         at.setdefault(donated[j].data_ptr(), []).append(j)
     taken: dict[int, int] = {}
     claimed: set[int] = set()
     for i, x in enumerate(outs):
+        if i in skip:
+            continue
         for j in at.get(x.data_ptr(), ()) if isinstance(x, torch.Tensor) else ():
             if j not in claimed and (x is donated[j] or fits(i, j)):
                 taken[i] = j

@@ -6,6 +6,8 @@ NamedTuples). ``None`` is an empty subtree, as in JAX. A leaf's *path* is a dott
 """
 from __future__ import annotations
 
+import builtins
+import itertools
 from typing import Any, Callable, Iterable
 
 import optree
@@ -41,6 +43,24 @@ def flatten(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> tu
         out = tree_traced.flatten(tree, is_leaf)
         return out[0], out[2]
     return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def leaves_as(tree: PyTree, treedef: PyTreeDef) -> list[torch.Tensor] | None:
+    """``tree``'s leaves, all tensors, if it has ``treedef``'s structure; else None (flatten it).
+
+    A walk guided by ``treedef`` (it looks dict keys up instead of sorting them: about a tenth of
+    ``flatten``'s time on a model's params), for the hot paths that read the leaves of a tree they
+    expect to be shaped like another -- an optimizer's moments like the gradients, a step's state
+    like the last step's. Dict-like node types are not told apart (an ``OrderedDict`` reads as
+    ``treedef``'s ``dict``): use it to read leaves, never to rebuild a tree from ``treedef``."""
+    if isinstance(treedef, tuple) or _compiling():
+        return None
+    try:
+        leaves = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        return None
+    # a subtree where treedef has a leaf comes back as one leaf: only tensors are sure to be leaves
+    return leaves if all(builtins.map(isinstance, leaves, itertools.repeat(torch.Tensor))) else None
 
 
 def unflatten(treedef: PyTreeDef, leaves: Iterable[Any]) -> PyTree:

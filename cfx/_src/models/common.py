@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import weakref
 from typing import Any, Callable
 
@@ -39,6 +40,11 @@ def check_params(where: str, model: Any, params: Any) -> None:
         return
     # one walk: cfx.quant.quantize turns a weight leaf into a QuantizedWeight(q, scale) node,
     # cfx.lora.attach into a LoraWeight(base, A, B) node, each one weight of the model's structure
+    leaves = tree_util.leaves_as(params, _params_structure(model))  # the usual case, quickly
+    if leaves is not None:
+        if len(set(map(_dtype, leaves))) > 1:  # (tensors all: one C-level pass when they agree)
+            _check_one_float_dtype(where, params, leaves)
+        return
     leaves, treedef = tree_util.flatten(params, is_leaf=is_weight_node)
     if treedef != _params_structure(model):
         ref = tree_util.map(lambda a: 0, model.axes(), is_leaf=tree_util.is_axes_leaf)
@@ -64,6 +70,7 @@ def _check_one_float_dtype(where: str, params: Any, leaves: list) -> None:
                      "another dtype with a cfx.amp policy.")
 
 
+_dtype = operator.attrgetter("dtype")
 _STRUCTURES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
@@ -137,6 +144,11 @@ def check_targets(where: str, tokens: torch.Tensor, targets: Any, *, vocab_size:
                          f"{tuple(tokens.shape)}; targets[b, t] is the token that should follow "
                          "tokens[b, t] (use -100 to ignore a position).")
     if is_abstract(targets) or _asserted_on_device(where, "target", targets, vocab_size, ignore=IGNORE_INDEX):
+        return
+    if not targets.numel():
+        return
+    lo, hi = (int(v) for v in torch.aminmax(targets))  # one reduction, usually enough
+    if lo >= 0 and hi < vocab_size:
         return
     valid = targets[targets != IGNORE_INDEX]
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):

@@ -129,8 +129,7 @@ def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2,
     gs, treedef = tree_util.flatten(updates)
     ps = None
     if params is not None:
-        ps, params_treedef = tree_util.flatten(params)
-        _util.check_structure(f"{what} (params vs grads)", params, params_treedef, updates, treedef)
+        ps = _util.leaves_like(f"{what} (params vs grads)", params, treedef, updates)
     mus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.mu, treedef, updates)
     nus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.nu, treedef, updates)
     if callable(learning_rate):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import sys
 import threading
 import time
@@ -124,13 +125,14 @@ class Jitted:
                              "a buffer. Drop one of the two.")
         self.backend, self.compile = backend, compile
         self._entries: dict[Any, _Entry] = {}
+        self._last: list = []  # the last eager call's argument structures (``signature.split``)
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)
 
     # -- calling ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate,
-                               keyed=self.compile is True)
+                               keyed=self.compile is True, last=self._last)
         if not self.compile:
             return self._eager(call)
         if self.compile == "blocks":  # regional: the blocks compiled, the rest eager (``regional``)
@@ -240,7 +242,8 @@ class Jitted:
         if not bufs:
             return out
         outs, treedef = tree_util.flatten(out)
-        outs = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in outs]
+        if any(map(getattr, outs, _REQUIRES_GRAD, _FALSE)):  # (one C-level pass, usually all False)
+            outs = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in outs]
         fits = lambda i, j: _fits(outs[i], bufs[j])  # noqa: E731
         taken = donation.assign(outs, bufs, fits, distinct=True)  # split: no two share a buffer
         outs = donation.write_into(outs, bufs, fits, taken=taken)
@@ -266,7 +269,7 @@ class Jitted:
         """The flat outputs, those that are donated input objects made new tensors on the same
         buffers; the donated objects are deleted (their messages are built when first read; those
         whose buffers an output holds, ``held``, are not emptied: see ``donation.delete_all``)."""
-        gone = {id(call.tensors[i]) for i in call.donated}
+        gone = set(map(id, map(call.tensors.__getitem__, call.donated)))
         outs = [x.detach() if id(x) in gone else x for x in outs]
         name, where, donated = self.name, call.where, call.donated  # the message keeps no tensor alive
         donation.delete_all([call.tensors[i] for i in donated], lambda k: (
@@ -314,6 +317,9 @@ def _compiles(entry: _Entry) -> int:
     restarted is not one)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     return len(_debug_get_cache_entry_list(entry.code))
+
+
+_REQUIRES_GRAD, _FALSE = itertools.repeat("requires_grad"), itertools.repeat(False)  # getattr's arguments
 
 
 def _fits(out: Any, buf: torch.Tensor) -> bool:

@@ -8,6 +8,7 @@ compiled graph, so nothing else recompiles.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -39,10 +40,12 @@ class Call:
 
 
 def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], donate: tuple[int, ...],
-          keyed: bool = True) -> Call:
+          keyed: bool = True, last: list | None = None) -> Call:
     """Key the call and take its arguments apart; every mistake raises before anything runs.
     ``keyed=False``: no key (the per-leaf specs are what an eager call would build for nothing);
-    the checks are the same."""
+    the checks are the same. ``last`` (unkeyed calls): a list holding the structures of the last
+    call's arguments, read and updated here -- a train step passes the same structures every
+    step, and its arguments' leaves are read through them (``tree.leaves_as``), quickly."""
     n = len(args)
     for what, nums in (("static_argnums", static), ("donate_argnums", donate)):
         for i in nums:
@@ -59,9 +62,7 @@ def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], dona
                              "dynamic argument (drop it from static_argnums), or make it hashable "
                              "(a tuple, a frozen dataclass).") from None
     dynamic = tuple(a for i, a in enumerate(args) if i not in statics) if statics else args
-    parts = [tree_util.flatten(a) for a in dynamic]  # one walk per argument
-    if kwargs:
-        parts.append(tree_util.flatten(kwargs))
+    parts = _walk([*dynamic, kwargs] if kwargs else dynamic, None if keyed else last)  # one walk per argument
     leaves = parts[0][0] if len(parts) == 1 else [x for part, _ in parts for x in part]
     treedef = tuple(td for _, td in parts) + (() if kwargs else (_NO_KWARGS,))
     layout = _layout(n, tuple(statics), donate, treedef)
@@ -75,9 +76,27 @@ def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], dona
     return Call(key, args, kwargs, statics, dynamic, tensors, donated, where, storages)
 
 
+def _walk(trees: Sequence[Any], last: list | None) -> list[tuple[list, Any]]:
+    """Each tree's leaves and structure, read through ``last[0]`` (the last call's structures)
+    where they still fit; ``last[0]`` becomes this call's."""
+    guess = last[0] if last else None
+    if guess is not None and len(guess) == len(trees):
+        fast = [tree_util.leaves_as(t, td) for t, td in zip(trees, guess)]
+        if all(xs is not None for xs in fast):
+            return list(zip(fast, guess))
+    parts = [tree_util.flatten(t) for t in trees]
+    if last is not None:
+        last[:] = [tuple(td for _, td in parts)]
+    return parts
+
+
+_PLAIN = {torch.Tensor}
+_requires_grad = operator.attrgetter("requires_grad")
+
+
 def _plain(leaves: list) -> bool:
     """Every leaf a tensor of the plain class (no DonatedTensor, no constant, no ShardedArray)."""
-    return all(type(x) is torch.Tensor for x in leaves)
+    return set(map(type, leaves)) <= _PLAIN
 
 
 def _leaves(name: str, layout: "_Layout", leaves: list, keyed: bool) -> tuple:
@@ -175,7 +194,7 @@ def _check_donated_buffers(name: str, tensors: list, donated: list[int], where) 
     if not donated:
         return None
     keys = donation.storage_keys(tensors)
-    if len(set(keys)) == len(keys) and not any(tensors[i].requires_grad for i in donated):
+    if len(set(keys)) == len(keys) and not any(map(_requires_grad, map(tensors.__getitem__, donated))):
         return keys  # no buffer shared, none differentiated: nothing below would raise
     holders: dict[int, list[int]] = {}
     for i, key in enumerate(keys):
