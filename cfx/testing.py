@@ -26,7 +26,7 @@ __all__ = ["AXIS_NAMES", "PLAN_AXES", "assert_matches_reference", "divisible_sha
            "specs_for"]
 
 AXIS_NAMES = ("data", "model", "pipe")
-PLAN_AXES = ("pipe", "data", "seq", "model")
+PLAN_AXES = ("pipe", "data", "seq", "model", "expert")  # a Plan's axes (``plans`` draws ``expert`` for MoE models)
 
 
 @st.composite
@@ -94,11 +94,12 @@ def pytrees(draw, leaf_shapes: Sequence[tuple[int, ...]], *, dtype=torch.float32
 
 @st.composite
 def plans(draw, model: Any, *, max_ranks: int = 8, min_ranks: int = 2, batch: int = 8, length: int | None = None,
-          zero: Sequence[int] = (0, 1, 2, 3),
+          axes: Sequence[str] | None = None, zero: Sequence[int] = (0, 1, 2, 3),
           remat: Sequence[str] = ("none", "blocks", "dots", "auto"), remat_budget: str = "64MiB",
           offload: Sequence[str] = ("none", "host", "auto"), offload_budget: str = "64MiB"):
     """A ``cfx.parallel.Plan`` that can train ``model`` on a batch of ``batch`` rows: a mesh over
-    ``pipe`` / ``data`` / ``seq`` / ``model`` (a random subset, in a random order) of at most
+    ``axes`` (a random subset, in a random order; by default ``PLAN_AXES``: ``pipe`` / ``data`` /
+    ``seq`` / ``model``, and ``expert`` for a model with mixture-of-experts blocks) of at most
     ``max_ranks`` ranks, the sequence parallelism (``ring`` or ``ulysses`` with a seq axis; with
     a model axis alone, Megatron-SP or none), a ZeRO stage (only with a data axis), with ZeRO-3
     an offload (``auto`` places chunks within ``offload_budget`` device bytes), a remat mode
@@ -109,9 +110,15 @@ def plans(draw, model: Any, *, max_ranks: int = 8, min_ranks: int = 2, batch: in
         @given(cfx.testing.plans(my_model))
         def test_my_model_trains_the_same_sharded(plan): ...
     """
+    from cfx._src.parallel.expert import has_experts
     from cfx._src.plan.config import SCHEDULES
     from cfx._src.plan.plan import Plan
-    axes = draw(st.permutations(PLAN_AXES))[:draw(st.integers(1, len(PLAN_AXES)))]
+    if axes is None:
+        axes = tuple(a for a in PLAN_AXES if a != "expert" or has_experts(model))
+    unknown = [a for a in axes if a not in PLAN_AXES]
+    if unknown or not axes:
+        raise ValueError(f"cfx.testing.plans: axes={tuple(axes)} must be a non-empty subset of PLAN_AXES={PLAN_AXES}.")
+    axes = draw(st.permutations(tuple(axes)))[:draw(st.integers(1, len(axes)))]
     mesh, total = [], 1
     for a in axes:
         size = draw(st.sampled_from([s for s in (1, 2, 4) if total * s <= max_ranks]))
@@ -132,11 +139,12 @@ def plans(draw, model: Any, *, max_ranks: int = 8, min_ranks: int = 2, batch: in
             fields["offload"] = draw(st.sampled_from(list(offload)))
             if fields["offload"] == "auto":
                 fields["offload_budget"] = offload_budget
+    rows = shape.get("data", 1) * shape.get("expert", 1)  # the axes the batch's rows split over
     if "pipe" in shape:
-        per_rank = batch // shape.get("data", 1)
+        per_rank = batch // rows
         fields["schedule"] = draw(st.sampled_from(SCHEDULES))
         fields["microbatches"] = draw(st.sampled_from([m for m in (1, 2, 4) if per_rank % m == 0] or [1]))
-    assume(batch % shape.get("data", 1) == 0)
+    assume(batch % rows == 0)
     plan = Plan(**fields)
     try:
         plan.check(model)

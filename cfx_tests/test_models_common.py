@@ -1,6 +1,7 @@
 """What the decoders share (``cfx._src.models.common.DecoderLM``): the head's loss fused with its matmul
 (``head_loss(..., fused=True)``, what CUDA runs) equals the unfused loss in value and in every
-gradient, for a tied head (GPT-2), an untied one (Llama) and one behind a projection (OPT)."""
+gradient, for a tied head (GPT-2), an untied one (Llama) and one behind a projection (OPT). A preset's
+name may carry field overrides (``"tiny,n_layer=3"``: how ``python -m cfx.train --preset`` sets them)."""
 from __future__ import annotations
 
 import pytest
@@ -71,3 +72,13 @@ def test_on_cuda_the_id_checks_do_not_make_the_host_wait():
             "t = torch.full((1, 8), 70).cuda(); m.apply(p, t); torch.cuda.synchronize()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "assert" in proc.stderr.lower()
+
+
+def test_a_preset_name_carries_field_overrides():
+    config = cfx.models.mixtral("tiny,n_layer=3,router_aux_group_size=16,rope_theta=1e6", vocab_size=V).config
+    assert (config.n_layer, config.router_aux_group_size, config.rope_theta, config.n_experts) == (3, 16, 1e6, 4)
+    assert cfx.models.llama("tiny,n_layer=3", n_layer=1).config.n_layer == 1  # keyword overrides win
+    with pytest.raises(ValueError, match="'n_layer' in 'tiny,n_layer' is not field=value"):
+        cfx.models.llama("tiny,n_layer")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['layers'\]"):
+        cfx.models.opt("tiny,layers=3")

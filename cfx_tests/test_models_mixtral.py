@@ -1,7 +1,8 @@
 """cfx.models.Mixtral = transformers' MixtralForCausalLM on tiny random configs: logits (fp32), the loss
 with and without the routers' auxiliary loss (as transformers adds it with output_router_logits), every
 gradient (fp64), top-1 and top-2; weights both ways (transformers 5's layout written, 4's read too);
-greedy decoding token for token."""
+greedy decoding token for token. With ``router_aux_group_size`` the auxiliary losses are each group's
+and layer's, averaged, which is what a pipeline's stages compute (without it they are refused there)."""
 from __future__ import annotations
 
 import pytest
@@ -98,10 +99,33 @@ def test_plans_train_mixtral_as_one_device(text):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_grouped_auxiliary_losses_are_each_groups_and_layers_averaged():
+    coefs = dict(router_aux_loss_coef=0.02, router_z_loss_coef=0.01)
+    model, whole, plain = tiny(router_aux_group_size=8, **coefs), tiny(**coefs), tiny(router_aux_loss_coef=0.0)
+    params = model.init(cfx.random.key(0))
+    tokens = cfx.random.randint(cfx.random.key(6), (3, 9), 0, V)
+    x, y = tokens[:, :-1], tokens[:, 1:]  # 3 rows of 8 tokens: a group a row
+    want = plain.loss(params, x, y)
+    for row in range(3):  # a row's routing is its own: the whole-batch rule on it alone, over 3 rows and 2 layers
+        for s in whole.router_stats(params, x[row:row + 1])[1]:
+            want = want + (0.02 * cfx.nn.load_balancing_loss(s) + 0.01 * cfx.nn.z_loss(s)) / 3 / 2
+    torch.testing.assert_close(model.loss(params, x, y), want)
+    assert model.router_stats(params, x)[1][0].counts.shape == (3, 4)
+    assert abs(float(model.loss(params, x, y)) - float(whole.loss(params, x, y))) > 1e-4  # a rule of its own
+    with pytest.raises(ValueError, match=r"its 24 tokens \(shape \(3, 8\)\) do not form whole groups of "
+                                         "router_aux_group_size=16"):
+        tiny(router_aux_group_size=16, **coefs).loss(params, x, y)
+
+
 def test_what_does_not_carry_the_routers_statistics_is_refused():
     model = tiny()
-    with pytest.raises(ValueError, match="pipeline stages do not carry the routers' statistics"):
+    with pytest.raises(ValueError, match="a pipeline cannot compute the auxiliary losses over the whole batch.*"
+                                         "set router_aux_group_size=S"):
         model.parts()
+    assert tiny(router_aux_group_size=8).parts().block_loss is not None
+    assert tiny(router_aux_loss_coef=0.0).parts().block_loss is None
+    with pytest.raises(ValueError, match="router_aux_group_size must be a positive number of tokens"):
+        tiny(router_aux_group_size=0)
     with pytest.raises(ValueError, match="split them over an expert axis instead"):
         cfx.parallel.tensor_parallel(model, "model")
 

@@ -113,6 +113,23 @@ def test_router_stats_and_auxiliary_losses_follow_their_formulas():
     torch.testing.assert_close(cfx.nn.load_balancing_loss(two), cfx.nn.load_balancing_loss(s))
 
 
+@pytest.mark.parametrize("capacity", [None, 0.75])
+def test_router_stats_per_group_are_each_groups_own(capacity):
+    layer = cfx.nn.MoE(8, 12, 4, top_k=2, capacity_factor=capacity, group_size=capacity and 4)
+    p = cfx.tree.map(lambda t: t * 20, layer.init(cfx.random.key(0)))
+    x = cfx.random.normal(cfx.random.key(1), (2, 6, 8))  # 12 tokens: 3 groups of 4, cutting across rows
+    y, s = layer.apply_with_stats(p, x, stats_group_size=4)
+    assert torch.equal(y, layer.apply(p, x)) and s.counts.shape == (3, 4) and s.rows.tolist() == [4.0] * 3
+    for g, part in enumerate(x.reshape(-1, 8).split(4)):  # a group's statistics: the layer's on it alone
+        want = layer.apply_with_stats(p, part)[1]
+        for got, w in zip(s, want):
+            torch.testing.assert_close(got[g], w)
+        torch.testing.assert_close(cfx.nn.load_balancing_loss(s)[g], cfx.nn.load_balancing_loss(want))
+        torch.testing.assert_close(cfx.nn.z_loss(s)[g], cfx.nn.z_loss(want))
+    with pytest.raises(ValueError, match=r"stats_group_size=5\): this call's 12 tokens .* whole groups of 5"):
+        layer.apply_with_stats(p, x, stats_group_size=5)
+
+
 def test_bad_configuration_and_input_are_refused():
     with pytest.raises(ValueError, match="top_k must be in"):
         cfx.nn.MoE(8, 12, 2, top_k=3)

@@ -1,7 +1,9 @@
 """The expert axis in a Plan: Mixtral, its load-balancing loss included, trains under expert=2 and 4,
 data=2,expert=2 with ZeRO-1 and ZeRO-3 (and remat), expert=2,model=2 (tensor parallelism inside the
-experts) and pipe=2 (with the auxiliary losses off, which a pipeline cannot carry: refused otherwise)
-with every step's loss and gradients equal to one device's (rtol 1e-5) for five steps; in capacity mode
+experts) and pipe=2 (with the auxiliary losses off, or computed per group of tokens and per layer:
+``router_aux_group_size``, each stage adding its own layers' terms; over the whole batch, which no
+stage sees, refused) with every step's loss and gradients equal to one device's (rtol 1e-5) for five
+steps, also for plans hypothesis draws (``cfx.testing.plans``); in capacity mode
 with groups (``capacity_group_size``) a plan equals one device running the same groups, and without
 groups a plan that splits the batch is refused. The auxiliary
 loss's gradient taken inside a shard_map body -- each rank's own, then averaged, as a Plan does --
@@ -96,16 +98,50 @@ def test_expert_plans_with_a_pipe_axis_train_as_one_device_without_auxiliary_los
     assert_trains_as_one_device(text, aux=0.0)
 
 
+GROUPS = dict(router_aux_group_size=T)  # the auxiliary losses per sequence (a group of T tokens) and layer
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text", ["pipe=2 microbatches=2", "pipe=2,expert=2 microbatches=2",
+                                  "pipe=2,data=2 microbatches=2 schedule=zb-h1"])
+def test_pipe_plans_with_auxiliary_groups_train_as_one_device_running_the_same_groups(text):
+    assert_trains_as_one_device(text, **GROUPS)
+
+
+def test_auxiliary_groups_are_a_rule_of_their_own():
+    (whole, params), grouped = model_and_params(), model_and_params(**GROUPS)[0]
+    x, y = batches()[0]
+    assert abs(float(whole.loss(params, x, y)) - float(grouped.loss(params, x, y))) > 1e-3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", [cfx.pipeline.one_f_one_b, cfx.pipeline.zb_h1])
+def test_every_stage_backpropagates_its_own_auxiliary_terms_under_a_loss_scale(schedule):
+    model, params = model_and_params(**GROUPS)
+    x, y = batches()[0]
+    want_loss, want = cfx.value_and_grad(lambda p: model.loss(p, x, y))(params)
+    step = cfx.pipeline(model, schedule(2, 4))
+    with cfx.Mesh({"pipe": 2}) as mesh:
+        loss, grads = cfx.device_get(cfx.shard_map(lambda p, x, y: step(p, x, y, scale=8.0), mesh=mesh,
+                                                   in_specs=(P(), P(), P()), out_specs=(P(), P()))(params, x, y))
+        evaluated = cfx.device_get(cfx.shard_map(step.loss, mesh=mesh, in_specs=(P(), P(), P()),
+                                                 out_specs=P())(params, x, y))
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(evaluated, want_loss, rtol=1e-6, atol=0)
+    for path, g in cfx.tree.flatten_with_path(want)[0]:
+        got = dict(cfx.tree.flatten_with_path(grads)[0])[path]
+        torch.testing.assert_close(got, 8 * g, rtol=1e-5, atol=1e-5 * float(8 * g.abs().max()), msg=path)
+
+
 @pytest.mark.timeout(300)
 @examples(ci=2)
-@given(expert=st.sampled_from([1, 2, 4]), data=st.sampled_from([1, 2]), model=st.sampled_from([1, 2]),
-       zero=st.sampled_from([0, 1, 2, 3]), remat=st.sampled_from(["none", "blocks"]))
-def test_drawn_expert_plans_train_as_one_device(expert, data, model, zero, remat):
-    sizes = {"data": data, "expert": expert, "model": model}
-    if expert * data * model > 4 or expert * data == 1:
-        return  # up to 4 ranks, the batch split over data or expert
-    mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
-    assert_trains_as_one_device(f"{mesh} zero={zero if data > 1 else 0} remat={remat}")
+@given(groups=st.booleans(), data=st.data())
+def test_drawn_expert_plans_train_as_one_device(groups, data):
+    kw = GROUPS if groups else {}  # with groups, plans with a pipe axis too
+    plan = data.draw(cfx.testing.plans(model_and_params(**kw)[0], axes=("pipe", "data", "expert", "model"),
+                                       max_ranks=4, batch=B, length=T, remat=("none", "blocks"), offload=("none",)),
+                     label="plan")
+    assert_trains_as_one_device(str(plan), **kw)
 
 
 CAPACITY = dict(capacity_factor=0.5, capacity_group_size=2 * T)  # groups of 2 rows: 4 to a batch of 8
@@ -165,7 +201,8 @@ def test_plan_text_has_an_expert_axis():
     ("data=2,seq=2", "sequence parallelism .* do not carry the routers' statistics"),
     ("expert=2,model=2 sp=megatron", "sp=megatron"),
     ("expert=2 remat=auto:1GiB", "remat=auto"),
-    ("pipe=2,expert=2", r"Plan 'pipe=2,expert=2'.*pipeline stages do not carry the routers' statistics"),
+    ("pipe=2,expert=2", r"Plan 'pipe=2,expert=2'.*a pipeline cannot compute the auxiliary losses over the whole "
+                        r"batch.*set router_aux_group_size=S"),
 ])
 def test_what_cannot_train_is_refused_before_any_rank_runs(text, match):
     model = cfx.models.gpt2("tiny", n_layer=2) if match == "GPT2 has none" else model_and_params()[0]
@@ -184,6 +221,17 @@ def test_capacity_without_groups_is_refused_where_the_batch_is_split(text, split
     Plan.parse("pipe=2").check(model)  # one microbatch: nothing split
 
 
+@pytest.mark.timeout(60)
+def test_a_pipeline_microbatch_of_no_whole_groups_is_refused_before_any_rank_runs():
+    model, params = model_and_params(router_aux_group_size=4 * T)  # a batch of 8 rows: groups of 4 rows
+    plan = Plan.parse("pipe=2 microbatches=4")  # microbatches of 2 rows
+    with plan.make_mesh() as mesh:
+        step = plan.step(model, optimizer(), mesh=mesh)
+        with pytest.raises(ValueError, match=r"a pipeline microbatch\): its 16 tokens \(shape \(2, 8\)\) do not "
+                                             "form whole groups of router_aux_group_size=32"):
+            step(step.init_from(params), batches()[0])
+
+
 def test_a_batch_must_split_over_data_and_expert():
     with pytest.raises(ValueError, match="6 rows does not split over data=2 x expert=2; use a multiple of 4"):
         Plan.parse("data=2,expert=2").check_batch(6)
@@ -197,6 +245,10 @@ def test_the_training_command_takes_an_expert_axis(tmp_path, capsys):
     assert main(["--model", "mixtral", "--mesh", "data=2,expert=2", "--steps", "2", "--batch", "4", "--seq", "16",
                  "--data", str(corpus), "--eval-every", "0", "--sample-bytes", "8", "--no-progress"]) == 0
     assert "mesh data=2,expert=2" in capsys.readouterr().out
+    assert main(["--model", "mixtral", "--preset", "tiny,router_aux_group_size=16", "--mesh", "pipe=2",
+                 "--microbatches", "2", "--steps", "2", "--batch", "4", "--seq", "16", "--data", str(corpus),
+                 "--eval-every", "0", "--sample-bytes", "8", "--no-progress"]) == 0
+    assert "mesh pipe=2" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(120)

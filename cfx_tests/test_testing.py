@@ -1,5 +1,6 @@
 """cfx.testing's strategies draw what they promise: meshes with required axes and sizes dividing the
-user's dims, plans over more than one rank, specs that fit."""
+user's dims, plans over more than one rank (the expert axis for a mixture of experts only, or the
+axes asked for), specs that fit."""
 import math
 
 import pytest
@@ -39,3 +40,25 @@ def test_plans_shard_over_more_than_one_rank_and_specs_fit(data):
     for dim, axes in zip((8, 12), spec):
         axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
         assert dim % math.prod(shape[a] for a in axes) == 0
+
+
+@given(st.data())
+def test_plans_draw_the_expert_axis_for_a_mixture_of_experts_only(data):
+    dense = data.draw(cfx.testing.plans(cfx.models.gpt2("tiny", n_layer=2, vocab_size=64), max_ranks=4,
+                                        remat=("none",), offload=("none",)))
+    assert "expert" not in dict(dense.mesh)
+    moe = cfx.models.mixtral("tiny", n_layer=2, vocab_size=64, hidden_size=32, intermediate_size=48, n_head=4,
+                             n_kv_heads=2, n_experts=4)
+    plan = data.draw(cfx.testing.plans(moe, axes=("data", "expert"), max_ranks=4, remat=("none",), offload=("none",)))
+    assert set(dict(plan.mesh)) <= {"data", "expert"} and plan.batch_axes
+    with pytest.raises(ValueError, match=r"axes=\('rows',\) must be a non-empty subset of PLAN_AXES"):
+        data.draw(cfx.testing.plans(moe, axes=("rows",)))
+
+
+def test_plans_draw_the_expert_axis_beside_data_by_default():
+    from hypothesis import find
+    moe = cfx.models.mixtral("tiny", n_layer=2, vocab_size=64, hidden_size=32, intermediate_size=48, n_head=4,
+                             n_kv_heads=2, n_experts=4)
+    plan = find(cfx.testing.plans(moe, max_ranks=4, remat=("none",), offload=("none",)),
+                lambda p: dict(p.mesh).get("expert") == 2 and "data" in dict(p.mesh))
+    assert set(plan.batch_axes) == {"data", "expert"}

@@ -1,6 +1,7 @@
 """What GPT-2 and Llama share: input checks, the block loop, the fp32 loss, ``map_blocks``."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import operator
 import weakref
@@ -20,7 +21,11 @@ from cfx._src.transforms.shapes import is_abstract
 
 
 def config_from_preset(cls: Any, presets: dict, name: str, overrides: dict) -> Any:
-    """``cls(**presets[name], **overrides)``, with ValueErrors naming the valid presets / fields."""
+    """``cls(**presets[name], **overrides)``, with ValueErrors naming the valid presets / fields. ``name``
+    may carry overrides of its own, Python literals after commas (how a command line's ``--preset`` sets
+    fields): ``"tiny,n_layer=4,router_aux_group_size=128"``; ``overrides`` take precedence."""
+    name, *pairs = str(name).split(",")
+    overrides = {**_parse_overrides(cls, name, pairs), **overrides}
     if name not in presets:
         raise ValueError(f"{cls.__name__}.preset: unknown preset {name!r}; valid names are "
                          f"{sorted(presets)}.")
@@ -30,6 +35,22 @@ def config_from_preset(cls: Any, presets: dict, name: str, overrides: dict) -> A
         raise ValueError(f"{cls.__name__}.preset: unknown field(s) {bad}; valid fields are "
                          f"{sorted(fields)}.")
     return cls(**{**presets[name], **overrides})
+
+
+def _parse_overrides(cls: Any, name: str, pairs: list[str]) -> dict:
+    """``["n_layer=4", "rope_theta=1e6"]`` -> ``{"n_layer": 4, "rope_theta": 1e6}`` (a value that is no
+    Python literal stays a string)."""
+    out = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not (sep and key.strip().isidentifier()):
+            raise ValueError(f"{cls.__name__}.preset: {pair!r} in {','.join([name, *pairs])!r} is not field=value; "
+                             "write the preset's name, then its overrides, e.g. 'tiny,n_layer=4'.")
+        try:
+            out[key.strip()] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = text.strip()
+    return out
 
 
 def check_params(where: str, model: Any, params: Any) -> None:

@@ -12,8 +12,9 @@ Every model is a ``Model`` (``init`` / ``apply`` / ``axes``). A model the pipeli
 A model's params are a dict whose ``"blocks"`` entry is the list of block params; every other
 top-level entry belongs to the embedding (``first``), the head (``last``) or both (a tied
 embedding). ``embed`` maps inputs to the first block's input ``(B, T, C)``; ``head_loss`` maps the
-last block's output to the scalar loss. A family opts in by defining ``parts()``: GPT-2 and Llama
-do, and so must every new family that wants pipeline stages.
+last block's output to the scalar loss; ``block_loss``, where the blocks add terms of their own to
+the loss (Mixtral's routers), runs a block and returns its term too. A family opts in by defining
+``parts()``: GPT-2 and Llama do, and so must every new family that wants pipeline stages.
 """
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ class ModelParts:
     # the blocks' activation shape for a microbatch of inputs of this shape: (b, T) tokens -> (b, T, C)
     # by default; a model of feature rows says (b, D) -> (b, C)
     act_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
+    # an auxiliary loss the blocks add (a mixture of experts' routers'): (block, its params, x) -> (its
+    # output, its scalar term of x's microbatch's loss); each stage adds its blocks' terms to every
+    # microbatch's loss, the whole batch's term being the mean of the microbatches'. None: ``apply`` alone
+    block_loss: Callable[[Any, Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # ValueError unless a microbatch of inputs of this shape can run (e.g. its tokens form whole groups)
+    check_microbatch: Callable[[tuple[int, ...]], None] | None = None
 
     def activation_shape(self, inputs: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(self.act_shape(tuple(inputs))) if self.act_shape is not None else (*inputs, self.width)

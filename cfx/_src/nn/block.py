@@ -84,11 +84,12 @@ class TransformerBlock:
 
     def apply_with_stats(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
                          positions: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                         cache=None) -> tuple[torch.Tensor, Any]:
-        """``apply``'s output and, for a ``moe`` block, its router's ``RouterStats`` (else None)."""
+                         cache=None, stats_group_size: int | None = None) -> tuple[torch.Tensor, Any]:
+        """``apply``'s output and, for a ``moe`` block, its router's ``RouterStats`` (else None), per group
+        of ``stats_group_size`` tokens where given (``MoE.apply_with_stats``)."""
         layers = self._layers()
-        ffn = layers["mlp"].apply_with_stats if self.moe is not None else (  # -> (out, stats)
-            lambda p, h: (layers["mlp"].apply(p, h), None))
+        ffn = (lambda p, h: layers["mlp"].apply_with_stats(p, h, stats_group_size=stats_group_size)) \
+            if self.moe is not None else (lambda p, h: (layers["mlp"].apply(p, h), None))  # -> (out, stats)
         k_attn = k_mlp = None
         if key is not None and self.dropout > 0.0:
             k_attn, k_mlp = split_keys(key, 2)

@@ -27,7 +27,10 @@ so a split batch would change what is dropped: an expert-parallel layer refuses 
 sum of its probabilities, the rows, the sum of squared log-partition values) over this rank's
 tokens, summed over layers -- and, where the batch is split, over ranks (``RouterStats.psum``) --
 by the model; ``load_balancing_loss`` (Switch / Mixtral, as transformers computes it over all
-layers) and ``z_loss`` (ST-MoE) are functions of the sum.
+layers) and ``z_loss`` (ST-MoE) are functions of the sum. ``apply_with_stats(...,
+stats_group_size=S)`` returns them per group of ``S`` consecutive tokens instead (each field with a
+leading dim of ``G = N / S`` groups, the losses then one per group): what an auxiliary loss computed
+per group needs (Mixtral's ``router_aux_group_size``), wherever the groups run.
 """
 from __future__ import annotations
 
@@ -46,7 +49,9 @@ from cfx._src.nn.mlp import activation as act_fn
 class RouterStats(NamedTuple):
     """What the router did, summable over layers: per expert ``counts`` (rows routed there, of
     ``N k``) and ``probs`` (the sum of its softmax probability over tokens), ``rows`` (tokens),
-    ``z`` (the sum over tokens of ``logsumexp(logits)**2``) and ``dropped`` (rows over capacity)."""
+    ``z`` (the sum over tokens of ``logsumexp(logits)**2``) and ``dropped`` (rows over capacity).
+    Per group (``apply_with_stats(..., stats_group_size=)``) each has a leading dim of groups: ``counts``
+    (G, E), ``rows`` (G,)."""
 
     counts: torch.Tensor
     probs: torch.Tensor
@@ -60,19 +65,20 @@ class RouterStats(NamedTuple):
     def psum(self, axis) -> "RouterStats":
         """Summed over the ranks of mesh ``axis`` (a name or a tuple; the batch's), in one all-reduce."""
         flat = lax.psum(torch.cat([t.reshape(-1).float() for t in self]), axis)
-        E = self.counts.shape[0]
-        return RouterStats(flat[:E], flat[E:2 * E], flat[2 * E], flat[2 * E + 1], flat[2 * E + 2])
+        return RouterStats(*(f.view(t.shape) for f, t in zip(flat.split([t.numel() for t in self]), self)))
 
 
 def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
     """``E * sum_e f_e P_e``: ``f_e`` the rows routed to expert ``e`` per token, ``P_e`` its mean
-    probability (Switch Transformer eq. 4-6; transformers' ``load_balancing_loss_func``)."""
-    E = stats.counts.shape[0]
-    return E * torch.sum((stats.counts / stats.rows) * (stats.probs / stats.rows))
+    probability (Switch Transformer eq. 4-6; transformers' ``load_balancing_loss_func``); per group
+    (G,) where the statistics are."""
+    E, rows = stats.counts.shape[-1], stats.rows[..., None]
+    return E * torch.sum((stats.counts / rows) * (stats.probs / rows), -1)
 
 
 def z_loss(stats: RouterStats) -> torch.Tensor:
-    """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)**2``."""
+    """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)**2`` (per group where the
+    statistics are)."""
     return stats.z / stats.rows
 
 
@@ -125,13 +131,16 @@ class MoE:
         """``(..., C) -> (..., C)``."""
         return self.apply_with_stats(params, x)[0]
 
-    def apply_with_stats(self, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+    def apply_with_stats(self, params: dict, x: torch.Tensor, *, stats_group_size: int | None = None
+                         ) -> tuple[torch.Tensor, RouterStats]:
+        """``apply``'s output and the router's ``RouterStats``: over the call's tokens, or per group of
+        ``stats_group_size`` consecutive tokens (module doc)."""
         if x.shape[-1] != self.features:
             raise ValueError(f"MoE.apply: x has {x.shape[-1]} features in its last dim, expected "
                              f"features={self.features} (x shape {tuple(x.shape)}).")
         flat = x.reshape(-1, self.features)  # (N, C)
         N, E, k = flat.shape[0], self.n_experts, self.top_k
-        self._check_groups(N, tuple(x.shape))
+        self._check_groups(N, tuple(x.shape), stats_group_size)
         logits = flat @ params["router"].to(flat.dtype)  # (N, E)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = torch.topk(probs, k, dim=-1)  # (N, k) each
@@ -157,14 +166,36 @@ class MoE:
         y = torch.zeros_like(flat).index_add(0, token, out.to(flat.dtype))  # (N, C), in expert order
         if self.model_axis is not None:  # Megatron's g: the partial sums over the hidden units
             y = lax.psum(y, self.model_axis)
-        dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum().float()
-        stats = RouterStats(counts.float(), probs.sum(0), torch.tensor(float(N), device=x.device),
-                            torch.logsumexp(logits.float(), -1).pow(2).sum(), dropped)
+        stats = self._stats(logits, probs, pair_expert, counts, keep, token, stats_group_size)
         return y.view(x.shape), stats  # this rank's tokens' (a model sums them over layers and ranks)
 
-    def _check_groups(self, N: int, shape: tuple) -> None:
+    def _stats(self, logits: torch.Tensor, probs: torch.Tensor, pair_expert: torch.Tensor, counts: torch.Tensor,
+               keep: torch.Tensor | None, token: torch.Tensor, S: int | None) -> RouterStats:
+        """The call's ``RouterStats``: over its tokens, or per group of ``S`` of them (module doc).
+        ``logits`` / ``probs`` (N, E); ``pair_expert`` (N k,) each pair's expert; ``counts`` (E,);
+        ``keep`` / ``token`` (N k,) each sorted row's fate and token."""
+        (N, E), k, dev = probs.shape, self.top_k, probs.device
+        z = torch.logsumexp(logits.float(), -1).pow(2)  # (N,)
+        if S is None:
+            dropped = torch.zeros((), device=dev) if keep is None else (~keep).sum().float()
+            return RouterStats(counts.float(), probs.sum(0), torch.tensor(float(N), device=dev), z.sum(), dropped)
+        G = N // S
+        group = torch.arange(N * k, device=dev) // (k * S)  # (N k,): each pair's group
+        per_group = torch.bincount(group * E + pair_expert, minlength=G * E).view(G, E)
+        dropped = torch.zeros(G, device=dev)
+        if keep is not None:
+            dropped = dropped.index_add(0, token // S, (~keep).float())
+        return RouterStats(per_group.float(), probs.view(G, S, E).sum(1), torch.full((G,), float(S), device=dev),
+                           z.view(G, S).sum(1), dropped)
+
+    def _check_groups(self, N: int, shape: tuple, stats_group_size: int | None) -> None:
         """ValueError where the capacity's groups do not fit this call (module doc), on every rank alike:
         before any collective."""
+        S = stats_group_size
+        if S is not None and not (isinstance(S, int) and S >= 1 and N % S == 0):
+            raise ValueError(f"MoE.apply_with_stats(stats_group_size={S!r}): this call's {N} tokens (x shape {shape}) "
+                             f"do not form whole groups of {S}; use a positive group size dividing the tokens each "
+                             "rank (and pipeline microbatch) sees.")
         if self.capacity_factor is None:
             return
         if self.group_size is None and self.expert_axis is not None:

@@ -104,14 +104,15 @@ class TensorParallelMoEBlock(TensorParallelBlock):
 
     def apply_with_stats(self, params: dict, x: torch.Tensor, *, mask: torch.Tensor | None = None,
                          positions: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                         cache=None) -> tuple[torch.Tensor, Any]:
+                         cache=None, stats_group_size: int | None = None) -> tuple[torch.Tensor, Any]:
         del key  # (no dropout: checked when the block is split)
         # x (B, T, C) replicated over the axis -> (B, T, C) replicated, and the router's statistics
         layers = self._local_layers(lax.axis_size(self.axis))
         h = self._f(layers["norm1"].apply(params["norm1"], x))
         h = layers["attn"].heads(params["attn"], h, mask=mask, positions=positions, cache=cache)  # (B, T, H/n * D)
         x = x + self._g(h, params["attn"]["o"])
-        y, stats = layers["mlp"].apply_with_stats(params["mlp"], layers["norm2"].apply(params["norm2"], x))
+        y, stats = layers["mlp"].apply_with_stats(params["mlp"], layers["norm2"].apply(params["norm2"], x),
+                                                  stats_group_size=stats_group_size)
         return x + y, stats
 
 

@@ -10,7 +10,10 @@ action list in order, holding the stages ``partition`` gave it (virtual stage s 
   F       forward of stage s on microbatch j: embeddings (s = 0), its blocks, and for the last
           stage the head and the loss, scaled by j's share of the valid targets (1/m without
           ignored targets), so the losses add up to ``model.loss`` of the whole batch. The stage
-          input is a fresh leaf; the output is sent and only its ``GradientEdge`` kept.
+          input is a fresh leaf; the output is sent and only its ``GradientEdge`` kept. Where the
+          parts' ``block_loss`` says the blocks add terms of their own (Mixtral's routers), every
+          stage adds its blocks' terms / m: the last into its loss, the others riding on their
+          output into its backward (``_WithLoss``), so each stage's own terms reach its params.
   B       backward of (s, j) given the received output gradient: input gradient (sent on) and
           parameter gradients (accumulated). I / W: the zero-bubble split (``backward.py``).
   SEND_*  point-to-point ``lax.collectives.send`` of an activation (b, T, C) or its gradient,
@@ -96,6 +99,10 @@ def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: Partit
                          f"blocks; the schedule needs {schedule.n_stages} stages (p*v) over the "
                          f"model's {len(model.blocks)}. Make it with partition(model, "
                          f"{schedule.n_stages}).")
+    if chain is not None and parts.block_loss is not None:
+        raise ValueError(f"{WHERE}: {type(model).__name__}'s blocks add terms to the loss (ModelParts.block_loss), "
+                         "which a cfx.remat.solve chain does not return; remat per block instead "
+                         "(model.map_blocks(cfx.remat)).")
     if chain is not None:
         sizes = {len(plan.blocks(s)) for s in range(plan.n_stages)}
         if sizes != {chain.chain.n}:
@@ -159,6 +166,8 @@ class PipelineStep:
             raise ValueError(f"{WHERE}: this rank's batch of {tokens.shape[0]} rows does not split "
                              f"into the schedule's {m} microbatches; use a per-rank batch that is a "
                              f"multiple of {m} or a schedule with a divisor of it.")
+        if self.parts.check_microbatch is not None:
+            self.parts.check_microbatch((tokens.shape[0] // m, *tokens.shape[1:]))
         if self.local_blocks:
             held = len(self.held_blocks(ctx.coords[self.axis]))
             if not isinstance(params.get("blocks"), list) or len(params["blocks"]) != held:
@@ -250,29 +259,47 @@ class _Run:
         # saved tensors are booked as activations (detached: see cfx._src.remat.saved)
         with SavedTensors(self.param_storages, on_save=_watch_activation) if self.tracked else contextlib.nullcontext():
             h = step.parts.embed(own, self.tokens[mb]) if s == 0 else x  # (b, T, C)
-            blocks = step.plan.blocks(s)
-            if step.chain is not None:  # the stage's blocks as one checkpointed chain
-                h = step.chain.run([step.model.blocks[i].apply for i in blocks],
-                                   [self.local["blocks"][i] for i in blocks], h,
-                                   [dict(mask=None, key=None)] * len(blocks))
-            else:
-                for i in blocks:
-                    h = step.model.blocks[i].apply(self.local["blocks"][i], h, mask=None, key=None)
+            h, extra = self._blocks(s, h)
             if s == last and self.valid[mb] == 0:  # nothing to predict: a zero that still
                 h = h.float().sum() * 0.0              # routes (zero) gradients back
             elif s == last:
                 h = step.parts.head_loss(own, h, self.targets[mb]) * self.weights[mb]
+            if s == last and extra is not None:
+                h = h + extra
         if s == last:
             self.loss = self.loss + h.detach().float()
             if not self.forward_only:
                 self.live[s, mb] = (h, x)
             return
+        if extra is not None:  # the blocks' own terms: counted here, backpropagated with the output
+            self.loss = self.loss + extra.detach().float()
+            if not self.forward_only:
+                h = _WithLoss.apply(h, extra, self.scale)
         if not self.forward_only:
             self.live[s, mb] = (get_gradient_edge(h), x)
         if step.schedule.stage_rank(s + 1) == self.rank:
             self.inputs[s + 1, mb] = h.detach()
         else:
             self.outputs[s, mb] = h.detach()
+
+    def _blocks(self, s: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage ``s``'s blocks on ``h`` (b, T, C), and with the parts' ``block_loss`` the sum of their
+        terms as this microbatch's share of the whole batch's (1/m); None without."""
+        step = self.step
+        blocks = step.plan.blocks(s)
+        if step.chain is not None:  # the stage's blocks as one checkpointed chain
+            return step.chain.run([step.model.blocks[i].apply for i in blocks],
+                                  [self.local["blocks"][i] for i in blocks], h,
+                                  [dict(mask=None, key=None)] * len(blocks)), None
+        if step.parts.block_loss is None:
+            for i in blocks:
+                h = step.model.blocks[i].apply(self.local["blocks"][i], h, mask=None, key=None)
+            return h, None
+        terms = []
+        for i in blocks:
+            h, term = step.parts.block_loss(step.model.blocks[i], self.local["blocks"][i], h)
+            terms.append(term)
+        return h, sum(terms[1:], terms[0]) / step.schedule.n_microbatches
 
     def _backward_inputs(self, s: int, mb: int) -> tuple:
         root, x = self.live.pop((s, mb))
@@ -391,6 +418,23 @@ class _Run:
             loss, shared = tree_psum((self.loss, shared), axis)
             return loss, {k: shared[k] if k != "blocks" else v for k, v in grads.items()}
         return tree_psum((self.loss, grads), axis)  # one flat all-reduce, the loss riding along
+
+
+class _WithLoss(torch.autograd.Function):
+    """A stage's output ``h`` unchanged, with a scalar ``loss`` of the stage's own riding on it into the
+    backward: the gradient reaching ``h`` passes on, and ``loss`` gets the backward's seed (1, or the fp16
+    loss scale), as if it were added to the pipeline's loss (Megatron-Core's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, loss: torch.Tensor, scale: Any) -> torch.Tensor:
+        ctx.scale, ctx.like = scale, (loss.shape, loss.dtype, loss.device)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        shape, dtype, device = ctx.like
+        seed = torch.ones(shape, dtype=dtype, device=device)
+        return grad, (seed if ctx.scale is None else (seed * ctx.scale).to(dtype)), None
 
 
 def _watch_activation(t: torch.Tensor) -> None:

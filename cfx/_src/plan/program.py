@@ -8,7 +8,8 @@ runtime already has:
    zigzag order; ``sp=ulysses``: all-to-alls between a sequence and a head split);
 2. expert parallelism (``expert`` axis): a mixture of experts' experts split over it, the batch's rows
    split over it as over ``data``, each token sent to its experts' ranks and back; the routers'
-   statistics summed over the batch's axes (the whole batch's load balance), each rank's gradient
+   statistics summed over the batch's axes (the whole batch's load balance; or, with Mixtral's
+   ``router_aux_group_size``, each rank's own groups', which a pipe axis needs), each rank's gradient
    averaged over ``expert`` (``expert_grads``); then tensor parallelism: every block Megatron-split
    over ``model``, the vocabulary too (with
    ``sp=megatron``: Megatron-SP, the sequence split over ``model`` between the blocks' matmuls,
