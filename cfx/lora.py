@@ -20,6 +20,8 @@ For tensor and pipeline parallelism the adapters over a frozen base are a model 
 ``lora_model(model, config, frozen)`` (a ``LoraModel``) has the adapters for params, each ``A`` split
 like its base weight's input dim and ``B`` like its output under a ``model`` axis, each block attaching
 its own frozen block, so any Plan trains it (``python -m cfx.train --lora`` does).
+``place_base(lm, plan, mesh)`` keeps its frozen base as the Plan keeps its state: sharded over ``data``
+under ZeRO-3, each pipe stage holding only the blocks it runs, in host memory or files with ``offload``.
 """
 from cfx._src.diffusion.lora import load_diffusers, save_diffusers
 from cfx._src.lora.adapters import attach, axes, init, merge, unmerge
@@ -27,7 +29,8 @@ from cfx._src.lora.config import ALL_LINEAR, PRESETS, LoraConfig
 from cfx._src.lora.model import LoraModel
 from cfx._src.lora.peft import load_peft, save_peft
 from cfx._src.nn.lora_weight import LoraWeight
-from cfx._src.train.model import lora_model
+from cfx._src.train.model import lora_model, place_base
 
 __all__ = ["ALL_LINEAR", "LoraConfig", "LoraModel", "LoraWeight", "PRESETS", "attach", "axes", "init",
-           "load_diffusers", "load_peft", "lora_model", "merge", "save_diffusers", "save_peft", "unmerge"]
+           "load_diffusers", "load_peft", "lora_model", "merge", "place_base", "save_diffusers", "save_peft",
+           "unmerge"]

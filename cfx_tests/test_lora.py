@@ -331,8 +331,9 @@ def test_config_parse_reads_a_command_lines_text():
     assert parse(" r=2 , targets=unet-attn+*.ff.proj,dropout=0.1,rslora=1", targets=("attn",)) == \
         cfx.lora.LoraConfig(r=2, targets=("unet-attn", "*.ff.proj"), dropout=0.1, rslora=True)
     assert parse("r=2", targets=("unet-attn",)).targets == ("unet-attn",)  # a default for keys not given
+    assert parse("targets=attn+mlp,shared_a=q+k+v/gate+up").shared_a == (("q", "k", "v"), ("gate", "up"))
     for text, says in [("r=4,r=8", "each KEY once"), ("r4", "expected comma-separated KEY=VALUE"),
-                       ("rank=4", "from \\['alpha', 'dropout', 'r', 'rslora', 'targets'\\]"),
+                       ("rank=4", "from \\['alpha', 'dropout', 'r', 'rslora', 'shared_a', 'targets'\\]"),
                        ("r=1.5", "r='1.5' is not a valid r"), ("rslora=yes", "rslora='yes' is not a valid rslora"),
                        ("alpha=-2", "alpha must be a positive number")]:
         with pytest.raises(ValueError, match=f"^--lora {text!r}: .*{says}"):

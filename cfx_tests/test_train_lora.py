@@ -111,6 +111,8 @@ def test_a_tensor_parallel_run_resumes_on_one_device(tmp_path, corpus, pretraine
     (dict(model="llama"), "--init-from gives the model"),
     (dict(lora=LORA + ",dropout=0.1"), "adapter dropout is not wired"),
     (dict(remat="auto"), "--remat auto"),
+    (dict(lora=None, lora_base=None, init_from=None, save_peft="out"), "--save-peft writes the adapters of --lora"),
+    (dict(save_peft="out"), r"'blocks\.0\.attn\.k' has no module in peft's layout.*shared_a=q\+k\+v"),
 ])
 def test_flags_that_do_not_apply_are_refused(flags, match, corpus, pretrained):
     with pytest.raises(ValueError, match=match):
@@ -150,3 +152,57 @@ def _whole_base_bytes(pretrained) -> int:
     model, params = cfx.models.from_pretrained(pretrained)
     base = cfx.quant.quantize(params, "int8", axes=model.axes())
     return sum(x.numel() * x.element_size() for x in cfx.tree.leaves(base))
+
+
+def _hf_dir(tmp_path, family: str) -> str:
+    """A tiny randomly initialised Hugging Face model of ``family`` (vocabulary 256: the job's bytes), saved."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32,
+                                                                  n_layer=2, n_head=4))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
+    hf.save_pretrained(tmp_path / family)
+    return str(tmp_path / family)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family, lora, mesh", [
+    ("gpt2", "r=4,alpha=8,targets=attn+mlp,shared_a=q+k+v", []),  # HF GPT-2's c_attn: q, k, v with one A
+    ("llama", "r=4,alpha=8,targets=attn+mlp", ["--mesh", "data=2", "--zero", "3"]),  # the adapters gathered
+])
+def test_save_peft_writes_what_peft_loads_as_the_merged_model(tmp_path, corpus, family, lora, mesh):
+    """``--save-peft DIR``: peft loads the trained adapters onto the transformers model of ``--init-from``
+    with the logits of cfx's merged model (the run's own checkpoint read back, adapters merged)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    hf_dir, out, ckpt = _hf_dir(tmp_path, family), tmp_path / "adapter", tmp_path / "ckpt"
+    assert main(["--lora", lora, "--init-from", hf_dir, "--steps", "2", "--lr", "0.05", "--warmup", "0",
+                 "--batch", "2", "--seq", "16", "--eval-every", "0", "--eval-batches", "1", "--sample-bytes", "0",
+                 "--no-progress", "--data", corpus, "--save", str(ckpt), "--save-peft", str(out), *mesh]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    model, merged = read_params(str(ckpt))
+    tok = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    pm = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), str(out)).eval()
+    with torch.no_grad():
+        got = pm(input_ids=tok).logits
+        with pm.disable_adapter():
+            plain = pm(input_ids=tok).logits
+    assert (got - plain).abs().max() > 1e-3  # the trained adapters were applied
+    torch.testing.assert_close(got, model.apply(merged, tok))
+
+
+@pytest.mark.timeout(240)
+def test_under_pipe_zero3_and_nvme_offload_the_run_is_one_devices_and_samples(corpus, pretrained, full):
+    """``--mesh pipe=2,data=2 --zero 3 --offload nvme``: each stage keeps its own blocks' base, sharded over
+    data, in files (``place_base``); the losses and adapters are one device's within the rounding of the
+    split batch, and the closing sample runs the whole model on every rank."""
+    got = train(config(corpus, pretrained, mesh="pipe=2,data=2", zero=3, offload="nvme", microbatches=1,
+                       sample_bytes=4))
+    torch.testing.assert_close([loss for _, loss in got["history"]["train"]],
+                               [loss for _, loss in full["history"]["train"]], **TOL)
+    cfx.tree.assert_close(got["params"], full["params"], **TOL)
+    assert len(got["sample"].encode("utf-8", errors="replace")) >= 4

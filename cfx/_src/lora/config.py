@@ -69,11 +69,13 @@ class LoraConfig:
     def parse(cls, text: str, *, where: str | None = None, **defaults: Any) -> "LoraConfig":
         """``"r=4,alpha=8,targets=attn+mlp"`` -> a ``LoraConfig`` (a command line's ``--lora``):
         comma-separated ``KEY=VALUE``, KEY among ``r``, ``alpha``, ``dropout``, ``targets`` (presets and
-        patterns joined by ``+``) and ``rslora`` (0 or 1), each once; a key not given takes ``defaults``,
+        patterns joined by ``+``), ``rslora`` (0 or 1) and ``shared_a`` (groups of names joined by ``+``,
+        separated by ``/``: ``shared_a=q+k+v``, GPT-2's c_attn for peft), each once; a key not given takes ``defaults``,
         then the field's default. A ValueError starts with ``where`` (default ``--lora 'TEXT'``)."""
         where = f"--lora {text!r}" if where is None else where
         kinds = {"r": int, "alpha": float, "dropout": float, "rslora": lambda v: {"0": False, "1": True}[v],
-                 "targets": lambda v: tuple(v.split("+"))}
+                 "targets": lambda v: tuple(v.split("+")),
+                 "shared_a": lambda v: tuple(tuple(g.split("+")) for g in v.split("/"))}
         fields = dict(defaults)
         seen = set()
         for part in text.split(","):
@@ -86,7 +88,8 @@ class LoraConfig:
                 fields[key] = kinds[key](value)
             except (KeyError, ValueError):
                 raise ValueError(f"{where}: {key}={value!r} is not a valid {key} (r: a positive int; alpha, dropout: "
-                                 "numbers; rslora: 0 or 1; targets: presets or patterns joined by +).") from None
+                                 "numbers; rslora: 0 or 1; targets: presets or patterns joined by +; shared_a: "
+                                 "groups like q+k+v joined by /).") from None
         try:
             return cls(**fields)
         except ValueError as e:

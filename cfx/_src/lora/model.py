@@ -10,10 +10,13 @@ base's input dim and ``B`` like its output), so gradients, optimizer state and c
 alone. Block ``i`` is a ``LoraBlock`` holding block ``i`` of the frozen base: it attaches its adapters
 to it and runs the base block, so what wraps a block -- ZeRO-3's gathering, remat, a pipeline stage --
 wraps the adapters' block and gathers, recomputes or stages the adapters while the base stays as given
-(each process keeps the whole base; a pipeline rank runs the blocks of its stages, each with its own
-frozen block). The embedding and the head run on the base's top-level params. Under ZeRO-3,
-``shard_base(mesh)`` shards the base like the params instead (``sharded.py``): each rank keeps ``1/n`` of
-it, every block's gathered just before it runs and freed after, without gradients.
+(each process keeps the whole base). The embedding and the head run on the base's top-level params.
+``shard_base`` keeps the base as a Plan keeps its state instead (``sharded.py``; a Plan's placement is
+``cfx._src.train.model.place_base``): under ZeRO-3 each rank keeps ``1/n`` of it, every block's gathered
+just before it runs and freed after, without gradients; under a pipe axis (``stages=``) only the ranks of
+the stage that runs a block keep its base (the embedding's on the first stage, the head's on the last),
+and ``apply`` / ``loss`` (the whole model on every rank, e.g. ``Program.sample``) share each stage's over
+``pipe`` as they run; with offload in host memory or in files (``host``, ``nvme_dir``).
 
 Under a model axis (``tensor_parallel(axis)``, the hook a Plan calls) the base model is split by
 ``split(model, axis) -> (split model, the base params' specs)`` and every rank runs on its block of the
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -41,7 +44,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.lora.adapters import attach, axes as adapter_axes, init as adapter_init
 from cfx._src.lora.config import LoraConfig, resolve
-from cfx._src.lora.sharded import ShardedBase, block_at, shard_tree
+from cfx._src.lora.sharded import PIPE, ShardedBase, block_at, shard_tree, whole
 from cfx._src.mesh.context import current
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.models.common import check_params
@@ -212,12 +215,15 @@ class LoraModel:
         """The same adapters with every ``LoraBlock`` replaced by ``f(block)`` (remat, ZeRO-3's gathering)."""
         return dataclasses.replace(self, blocks=tuple(f(b) for b in self.blocks))
 
-    def _top(self, device: torch.device) -> Any:
+    def _top(self, device: torch.device, part: str = "all") -> Any:
         """A context giving the base's params outside the blocks (embeddings, final norm, head), this
-        rank's block of them (gathered for its body when the base is sharded)."""
+        rank's block of them (gathered for its body when the base is sharded); ``part``: ``first`` (what
+        the embedding reads) or ``last`` (the head's) suffice where the base is staged over ``pipe``."""
         if self.presplit is not None:
             raise ValueError(f"{WHERE}: the base was sharded for a mesh with a model axis (shard_base); run it "
                              "under that Plan, which splits it, or shard it on a mesh without a model axis.")
+        if isinstance(self.base, StagedTop):
+            return self.base.gathered(device, part)
         if isinstance(self.base, ShardedBase):
             return self.base.gathered(device)
         top = {k: v for k, v in self.base.items() if k != "blocks"}
@@ -226,12 +232,12 @@ class LoraModel:
 
     def apply(self, adapters: Any, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The base model's ``apply`` with the adapters attached (logits)."""
-        with self._top(tokens.device) as top:
+        with whole(), self._top(tokens.device) as top:
             return self._inner.apply({**top, "blocks": adapters["blocks"]}, tokens, **kwargs)
 
     def loss(self, adapters: Any, tokens: torch.Tensor, targets: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The base model's ``loss`` with the adapters attached."""
-        with self._top(tokens.device) as top:
+        with whole(), self._top(tokens.device) as top:
             return self._inner.loss({**top, "blocks": adapters["blocks"]}, tokens, targets, **kwargs)
 
     def parts(self) -> Any:
@@ -240,46 +246,77 @@ class LoraModel:
         inner = self._inner.parts()
 
         def embed(p, tokens):
-            with self._top(tokens.device) as top:
+            with self._top(tokens.device, "first") as top:
                 return inner.embed(top, tokens)
 
         def head_loss(p, x, targets):
-            with self._top(x.device) as top:
+            with self._top(x.device, "last") as top:
                 return inner.head_loss(top, x, targets)
         return dataclasses.replace(inner, first=(), last=(), embed=embed, head_loss=head_loss)
 
-    def shard_base(self, mesh: Any, *, axis: str = "data", host: bool = False) -> "LoraModel":
-        """The same adapters over the frozen base sharded like ZeRO-3's params over ``axis`` of ``mesh``
-        (``cfx._src.lora.sharded``): each rank keeps ``1/n`` of it (of its block of it, when ``mesh`` has a
-        model axis: the base is split over it first, as the Plan will), every block's gathered just
-        before it runs and freed after, without gradients; the embedding and head likewise around their
-        use. ``host``: the shards live in host memory, copied to the device for each gather. Drop the
-        whole base afterwards: the result holds only the shards."""
-        if axis not in mesh.axis_names:
+    def shard_base(self, mesh: Any, *, axis: str | None = "data", host: bool = False, nvme_dir: str | None = None,
+                   stages: Sequence[Sequence[int]] | None = None) -> "LoraModel":
+        """The same adapters over the frozen base placed as a Plan on ``mesh`` keeps its state
+        (``cfx._src.lora.sharded``): sharded like ZeRO-3's params over ``axis`` (None: not sharded),
+        each rank keeping ``1/n`` of it (of its block of it, when ``mesh`` has a model axis: the base is
+        split over it first, as the Plan will), every block's gathered just before it runs and freed
+        after, without gradients; the embedding and head likewise around their use. ``stages[c]``: the
+        blocks the ranks at ``pipe`` coordinate ``c`` run (a pipe Plan's stages), which alone keep their
+        base (the embedding's with block 0's stage, the head's with the last block's). ``host``: the
+        shards live in host memory, ``nvme_dir``: in files there, each copied to the device for its
+        gather. Drop the whole base afterwards: the result holds only the shards."""
+        if axis is not None and axis not in mesh.axis_names:
             raise ValueError(f"{WHERE}: shard_base(axis={axis!r}) but the mesh {mesh!r} has no such axis; shard over "
                              "the plan's data axis (zero=3), e.g. shard_base(mesh, axis='data').")
-        if isinstance(self.base, ShardedBase) or any(not isinstance(b, LoraBlock) for b in self.blocks):
+        if isinstance(self.base, (ShardedBase, StagedTop)) or any(not isinstance(b, LoraBlock) for b in self.blocks):
             raise ValueError(f"{WHERE}: shard the base once, before the Plan wraps the blocks.")
+        stage_of = self._stage_of(mesh, stages)
         model, specs, presplit = self.model, self.specs, None
         if specs is None and mesh.shape.get("model", 1) > 1:
             if self.split is None:
                 raise ValueError(f"{WHERE}: the mesh has a model axis but no split was given (split=); build it with "
                                  "cfx._src.train.model.lora_model, which passes Megatron's.")
             model, specs = presplit = self.split(self.model, "model")
-        device = torch.device("cpu") if host else None
+        kw = dict(home="nvme" if nvme_dir is not None else "host" if host else "device", nvme_dir=nvme_dir)
         n = len(self.blocks)
-        blocks = tuple(dataclasses.replace(b, base=shard_tree(b.base, s, mesh, axis, device=device))
-                       for b, s in zip(self.blocks, specs["blocks"] if specs is not None else [None] * n))
-        top = {k: v for k, v in self.base.items() if k != "blocks"}
+        block_specs = specs["blocks"] if specs is not None else [None] * n
+        blocks = tuple(dataclasses.replace(b, base=shard_tree(b.base, s, mesh, axis, stage=c, **kw))
+                       for b, s, c in zip(self.blocks, block_specs, stage_of))
         top_specs = None if specs is None else {k: v for k, v in specs.items() if k != "blocks"}
-        return dataclasses.replace(self, base=shard_tree(top, top_specs, mesh, axis, device=device),
-                                   blocks=blocks, presplit=presplit)
+        if stages is None:
+            top = {k: v for k, v in self.base.items() if k != "blocks"}
+            return dataclasses.replace(self, base=shard_tree(top, top_specs, mesh, axis, **kw), blocks=blocks,
+                                       presplit=presplit)
+        parts = self.model.parts()
 
-    def base_bytes(self, rank: int) -> int:
-        """Bytes of the frozen base rank ``rank`` keeps: its shards once ``shard_base`` ran, else the whole base."""
-        if isinstance(self.base, ShardedBase):
-            return self.base.nbytes(rank) + sum(_inner_base(b).nbytes(rank) for b in self.blocks)
-        return sum(x.numel() * x.element_size() for x in tree_util.leaves(self.base))
+        def held(keys: tuple[str, ...], stage: int) -> ShardedBase:  # the top-level params one part reads
+            sub = lambda t: None if t is None else {k: t[k] for k in keys}  # noqa: E731
+            return shard_tree(sub(self.base), sub(top_specs), mesh, axis, stage=stage, **kw)
+        top = StagedTop(held(parts.first, stage_of[0]), held(parts.last, stage_of[n - 1]))
+        return dataclasses.replace(self, base=top, blocks=blocks, presplit=presplit)
+
+    def _stage_of(self, mesh: Any, stages: Sequence[Sequence[int]] | None) -> list[int | None]:
+        """The pipe coordinate holding each block's base (None: every rank), after checking ``stages``."""
+        n = len(self.blocks)
+        if stages is None:
+            return [None] * n
+        p = mesh.shape.get(PIPE, 0)
+        got = sorted(i for s in stages for i in s)
+        if len(stages) != p or got != list(range(n)):
+            raise ValueError(f"{WHERE}: shard_base(stages=...) must list, for each of the {p} ranks of the mesh's "
+                             f"{PIPE!r} axis, the blocks it runs, every one of the {n} blocks once; got "
+                             f"{[list(s) for s in stages]}.")
+        return [c for i in range(n) for c, s in enumerate(stages) if i in s]
+
+    def base_bytes(self, rank: int, *, blocks_only: bool = False) -> int:
+        """Bytes of the frozen base rank ``rank`` keeps (``blocks_only``: of its blocks' bases): its shards
+        once ``shard_base`` ran, else the whole base."""
+        if isinstance(self.base, dict):
+            tree = self.base["blocks"] if blocks_only else self.base
+            return sum(x.numel() * x.element_size() for x in tree_util.leaves(tree))
+        top = 0 if blocks_only else sum(b.nbytes(rank) for b in (
+            self.base if isinstance(self.base, StagedTop) else (self.base,)))
+        return top + sum(_inner_base(b).nbytes(rank) for b in self.blocks)
 
     def tensor_parallel(self, axis: str) -> "LoraModel":
         """The same adapters over ``split(model, axis)``: each rank runs on its block of the base (module doc)."""
@@ -288,7 +325,7 @@ class LoraModel:
                              "cfx._src.train.model.lora_model, which passes Megatron's.")
         if self.specs is not None or any(not isinstance(b, LoraBlock) for b in self.blocks):
             raise ValueError(f"{WHERE}: split the model over {axis!r} once, before wrapping its blocks.")
-        if isinstance(self.base, ShardedBase):  # sharded for this split already (shard_base)
+        if isinstance(self.base, (ShardedBase, StagedTop)):  # sharded for this split already (shard_base)
             if self.presplit is None or axis != "model":
                 raise ValueError(f"{WHERE}: the base was sharded on a mesh without a model axis; call shard_base "
                                  f"with the Plan's mesh (model axis {axis!r}).")
@@ -298,6 +335,22 @@ class LoraModel:
             return dataclasses.replace(self, model=model, specs=specs, blocks=blocks, presplit=None)
         model, specs = self.split(self.model, axis)
         return LoraModel(model, self.lora, self.base, specs=specs)
+
+
+class StagedTop(NamedTuple):
+    """The base's params outside the blocks staged over ``pipe`` (``shard_base(stages=)``): those the
+    embedding reads on block 0's stage, those the head reads on the last block's (a tied embedding on both)."""
+
+    first: ShardedBase
+    last: ShardedBase
+
+    @contextlib.contextmanager
+    def gathered(self, device: torch.device, part: str):
+        """``part`` (``first``, ``last``, or ``all``: both, shared over ``pipe`` inside ``whole()``) gathered."""
+        with contextlib.ExitStack() as stack:
+            got = [stack.enter_context(b.gathered(device)) for name, b in zip(self._fields, self)
+                   if part in (name, "all")]
+            yield {k: v for tree in got for k, v in tree.items()}
 
 
 def _inner_base(block: Any) -> ShardedBase:

@@ -62,21 +62,29 @@ def _present(model: Any, where: str) -> dict[str, str]:
             if all(f"{parent(p)}.{n}.w".lstrip(".") in linears for n in p.rpartition(".")[2].split("+"))}
 
 
+def check_peft(model: Any, config: LoraConfig, where: str) -> dict[str, str]:
+    """``{cfx adapter path: HF module}`` of the adapters ``config`` puts on ``model``, or a ValueError
+    naming one that peft's layout of the family has no module for (and the fix)."""
+    present = _present(model, where)
+    for u in resolve(model, config, where):
+        if u.path not in present:
+            hint = (" GPT-2's q, k and v are one module (c_attn) in Hugging Face: give them one A with "
+                    "shared_a=(('q', 'k', 'v'),) (on the command line: --lora ...,shared_a=q+k+v)."
+                    if isinstance(model, GPT2) and u.parent.endswith("attn") else "")
+            raise ValueError(f"{where}: the adapter {u.path!r} has no module in peft's layout of "
+                             f"{type(model).__name__} (it maps {sorted(present)[:4]} ...).{hint}")
+    return present
+
+
 def save_peft(directory: str | os.PathLike, model: Any, adapters: Any, config: LoraConfig) -> None:
     """Write ``adapters`` (of ``model``, made with ``config``) as a peft LoRA directory (module doc)."""
     from safetensors.torch import save_file
 
     where = "cfx.lora.save_peft"
-
     units = units_of(adapters, config, model, where)
-    present = _present(model, where)
+    present = check_peft(model, config, where)
     tensors = {}
     for u in units:
-        if u.path not in present:
-            hint = (" GPT-2's q, k and v are one module (c_attn) in Hugging Face: give them one A with "
-                    "shared_a=(('q', 'k', 'v'),)." if isinstance(model, GPT2) and u.parent.endswith("attn") else "")
-            raise ValueError(f"{where}: the adapter {u.path!r} has no module in peft's layout of "
-                             f"{type(model).__name__} (it maps {sorted(present)[:4]} ...).{hint}")
         unit = adapter_at(adapters, u.path)
         Bs = [unit["B"]] if len(u.members) == 1 else [unit["B"][m] for m in u.members]
         key = PREFIX + present[u.path]

@@ -1,14 +1,24 @@
-"""A frozen base sharded like ZeRO-3's params (``LoraModel.shard_base``): each rank holds ``1/n`` of it.
+"""A frozen base placed as a Plan keeps its state (``LoraModel.shard_base``): sharded like ZeRO-3's
+params, held by the pipeline stage that runs it, in host memory or in files.
 
 ``shard_tree(tree, specs, mesh, axis)`` cuts, for every rank this process addresses, its block of
 ``tree`` under ``specs`` (a model axis's split; None: whole) into ZeRO-3's flat pieces over ``axis``
-(``cfx._src.zero.flat``: every leaf flattened, padded to a multiple of ``n``, piece ``r`` on rank ``r``),
-packed into one shard per dtype (an int8 base: the ``q`` s in one, the fp32 scales and norms in
-another). ``ShardedBase.gathered(device)`` all-gathers this rank's shards through ZeRO-3's own
-mechanism for groups without gradients (``cfx.zero``'s ``frozen_gathered``): the leaves exist while
-the layer runs, what autograd saves of them is re-gathered in backward, and nothing is reduce-scattered.
-With ``device`` differing from where the shards live (``host=True``: CPU), each gather copies the
-shard to ``device`` first, so the device holds only the layer being computed.
+(``cfx._src.zero.flat``: every leaf flattened, padded to a multiple of ``n``, piece ``r`` on rank ``r``;
+``axis=None``: ``n = 1``, the whole block), packed into one shard per dtype (an int8 base: the ``q`` s
+in one, the fp32 scales and norms in another). ``ShardedBase.gathered(device)`` all-gathers this rank's
+shards through ZeRO-3's own mechanism for groups without gradients (``cfx.zero``'s ``frozen_gathered``):
+the leaves exist while the layer runs, what autograd saves of them is re-gathered in backward, and
+nothing is reduce-scattered (``axis=None``: views of the shards, nothing to gather).
+
+Where the shards live (``home``): ``device`` (where the leaves are), ``host`` (CPU memory) or
+``nvme`` (files, ``cfx.gemini``'s mapped tier: ``gemini.mapped.mapped_copy``); off the device, each
+gather copies the shard to ``device`` first, so the device holds only the layer being computed.
+
+``stage``: the coordinate along the mesh's ``pipe`` axis whose ranks hold the shards (the pipeline
+stage that runs the layer); the other ranks keep none of it. Inside ``whole()`` (``LoraModel.apply`` /
+``loss``: every pipe rank runs the whole model, as ``Program.sample`` does) a staged base's shards are
+all-gathered over ``pipe`` and the holders' taken, so every rank can run every layer; a pipeline stage
+gathers only its own.
 """
 from __future__ import annotations
 
@@ -18,16 +28,32 @@ from typing import Any
 
 import torch
 
+from cfx._src.core import context
 from cfx._src.core import tree as tree_util
+from cfx._src.gemini.mapped import mapped_copy
 from cfx._src.mesh.context import current
 from cfx._src.mesh.layout import block_of
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.nn.lora_weight import is_weight_node
 from cfx._src.precision.quant import QuantizedWeight
 from cfx._src.zero.flat import GroupLayout
+from cfx._src.zero import prefetch
 from cfx._src.zero.gathered import ShardSource, frozen_gathered
 
 WHERE = "cfx.lora model"
+PIPE = "pipe"
+HOMES = ("device", "host", "nvme")
+_whole: context.Var[bool] = context.Var("cfx_lora_whole_model", False)
+
+
+@contextlib.contextmanager
+def whole():
+    """Every pipe rank runs every layer inside (module doc): staged bases are shared over ``pipe``."""
+    token = _whole.set(True)
+    try:
+        yield
+    finally:
+        _whole.reset(token)
 
 
 def block_at(tree: Any, specs: Any, mesh: Any, coords: dict) -> Any:
@@ -49,7 +75,7 @@ def block_at(tree: Any, specs: Any, mesh: Any, coords: dict) -> Any:
 
 
 class _CopiedShard(ShardSource):
-    """A shard kept away from the compute device (the host), copied to ``device`` for each gather."""
+    """A shard kept away from the compute device (host memory, a file), copied to ``device`` for each gather."""
 
     def __init__(self, layout: GroupLayout, axis: str, shard: torch.Tensor, device: torch.device):
         super().__init__(layout, axis, [shard], shard.dtype)
@@ -63,47 +89,85 @@ class _CopiedShard(ShardSource):
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardedBase:
     """A frozen params tree as each rank's shards (module doc): ``groups`` (leaf indices, layout) per
-    dtype, ``shards[rank]`` one (S,) tensor per group, ``treedef`` the tree's structure."""
+    dtype, ``shards[rank]`` one (S,) tensor per group for the ranks that hold it, ``treedef`` the
+    tree's structure, ``axis`` the axis it is sharded over (None: whole), ``stage`` the pipe
+    coordinate of its holders (None: every rank)."""
 
     treedef: Any
     groups: tuple
     shards: dict
-    axis: str
+    axis: str | None
+    stage: int | None = None
 
     def nbytes(self, rank: int) -> int:
-        """Bytes rank ``rank`` holds of this tree (its shards)."""
-        return sum(s.numel() * s.element_size() for s in self.shards[rank])
+        """Bytes rank ``rank`` holds of this tree (its shards; none off its stage)."""
+        return sum(s.numel() * s.element_size() for s in self.shards.get(rank, ()))
 
     @contextlib.contextmanager
     def gathered(self, device: torch.device):
         """The whole tree (this rank's block of it under the specs it was sharded with), gathered for
         the ``with`` body, as ``device`` tensors (module doc)."""
         ctx = current(WHERE)
-        leaves: list[Any] = [None] * sum(len(idx) for idx, _ in self.groups)
+        shards = self.shards.get(ctx.rank)
+        if self.stage is not None and _whole.get():
+            shards = self._from_stage(shards, device)
+        assert shards is not None, f"rank {ctx.rank} runs a layer of pipe stage {self.stage} it does not hold"
+        leaves: list[Any] = [None] * sum(len(g[0]) for g in self.groups)
         with contextlib.ExitStack() as stack:
-            for (idx, layout), shard in zip(self.groups, self.shards[ctx.rank]):
-                src = ShardSource(layout, self.axis, [shard], shard.dtype) if shard.device == device \
-                    else _CopiedShard(layout, self.axis, shard, device)
-                for i, x in zip(idx, stack.enter_context(frozen_gathered(src))):
+            for (idx, layout, _), shard in zip(self.groups, shards):
+                if self.axis is None:  # held whole: views of the shard (on the device)
+                    got = layout.leaves_of_full(shard.to(device, non_blocking=True))
+                else:
+                    src = ShardSource(layout, self.axis, [shard], shard.dtype) if shard.device == device \
+                        else _CopiedShard(layout, self.axis, shard, device)
+                    got = stack.enter_context(frozen_gathered(src))
+                for i, x in zip(idx, got):
                     leaves[i] = x
             yield tree_util.unflatten(self.treedef, leaves)
 
+    def _from_stage(self, shards: tuple | None, device: torch.device) -> tuple:
+        """This rank's shards as its stage's holders have them, on ``device``: all-gathered over ``pipe``
+        (zeros from the ranks that hold none), the holders' row taken."""
+        out = []
+        for g, (_, layout, dtype) in enumerate(self.groups):
+            mine = shards[g].to(device) if shards is not None else torch.zeros(layout.size, dtype=dtype, device=device)
+            rows, done, order = prefetch.start(mine.detach(), PIPE)
+            done()
+            out.append((rows[order] if order is not None else rows)[self.stage])
+        return tuple(out)
 
-def shard_tree(tree: Any, specs: Any, mesh: Any, axis: str, *, device: Any = None) -> ShardedBase:
-    """``tree`` as a ``ShardedBase`` over ``axis`` of ``mesh``, for the ranks this process addresses,
-    each rank's block of it under ``specs`` (module doc); the shards on ``device`` (None: where the
-    leaves are). Fresh tensors: ``tree`` may be dropped afterwards."""
-    n = mesh.axes_size([axis])
-    groups, treedef, shards = None, None, {}
-    for rank in mesh.local_ranks:
+
+def shard_tree(tree: Any, specs: Any, mesh: Any, axis: str | None, *, home: str = "device",
+               nvme_dir: str | None = None, stage: int | None = None) -> ShardedBase:
+    """``tree`` as a ``ShardedBase`` over ``axis`` of ``mesh`` (None: whole), for the ranks this process
+    addresses (only those of pipe coordinate ``stage``, if given), each rank's block of it under ``specs``,
+    the shards at ``home`` (module doc). Fresh tensors (ranks holding the same whole block share them):
+    ``tree`` may be dropped afterwards."""
+    assert home in HOMES and (home != "nvme" or nvme_dir is not None), (home, nvme_dir)
+    n = mesh.axes_size([axis]) if axis is not None else 1
+    ranks = [r for r in mesh.local_ranks if stage is None or mesh.coords(r)[PIPE] == stage]
+    leaves, treedef = tree_util.flatten(block_at(tree, specs, mesh, mesh.coords(mesh.local_ranks[0])))
+    assert all(isinstance(x, torch.Tensor) for x in leaves), "a frozen base holds tensors only"
+    dtypes = list(dict.fromkeys(x.dtype for x in leaves))  # one group per dtype, in order of appearance
+    idxs = [tuple(i for i, x in enumerate(leaves) if x.dtype == dt) for dt in dtypes]
+    groups = tuple((idx, GroupLayout(tuple(str(i) for i in idx), tuple(tuple(leaves[i].shape) for i in idx), n), dt)
+                   for idx, dt in zip(idxs, dtypes))
+    shards, made = {}, {}
+    for rank in ranks:
         coords = mesh.coords(rank)
-        leaves, treedef = tree_util.flatten(block_at(tree, specs, mesh, coords))
-        assert all(isinstance(x, torch.Tensor) for x in leaves), "a frozen base holds tensors only"
-        if groups is None:
-            dtypes = list(dict.fromkeys(x.dtype for x in leaves))  # one group per dtype, in order of appearance
-            idxs = [tuple(i for i, x in enumerate(leaves) if x.dtype == dt) for dt in dtypes]
-            groups = tuple((idx, GroupLayout(tuple(str(i) for i in idx), tuple(tuple(leaves[i].shape) for i in idx), n))
-                           for idx in idxs)
-        shards[rank] = tuple(layout.shard_of([leaves[i] for i in idx], coords[axis]).to(device or leaves[idx[0]].device)
-                             for idx, layout in groups)
-    return ShardedBase(treedef, groups, shards, axis)
+        leaves = tree_util.leaves(block_at(tree, specs, mesh, coords))
+        piece = coords[axis] if axis is not None else 0
+        key = (piece, tuple((x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride()) for x in leaves))
+        if key not in made:
+            made[key] = tuple(_at_home(layout.shard_of([leaves[i] for i in idx], piece), home, nvme_dir)
+                              for idx, layout, _ in groups)
+        shards[rank] = made[key]
+    return ShardedBase(treedef, groups, shards, axis, stage)
+
+
+def _at_home(shard: torch.Tensor, home: str, nvme_dir: str | None) -> torch.Tensor:
+    if home == "host":
+        return shard.to("cpu")
+    if home == "nvme":
+        return mapped_copy(shard.cpu(), nvme_dir)
+    return shard

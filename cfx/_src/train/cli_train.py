@@ -4,6 +4,7 @@
     python -m cfx.train --mesh pipe=2,data=2,model=2 --zero 1 --remat blocks --save run/
     python -m cfx.train --mesh data=2,row=2,col=2 --tp 2d --zero 1
     python -m cfx.train --lora r=8,alpha=16,targets=attn --lora-base int8 --init-from run/ --mesh model=2
+    python -m cfx.train --lora r=8,alpha=16,targets=attn --init-from hf_llama/ --save-peft adapter/
 
 The flags are ``TrainConfig``'s fields; one that the others would make ignored is refused here,
 before anything runs (``check_flags``). The run shows a progress bar and prints its summary.
@@ -24,7 +25,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     d = TrainConfig()
     p = command_parser("python -m cfx.train", "Train a cfx language model on byte-level text (CPU-friendly defaults).")
     p.add_argument("--model", choices=list(FAMILIES), default=d.model)
-    p.add_argument("--preset", default=d.preset, help="model size preset, e.g. tiny, small")
+    p.add_argument("--preset", default=d.preset, help="model size preset, e.g. tiny, small; fields after commas "
+                   "override it, e.g. tiny,n_layer=4 (mixtral under --mesh pipe=N: tiny,router_aux_group_size=128)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
     p.add_argument("--seq", type=int, default=d.seq, help="sequence length in bytes")
@@ -54,8 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=d.zero,
                    help="ZeRO stage over the data axis of --mesh (1: optimizer state, 2: + gradients, 3: + params)")
     p.add_argument("--offload", choices=["none", "host", "nvme", "auto"], default=d.offload,
-                   help="where ZeRO-3's params and optimizer state live: host RAM (host; auto keeps "
-                        "chunks on the device within --offload-budget) or files (nvme); needs --zero 3")
+                   help="where ZeRO-3's params and optimizer state (and --lora's frozen base) live: host RAM (host; "
+                        "auto keeps chunks on the device within --offload-budget) or files (nvme); needs --zero 3")
     p.add_argument("--offload-budget", default=d.offload_budget,
                    help="device memory budget of --offload auto, e.g. 64MiB")
     p.add_argument("--nvme-dir", default=d.nvme_dir,
@@ -133,6 +135,11 @@ def _lora_flags(p, d: TrainConfig) -> None:
     p.add_argument("--init-from", default=d.init_from,
                    help="--lora's frozen base: a Hugging Face model directory or a python -m cfx.train checkpoint "
                         "(default: the model --model / --preset / --seed initialise); --resume needs it again")
+    p.add_argument("--save-peft", default=d.save_peft,
+                   help="at the end, write --lora's trained adapters to this directory as peft's adapter_config.json + "
+                        "adapter_model.safetensors, which peft.PeftModel.from_pretrained(the base's transformers model, "
+                        "DIR) loads (GPT-2, Llama, OPT; GPT-2's fused c_attn needs shared_a=q+k+v in --lora); on a "
+                        "--mesh the adapters are gathered and process 0 writes")
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

@@ -56,6 +56,7 @@ class TrainConfig:
     lora: str | None = None        # e.g. "r=8,alpha=16,targets=attn": train LoRA adapters over a frozen base
     lora_base: str | None = None   # fp32 | bf16 | fp16 | int8: how the frozen base is stored (default: --precision's)
     init_from: str | None = None   # the frozen base: a Hugging Face directory or a cfx.train checkpoint
+    save_peft: str | None = None   # write the trained adapters here at the end as a peft adapter directory
 
 
 def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
@@ -112,9 +113,10 @@ def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
 def _check_lora(cfg: TrainConfig, axes: set[str], set_: set[str]) -> None:
     """``--lora``, ``--lora-base`` and ``--init-from`` against each other and the rest (``check_flags``)."""
     if not cfg.lora:
-        for name in ("lora_base", "init_from"):
+        for name in ("lora_base", "init_from", "save_peft"):
             if name in set_:
-                raise ValueError(f"--{name.replace('_', '-')} sets up the frozen base of --lora; add --lora (e.g. "
+                what = "writes the adapters" if name == "save_peft" else "sets up the frozen base"
+                raise ValueError(f"--{name.replace('_', '-')} {what} of --lora; add --lora (e.g. "
                                  "--lora r=8,alpha=16,targets=attn), or drop it.")
         return
     config = LoraConfig.parse(cfg.lora)  # a ValueError naming --lora and the fix

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any, Mapping
 
@@ -33,7 +34,7 @@ from cfx._src.train import data as data_lib
 from cfx._src.train import saving
 from cfx._src.train.config import TrainConfig, check_flags, plan_of
 from cfx._src.train.local import program_for
-from cfx._src.train.model import build_optimizer
+from cfx._src.train.model import build_optimizer, place_base
 from cfx._src.transforms.shapes import eval_shape
 
 
@@ -51,6 +52,7 @@ class Run:
     k_drop: torch.Tensor        # dropout of step ``step``: fold_in(k_drop, step)
     n_params: int
     is_main: bool               # under torchrun only rank 0 reports and saves
+    model: Any = None           # the model it trains (under --lora: the adapters over the frozen base)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, step: int) -> float:
         solved = self.program.remat_plan
@@ -106,14 +108,18 @@ def _start(cfg: TrainConfig, plan: Plan, stack: contextlib.ExitStack) -> Run:
         plan.check(model)
         plan.check_batch(cfg.batch, cfg.seq)
     saving.check_resume(cfg, model, shapes)
+    saving.check_peft_out(cfg, model)
     mesh = stack.enter_context(plan.make_mesh()) if plan.mesh else None
-    if isinstance(model, LoraModel) and plan.zero == 3 and plan.has("data"):  # the frozen base ZeRO-3's too
-        model = model.shard_base(mesh, host=plan.offload == "host")
-    program = program_of(cfg, plan, model, mesh)
+    nvme_dir = cfg.nvme_dir
+    if isinstance(model, LoraModel) and mesh is not None:  # the frozen base kept as the plan keeps its state
+        if plan.offload == "nvme" and nvme_dir is None:  # one directory for the base's files and the program's
+            nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="cfx-nvme-"))
+        model = place_base(model, plan, mesh, nvme_dir=nvme_dir)
+    program = program_of(dataclasses.replace(cfg, nvme_dir=nvme_dir), plan, model, mesh)
     state = program.init(k_init)  # on a mesh ShardedArrays: each process builds only its blocks
     state, start = saving.resume(cfg, program, state, model, shapes)  # from any program's checkpoint
     return Run(cfg, program, state, start, train_data, val_batches, k_data, k_drop,
-               n_params=tree_util.size(shapes), is_main=mesh is None or 0 in mesh.local_ranks)
+               n_params=tree_util.size(shapes), is_main=mesh is None or 0 in mesh.local_ranks, model=model)
 
 
 def program_of(cfg: TrainConfig, plan: Plan, model, mesh) -> Any:
@@ -217,8 +223,9 @@ def _finish(run: Run, tally: Tally) -> dict[str, Any]:
         "save_blocked_s": tally.save_time,
         "history": history, "params": run.program.params(run.state),
         "data": cfg.data or "the Python standard library's source text", "threads": torch.get_num_threads(),
-        "saved": cfg.save or None,
+        "saved": cfg.save or None, "peft": cfg.save_peft or None,
     }
+    saving.write_peft(cfg, run.model, summary["params"], is_main=run.is_main)  # --save-peft: the adapters, gathered
     if cfg.sample_bytes > 0:  # on a mesh every process joins the sharded sample; rank 0 prints it
         text = run.program.sample(run.state, b"def ", steps=cfg.sample_bytes, key=jr.fold_in(run.k_drop, -1),
                                   context=cfg.seq)
@@ -307,4 +314,6 @@ def print_summary(s: dict[str, Any]) -> None:
     if s.get("saved"):
         rows.append(("saved", f"{s['saved']} (continue with --resume {s['saved']}; saves held the loop "
                               f"{s['save_blocked_s']:.2f} s)"))
+    if s.get("peft"):
+        rows.append(("peft adapter", f"{s['peft']} (peft.PeftModel.from_pretrained(base model, {s['peft']!r}))"))
     print(format_table(rows, ["summary", "value"]), flush=True)

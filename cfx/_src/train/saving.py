@@ -13,7 +13,8 @@ path (process 0). ``--resume`` reads either kind: a Plan's program each region i
 Under ``--lora`` the trained state is the adapters and their optimizer state (the model is a
 ``LoraModel``; metadata ``"lora"`` says so and names the frozen base), and the base is built again
 from the run's flags (``base_params``: ``--init-from``'s, or the model ``--seed`` initialises);
-``read_params`` returns the base with the adapters merged.
+``read_params`` returns the base with the adapters merged. ``--save-peft DIR`` also writes the trained
+adapters at the end as peft's adapter directory (``write_peft``).
 
 A checkpoint of another model or optimizer is a ValueError that says what differs ("the checkpoint
 has 4 blocks, the model 8") and the flags it was saved with. One written before every program ran
@@ -34,6 +35,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.lora.adapters import merge
 from cfx._src.lora.config import LoraConfig
 from cfx._src.lora.model import LoraModel
+from cfx._src.lora.peft import WEIGHTS, check_peft, save_peft
 from cfx._src.models.hf_dir import from_pretrained
 from cfx._src.optim.base import chain, identity
 from cfx._src.plan.program import Program
@@ -58,6 +60,21 @@ def check_save(cfg: TrainConfig) -> None:
     """ValueError now, not after the last step, if ``--save`` cannot be written."""
     if cfg.save:
         check_writable(os.path.join(cfg.save, "index.json") if sharded_save(cfg) else cfg.save, what="--save")
+
+
+def check_peft_out(cfg: TrainConfig, model: Any) -> None:
+    """ValueError now, not after the last step, if ``--save-peft`` cannot hold ``model``'s adapters
+    (peft's layout has no module for one of them) or cannot be written."""
+    if cfg.save_peft:
+        check_peft(model.model, model.lora, f"--save-peft {cfg.save_peft!r}")
+        check_writable(os.path.join(cfg.save_peft, WEIGHTS), what="--save-peft")
+
+
+def write_peft(cfg: TrainConfig, model: Any, adapters: Any, *, is_main: bool) -> None:
+    """``--save-peft``: ``adapters`` (the trained ones, whole: every process gathered them) as a peft
+    adapter directory of ``model``'s base (``cfx.lora.save_peft``), written by process 0."""
+    if cfg.save_peft and is_main:
+        save_peft(cfg.save_peft, model.model, adapters, model.lora)
 
 
 def check_resume(cfg: TrainConfig, model: Any, shapes: Any) -> None:
