@@ -29,7 +29,8 @@ from cfx._src.lora.config import ALL_LINEAR, PRESETS, LoraConfig
 from cfx._src.lora.model import LoraModel
 from cfx._src.lora.peft import load_peft, save_peft
 from cfx._src.nn.lora_weight import LoraWeight
-from cfx._src.train.model import lora_model, place_base
+from cfx._src.plan.lora_base import place_base
+from cfx._src.train.model import lora_model
 
 __all__ = ["ALL_LINEAR", "LoraConfig", "LoraModel", "LoraWeight", "PRESETS", "attach", "axes", "init",
            "load_diffusers", "load_peft", "lora_model", "merge", "place_base", "save_diffusers", "save_peft",

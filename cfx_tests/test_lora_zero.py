@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cfx
-from cfx._src.train.model import lora_model, place_base
+from cfx.lora import lora_model, place_base
 from cfx_tests.test_lora_model import V, _run, batches, int8_base, llama
 from cfx_tests.test_plan_own_model import one_device
 
@@ -63,12 +63,13 @@ def test_a_sharded_int8_base_trains_as_on_one_device_holding_a_share_per_rank(te
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("text, share", [("pipe=2,data=2", 1 / 2), ("pipe=2,data=2 zero=3", 1 / 4)])
-def test_under_pipe_each_stage_keeps_only_its_own_blocks_base(text, share):
+@pytest.mark.parametrize("text, share, explicit", [("pipe=2,data=2", 1 / 2, True), ("pipe=2,data=2 zero=3", 1 / 4, False)])
+def test_under_pipe_each_stage_keeps_only_its_own_blocks_base(text, share, explicit):
     """``place_base`` under a pipe axis: each rank holds the base of the blocks its stage runs (halved
     again over data with ZeRO-3), the embedding's on the first stage and the head's on the last; the
     adapters train as on one device, and the whole model still runs on every rank (as ``Program.sample``
-    runs it), each stage's base shared over ``pipe`` for it."""
+    runs it), each stage's base shared over ``pipe`` for it. ``plan.step`` places an unplaced base
+    itself (``explicit=False``), and leaves a placed one as it is."""
     model = llama()
     base = int8_base(model)
     adapters, tx = _adapters(model), cfx.optim.adamw(1e-2)
@@ -76,8 +77,10 @@ def test_under_pipe_each_stage_keeps_only_its_own_blocks_base(text, share):
     plan = cfx.parallel.Plan.parse(text)
     x, _ = batches()[0]
     with plan.make_mesh() as mesh:
-        placed = place_base(lm, plan, mesh)
+        placed = place_base(lm, plan, mesh) if explicit else lm
         step = plan.step(placed, tx, mesh=mesh)
+        assert step.model is placed if explicit else step.model.base_placed
+        placed = step.model
         state = step.init_from(adapters)
         for b in batches():
             state, _ = step(state, b)

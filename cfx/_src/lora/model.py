@@ -12,7 +12,7 @@ to it and runs the base block, so what wraps a block -- ZeRO-3's gathering, rema
 wraps the adapters' block and gathers, recomputes or stages the adapters while the base stays as given
 (each process keeps the whole base). The embedding and the head run on the base's top-level params.
 ``shard_base`` keeps the base as a Plan keeps its state instead (``sharded.py``; a Plan's placement is
-``cfx._src.train.model.place_base``): under ZeRO-3 each rank keeps ``1/n`` of it, every block's gathered
+``cfx._src.plan.lora_base.place_base``, which ``Plan.step`` applies): under ZeRO-3 each rank keeps ``1/n`` of it, every block's gathered
 just before it runs and freed after, without gradients; under a pipe axis (``stages=``) only the ranks of
 the stage that runs a block keep its base (the embedding's on the first stage, the head's on the last),
 and ``apply`` / ``loss`` (the whole model on every rank, e.g. ``Program.sample``) share each stage's over
@@ -268,7 +268,7 @@ class LoraModel:
         if axis is not None and axis not in mesh.axis_names:
             raise ValueError(f"{WHERE}: shard_base(axis={axis!r}) but the mesh {mesh!r} has no such axis; shard over "
                              "the plan's data axis (zero=3), e.g. shard_base(mesh, axis='data').")
-        if isinstance(self.base, (ShardedBase, StagedTop)) or any(not isinstance(b, LoraBlock) for b in self.blocks):
+        if self.base_placed or any(not isinstance(b, LoraBlock) for b in self.blocks):
             raise ValueError(f"{WHERE}: shard the base once, before the Plan wraps the blocks.")
         stage_of = self._stage_of(mesh, stages)
         model, specs, presplit = self.model, self.specs, None
@@ -294,6 +294,11 @@ class LoraModel:
             return shard_tree(sub(self.base), sub(top_specs), mesh, axis, stage=stage, **kw)
         top = StagedTop(held(parts.first, stage_of[0]), held(parts.last, stage_of[n - 1]))
         return dataclasses.replace(self, base=top, blocks=blocks, presplit=presplit)
+
+    @property
+    def base_placed(self) -> bool:
+        """Whether ``shard_base`` placed the frozen base already (it places it once)."""
+        return isinstance(self.base, (ShardedBase, StagedTop))
 
     def _stage_of(self, mesh: Any, stages: Sequence[Sequence[int]] | None) -> list[int | None]:
         """The pipe coordinate holding each block's base (None: every rank), after checking ``stages``."""

@@ -66,6 +66,7 @@ from cfx._src.pipeline.executor import pipeline
 from cfx._src.plan.build import (check_jit, check_mesh, check_model, free_device_bytes, make_optimizer, make_placement,
                                  make_schedule, parallel_model, sequence_order, split_over_model, wrap_blocks)
 from cfx._src.plan.layout import Layout, put_tree
+from cfx._src.plan.lora_base import place_base
 from cfx._src.plan.saving import StateFiles
 from cfx._src.remat.plan import solve as solve_remat
 from cfx._src.spmd.shard_map import shard_map
@@ -86,10 +87,20 @@ class Program:
 
     def __init__(self, plan, model, tx, mesh, *, grad_clip: float = 0.0, nvme_dir: str | None = None,
                  jit: bool | str = False):
-        self.plan, self.model, self.tx, self.mesh, self.grad_clip = plan, model, tx, mesh, float(grad_clip)
         check_model(plan, model)
         check_mesh(plan, mesh)
         check_jit(plan, jit)
+        self.nvme_dir = None
+        if plan.offload == "nvme":  # a directory this process can write, or a ValueError now
+            if nvme_dir is None:  # a directory of our own, removed with the program (its files are
+                self.nvme_dir = tempfile.mkdtemp(prefix="cfx-nvme-")  # unlinked as they are made)
+                weakref.finalize(self, _remove_dir, self.nvme_dir)
+            else:
+                self.nvme_dir = os.fspath(nvme_dir)
+            probe_nvme_dir(self.nvme_dir)
+        # 0. a LoraModel's frozen base kept as its state will be: sharded, staged, offloaded
+        model = place_base(model, plan, mesh, nvme_dir=self.nvme_dir)
+        self.plan, self.model, self.tx, self.mesh, self.grad_clip = plan, model, tx, mesh, float(grad_clip)
         self.layout = layout = Layout(plan, model, mesh)
         self.policy = amp.policy(plan.precision)
         # 1. sequence, 2. tensor parallelism, 3. ZeRO-3: each block gathered just before use,
@@ -109,14 +120,6 @@ class Program:
         # offload: each rank's placement of its pieces (kept across steps: auto's warm-up record),
         # one built now on shapes so that a budget below one chunk fails before any rank runs
         self.home = {"none": "device", "nvme": "nvme"}.get(plan.offload, "host")
-        self.nvme_dir = None
-        if plan.offload == "nvme":  # a directory this process can write, or a ValueError now
-            if nvme_dir is None:  # a directory of our own, removed with the program (its files are
-                self.nvme_dir = tempfile.mkdtemp(prefix="cfx-nvme-")  # unlinked as they are made)
-                weakref.finalize(self, _remove_dir, self.nvme_dir)
-            else:
-                self.nvme_dir = os.fspath(nvme_dir)
-            probe_nvme_dir(self.nvme_dir)
         self._placements: dict[int, Placement] = {}
         self.chunking = self._new_placement().chunks if plan.offload != "none" else None
         specs = TrainState(layout.specs, self.state_specs)

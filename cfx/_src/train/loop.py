@@ -28,13 +28,14 @@ from cfx._src.core import random as jr
 from cfx._src.lora.model import LoraModel
 from cfx._src.core import tree as tree_util
 from cfx._src.core.text import format_table, printable
+from cfx._src.plan.lora_base import place_base
 from cfx._src.plan.plan import Plan
 from cfx._src.precision.amp import policy as amp_policy
 from cfx._src.train import data as data_lib
 from cfx._src.train import saving
 from cfx._src.train.config import TrainConfig, check_flags, plan_of
 from cfx._src.train.local import program_for
-from cfx._src.train.model import build_optimizer, place_base
+from cfx._src.train.model import build_optimizer
 from cfx._src.transforms.shapes import eval_shape
 
 

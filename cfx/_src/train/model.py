@@ -26,7 +26,6 @@ from cfx._src.optim.loss_scale import dynamic_loss_scale
 from cfx._src.optim.schedules import warmup_cosine_decay_schedule
 from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
 from cfx._src.parallel.rules import Rules
-from cfx._src.plan.layout import stored_order
 from cfx._src.precision.amp import policy
 from cfx._src.precision.quant import quantize
 from cfx._src.train.config import TrainConfig
@@ -60,29 +59,6 @@ def lora_model(model: Any, config: LoraConfig, base: Any) -> LoraModel:
     """The adapters ``config`` puts on ``model`` over its frozen params ``base``, as a model a Plan
     trains on any mesh (``cfx._src.lora.model``; a model axis splits it as ``megatron_split``)."""
     return LoraModel(model, config, base, split=megatron_split)
-
-
-def place_base(model: Any, plan: Any, mesh: Any, *, nvme_dir: str | None = None) -> Any:
-    """A ``LoraModel`` with its frozen base kept as ``plan`` keeps its state on ``mesh``
-    (``LoraModel.shard_base``): under ZeRO-3 sharded over ``data``, under a pipe axis held only by the
-    stage that runs each block (the Plan's stored order: ``stored_order``), and with ``offload`` in
-    host memory (``host``, and ``auto``, whose chunks' home is the host too) or in files under
-    ``nvme_dir`` (``nvme``); each block's is brought to the device just before it runs. Any other
-    model, or a plan that keeps its state whole on every rank, is returned as it is."""
-    zero3 = plan.zero == 3 and plan.has("data")
-    if not isinstance(model, LoraModel) or not (zero3 or plan.has("pipe")):
-        return model
-    stages = None
-    if plan.has("pipe"):
-        p = plan.size("pipe")
-        order = stored_order(len(model.blocks), p, plan.chunks, type(model.model).__name__)
-        rows = len(order) // p
-        stages = [order[c * rows:(c + 1) * rows] for c in range(p)]
-    if plan.offload == "nvme" and nvme_dir is None:
-        raise ValueError(f"Plan {str(plan)!r}: offload=nvme keeps the frozen base in files; pass the directory "
-                         "(nvme_dir=) the plan's program writes its own into.")
-    return model.shard_base(mesh, axis="data" if zero3 else None, host=plan.offload in ("host", "auto"),
-                            nvme_dir=nvme_dir if plan.offload == "nvme" else None, stages=stages)
 
 
 def frozen_base(cfg: TrainConfig, model: Any, params: Any) -> Any:
