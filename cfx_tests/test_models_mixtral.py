@@ -140,3 +140,23 @@ def test_hugging_face_directories_both_ways(tmp_path):
     torch.testing.assert_close(hf(tokens).logits, model.apply(params, tokens))
     again, same = cfx.models.from_pretrained(tmp_path)
     assert type(again).__name__ == "Mixtral" and cfx.tree.allclose(same, params, rtol=0, atol=0)
+
+
+def test_hugging_face_directories_keep_cfxs_own_training_rules(tmp_path):
+    """The fields transformers' MixtralConfig has no name for (z-loss, capacity and aux groups) travel
+    in config.json as ``cfx_<field>``; transformers still loads the directory."""
+    import transformers
+    model = tiny(router_z_loss_coef=1e-3, capacity_factor=1.25, capacity_group_size=8, router_aux_group_size=4)
+    params = model.init(cfx.random.key(0))
+    cfx.models.save_pretrained(tmp_path, model, params)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "MixtralForCausalLM"
+    again, _ = cfx.models.from_pretrained(tmp_path)
+    assert again.config == model.config
+    plain, _ = cfx.models.from_pretrained(_saved(tmp_path / "plain", tiny()))
+    assert plain.config == tiny().config
+
+
+def _saved(path, model):
+    cfx.models.save_pretrained(path, model, model.init(cfx.random.key(0)))
+    return path
+

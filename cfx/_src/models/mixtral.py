@@ -41,6 +41,11 @@ MIXTRAL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The fields transformers' MixtralConfig has no name for; an HF directory keeps them as ``cfx_<field>``
+# (transformers keeps unknown keys in config.json), so a training rule survives save_pretrained.
+CFX_ONLY_FIELDS = ("router_z_loss_coef", "capacity_factor", "capacity_group_size", "router_aux_group_size")
+
+
 @dataclasses.dataclass(frozen=True)
 class MixtralConfig(LlamaConfig):
     """Llama's fields and the experts': ``n_experts``, ``top_k``, the auxiliary losses' weights and
@@ -201,7 +206,8 @@ class Mixtral(Llama):
             num_local_experts=c.n_experts, num_experts_per_tok=c.top_k,
             router_aux_loss_coef=c.router_aux_loss_coef, router_jitter_noise=0.0, sliding_window=None,
             initializer_range=c.init_std, bos_token_id=min(1, c.vocab_size - 1),
-            eos_token_id=min(2, c.vocab_size - 1))
+            eos_token_id=min(2, c.vocab_size - 1),
+            **{f"cfx_{k}": getattr(c, k) for k in CFX_ONLY_FIELDS if getattr(c, k) is not None})
 
 
 def mixtral(preset: str = "tiny", **overrides: Any) -> Mixtral:

@@ -15,7 +15,7 @@ import torch
 
 from cfx._src.models import llama_hf
 from cfx._src.models.hf_state import StateDictReader, copy
-from cfx._src.models.mixtral import Mixtral, MixtralConfig
+from cfx._src.models.mixtral import CFX_ONLY_FIELDS, Mixtral, MixtralConfig
 
 
 def config_from_hf(hf: Any) -> MixtralConfig:
@@ -24,8 +24,9 @@ def config_from_hf(hf: Any) -> MixtralConfig:
         raise ValueError(f"cfx.models.from_hf: sliding_window={hf.sliding_window} attention is not implemented "
                          "by cfx.models.Mixtral; its logits would differ past the window.")
     base = llama_hf.config_from_hf(hf)
+    ours = {k: getattr(hf, f"cfx_{k}") for k in CFX_ONLY_FIELDS if getattr(hf, f"cfx_{k}", None) is not None}
     return MixtralConfig(**{**base.__dict__, "n_experts": hf.num_local_experts, "top_k": hf.num_experts_per_tok,
-                            "router_aux_loss_coef": float(hf.router_aux_loss_coef)})
+                            "router_aux_loss_coef": float(hf.router_aux_loss_coef), **ours})
 
 
 def _experts_to_hf(sd: dict, pre: str, p: dict) -> None:
