@@ -12,7 +12,8 @@ functions for interpreted ones for the duration of the launch (the interpreter's
 The interpreter also keeps bf16 as raw uint16 bits and mishandles them: ``fp32 -> bf16``
 truncates (the GPU rounds to nearest even), ``int -> bf16`` and ``bf16`` ``tl.dot`` operate on
 the bits as integers. During an interpreted launch those three are routed through fp32 with
-round-to-nearest-even, so bf16 kernels are checked on CPU with the GPU's rounding.
+round-to-nearest-even, so bf16 kernels are checked on CPU with the GPU's rounding; and Triton 3.6's
+interpreter reads a scalar's index in a way numpy 2 refuses (``_interpreter_scalar_index``).
 
 ``device_function`` is ``triton.jit`` for a helper the kernels call (inlined by the compiler as
 usual), which an interpreted kernel can call too: there it runs as an interpreted function, as the
@@ -68,6 +69,26 @@ def _interpreter_bf16() -> Iterator[None]:
         yield
     finally:
         InterpreterBuilder.cast_impl, InterpreterBuilder.create_dot = cast_impl, create_dot
+
+
+@contextlib.contextmanager
+def _interpreter_scalar_index() -> Iterator[None]:
+    """A scalar the interpreter holds (a kernel's int argument: ``range(0, V, BLOCK)``) as a 1-element
+    array becomes an int through ``int(array)``, which numpy 2 refuses for a 1-d array; Triton 3.6's
+    interpreter (the GPU image's) does just that, later ones squeeze first, as this does."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor = patch_tensor
 
 
 @contextlib.contextmanager
@@ -141,7 +162,7 @@ class LazyKernel:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             kwargs = {k: v for k, v in kwargs.items() if k not in _GPU_OPTIONS}
-            with _restored_language(), _interpretable_stdlib(), _interpreter_bf16():
+            with _restored_language(), _interpretable_stdlib(), _interpreter_bf16(), _interpreter_scalar_index():
                 return launch(*args, **kwargs)
 
         return run

@@ -65,7 +65,7 @@ def model():
 
 def batch(m: int):
     d = cfx.random.randint(cfx.random.key(1), (ROWS * m, T + 1), 0, V)
-    return d[:, :-1], d[:, 1:]
+    return d[:, :-1].contiguous(), d[:, 1:].contiguous()  # (torch 2.11's stages check the strides they inferred)
 
 
 def simulated_rows(grid) -> list[Row]:
