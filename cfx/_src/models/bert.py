@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from cfx._src.core import random
-from cfx._src.lax import collectives as lax
 from cfx._src.models.common import (DecoderLM, _check_int_2d, check_inputs, check_params, check_targets,
                                      config_from_preset, cross_entropy, dropout_keys)
 from cfx._src.models.parts import ModelParts
@@ -159,12 +158,8 @@ class Bert(DecoderLM):
         k_head = None if key is None or self.config.dropout == 0.0 else random.fold_in(key, 1 << 20)
         logits = self._head(params, x, k_head)
         if self.seq is not None and self.config.head == "classify":  # every rank: the [CLS] token's
-            logits = self._from_first(logits)
+            logits = self.seq.from_first(logits)
         return logits
-
-    def _from_first(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as the rank holding position 0 computed it (rank 0 of the sequence axis, in both layouts)."""
-        return lax.psum(t * (lax.axis_index(self.seq.axis) == 0), self.seq.axis)
 
     def loss(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
              mask: torch.Tensor | None = None, token_types: torch.Tensor | None = None,
@@ -200,7 +195,7 @@ class Bert(DecoderLM):
         loss = cross_entropy(logits[:, None, :], targets[:, None])  # (B, 1, L) against (B, 1)
         # sequence split: rank 0 holds the [CLS] token; its loss counts once (the others add 0),
         # so each rank's gradient is its share, as for the MLM's tokens
-        return loss if self.seq is None else self._from_first(loss)
+        return loss if self.seq is None else self.seq.from_first(loss)
 
     # -- checks --------------------------------------------------------------------------------
     def _check_token_types(self, tokens: torch.Tensor, token_types: Any) -> None:
