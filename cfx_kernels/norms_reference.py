@@ -11,7 +11,7 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     in fp32 (fp64 for fp64 ``x``) and returned in ``x.dtype``: the kernel's contract, and what CPU's
     mixed-dtype layer norm does; CUDA's refuses a bf16 ``x`` with fp32 params, so the reference promotes
     itself."""
-    if all(t is None or t.dtype == x.dtype for t in (weight, bias)):  # one dtype: the op computes in fp32
+    if (weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype):  # one dtype: fp32 inside
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     dt = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
     w = None if weight is None else weight.to(dt)

@@ -11,6 +11,8 @@ import functools
 from typing import NamedTuple
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import torch._dynamo as dynamo
 from torch._dynamo.backends.common import aot_autograd
@@ -314,3 +316,26 @@ def test_donated_buffers_are_known_by_object_and_by_storage():
             assert donation.all_donated([a, other])
         assert not donation.all_donated([other])
     assert not donation.all_donated([a])
+
+
+@given(n=st.integers(0, 6), fresh=st.integers(0, 3), seed=st.integers(0, 2**16),
+       drop=st.booleans(), twice=st.booleans())
+def test_an_in_place_steps_outputs_keep_their_buffers_as_assign_would_decide(n, fresh, seed, drop, twice):
+    """``donation.returned_once`` (the eager path's shortcut for a step returning every donated
+    tensor as itself) marks exactly the outputs ``assign`` keeps in their own buffers, and declines
+    (None) where a donated tensor is missing from the outputs or returned twice."""
+    from cfx._src.core import donation
+
+    bufs = [torch.zeros(k + 1) for k in range(n)]
+    outs = bufs + [torch.ones(2) for _ in range(fresh)]
+    if drop and bufs:
+        outs.remove(bufs[0])
+    if twice and bufs:
+        outs.append(bufs[-1])
+    outs = [outs[i] for i in torch.randperm(len(outs), generator=torch.Generator().manual_seed(seed)).tolist()]
+    flags = donation.returned_once(outs, bufs)
+    if bufs and (drop or twice):
+        assert flags is None
+        return
+    taken = donation.assign(outs, bufs, lambda i, j: outs[i].shape == bufs[j].shape, distinct=True)
+    assert flags == [i in taken and outs[i] is bufs[taken[i]] for i in range(len(outs))]

@@ -506,3 +506,35 @@ def test_integer_params_are_refused_at_init_naming_the_leaf(make):
     params = {"w": torch.ones(3), "blocks": [{"steps": torch.zeros(2, dtype=torch.int64)}]}
     with pytest.raises(ValueError, match=r"param 'blocks\.0\.steps' is torch\.int64.*floating dtype.*x\.float\(\)"):
         make().init(params)
+
+
+def test_a_donated_adam_count_steps_in_place_and_an_undonated_one_is_left_alone():
+    """Where its caller donated the state, AdamW increments the step count in its own buffer (an
+    in-place step then returns every buffer as itself); otherwise the old count keeps its value."""
+    from cfx._src.core import donation
+
+    params, grads = problem(0, [(4, 3), (3,)])
+    tx = optim.adamw(1e-2, weight_decay=0.1)
+    p, g, s = clone(params), clone(grads[0]), tx.init(params)
+    count = s[0].count
+    _, s1 = optim.apply_gradients(tx, g, s, p)
+    assert s1[0].count is not count and int(count) == 0 and int(s1[0].count) == 1
+    with donation.donated(cfx.tree.leaves((p, s1, g))):
+        _, s2 = optim.apply_gradients(tx, g, s1, p)
+    assert s2[0].count is s1[0].count and int(s2[0].count) == 2
+
+
+def test_adam_reads_through_the_last_structure_but_rebuilds_each_calls_own():
+    """A fused Adam reads the leaves of a call shaped like the last one through its structure; a tree
+    it rebuilds (updates, moments) has the call's own node kinds, an OrderedDict after a dict."""
+    import collections
+
+    tx = optim.adam(1e-2)
+    for kind in (dict, collections.OrderedDict, dict):
+        params = kind(b=torch.ones(3), a=torch.ones(2))
+        grads = kind(b=torch.full((3,), 0.5), a=torch.full((2,), -1.0))
+        updates, state = tx.update(grads, tx.init(params), params)
+        ref, _ = optim.chain(optim.scale_by_adam(), optim.scale_by_learning_rate(1e-2)).update(
+            grads, optim.chain(optim.scale_by_adam(), optim.scale_by_learning_rate(1e-2)).init(params), params)
+        assert type(updates) is kind and type(state[1].mu) is kind and list(updates) == ["b", "a"]
+        cfx.tree.assert_tree_close(updates, ref)

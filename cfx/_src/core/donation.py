@@ -10,6 +10,7 @@ may donate its own temporaries the same way (a gradient it made and will not rea
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from typing import Any, Callable, Iterable, Sequence
 
@@ -17,12 +18,35 @@ import torch
 
 from cfx._src.core import context
 
-# Empty in a compiled region (context.Var): there the compiler owns every buffer, and cfx.jit's
+class _Given:
+    """What is donated here: the donated tensor objects (by id) at once, and the keys of their
+    storages when first asked for -- code reading the very leaves it was given (an optimizer's
+    state) finds them by identity, and only a view of a donated buffer needs the storages."""
+
+    __slots__ = ("ids", "own", "_tensors", "_keys", "_outer")
+
+    def __init__(self, outer: "_Given | None", tensors: list, keys: list[int] | None):
+        self._outer, self._tensors, self._keys = outer, tensors, keys  # keys: the caller's, all tensors'
+        self.own = frozenset(map(id, tensors))  # these tensors' ids (``ids`` adds the outer contexts')
+        self.ids = self.own if outer is None or not outer.ids else outer.ids | self.own
+
+    def keys(self) -> frozenset:
+        """The storage keys of the donated tensors but the empty ones (which have no buffer)."""
+        if not isinstance(self._keys, frozenset):
+            ts, keys = self._tensors, self._keys
+            if keys is None:
+                keys = storage_keys([t for t in ts if _numel(t)])
+            elif not all(map(_numel, ts)):
+                keys = [k for t, k in zip(ts, keys) if _numel(t)]
+            self._keys = frozenset(keys)
+        if self._outer is not None and self._outer.ids:
+            return self._keys | self._outer.keys()
+        return self._keys
+
+
+# Nothing in a compiled region (context.Var): there the compiler owns every buffer, and cfx.jit's
 # donate_argnums writes the outputs into the donated inputs itself.
-_donated: context.Var[frozenset] = context.Var("cfx_donated", frozenset())
-# The donated tensor objects themselves (ids: they are alive while donated), which code reading
-# the very leaves it was given (an optimizer's state) finds without asking for their storages.
-_donated_ids: context.Var[frozenset] = context.Var("cfx_donated_ids", frozenset())
+_donated: context.Var[_Given] = context.Var("cfx_donated", _Given(None, [], ()))
 
 
 def _key(t: torch.Tensor) -> int:
@@ -36,24 +60,20 @@ _storage, _cdata, _numel = torch.Tensor.untyped_storage, operator.attrgetter("_c
 def donated(tensors: Iterable[Any], *, keys: Iterable[int] | None = None):
     """Inside, the storages of ``tensors`` (non-tensors ignored) may be overwritten (nothing, in
     a compiled region: see ``_donated``). ``keys``: the storage keys of ``tensors`` (``storage_keys``;
-    all tensors then), where the caller has them already."""
+    all tensors then), where the caller has them already; else they are read when first needed.
+    Gives the tensors' ids (a frozenset; None in a compiled region)."""
     if torch.compiler.is_dynamo_compiling():
-        yield
+        yield None
         return
-    if keys is None:
-        tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
-        keys = set(storage_keys(tensors))
-    elif all(map(_numel, tensors)):
-        keys = set(keys)
-    else:
-        keys = {k for t, k in zip(tensors, keys) if t.numel()}
-        tensors = [t for t in tensors if t.numel()]
-    token = _donated.set(_donated.get() | keys)
-    ids = _donated_ids.set(_donated_ids.get().union(map(id, tensors)))
+    tensors = tensors if isinstance(tensors, list) else list(tensors)
+    if keys is None and not all(map(isinstance, tensors, itertools.repeat(torch.Tensor))):
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    keys = keys if keys is None or isinstance(keys, list) else list(keys)
+    given = _Given(_donated.get(), tensors, keys)
+    token = _donated.set(given)
     try:
-        yield
+        yield given.own
     finally:
-        _donated_ids.reset(ids)
         _donated.reset(token)
 
 
@@ -64,20 +84,22 @@ def storage_keys(ts: Sequence[torch.Tensor]) -> list[int]:
 
 def is_donated(t: Any) -> bool:
     """True when ``t``'s storage was donated here (writing into it is allowed)."""
-    keys = _donated.get()
-    return bool(keys) and isinstance(t, torch.Tensor) and t.numel() > 0 and _key(t) in keys
+    given = _donated.get()
+    if not given.ids or not isinstance(t, torch.Tensor) or not t.numel():
+        return False
+    return id(t) in given.ids or _key(t) in given.keys()
 
 
 def all_donated(ts: Iterable[Any]) -> bool:
-    keys = _donated.get()
-    if not keys:
+    given = _donated.get()
+    if not given.ids:
         return False
     ts = ts if isinstance(ts, (list, tuple)) else list(ts)
-    if _donated_ids.get().issuperset(map(id, ts)):  # the donated tensors themselves (non-empty all)
+    if given.ids.issuperset(map(id, ts)):  # the donated tensors themselves
         return True
     if not all(isinstance(t, torch.Tensor) for t in ts):
         return False
-    return all(map(_numel, ts)) and keys.issuperset(map(_cdata, map(_storage, ts)))
+    return all(map(_numel, ts)) and given.keys().issuperset(map(_cdata, map(_storage, ts)))
 
 
 def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, int], bool], *,
@@ -121,6 +143,21 @@ def assign(outs: list[Any], donated: list[torch.Tensor], fits: Callable[[int, in
                 free.remove(j)
                 break
     return taken
+
+
+def returned_once(outs: list[Any], donated: list[torch.Tensor], ids: frozenset | None = None) -> list[bool] | None:
+    """Per output, whether it is one of ``donated`` returned as it is -- where every donated tensor
+    is returned so exactly once: an in-place step's outputs, each of which keeps its own buffer
+    (what ``assign`` and ``write_into`` would decide, in a few C-level passes); None otherwise.
+    ``ids``: ``donated``'s ids, where the caller has them (``donated(...)``'s context gives them).
+    (A donated tensor deleted inside and returned raises when the caller detaches it, as it would
+    after ``assign``.)"""
+    ids = frozenset(map(id, donated)) if ids is None else ids
+    out_ids = list(map(id, outs))
+    flags = list(map(ids.__contains__, out_ids))
+    if flags.count(True) != len(donated) or len(ids) != len(donated) or not ids.issubset(out_ids):
+        return None
+    return flags
 
 
 def _returned_as_is(outs: list[Any], donated: list[torch.Tensor], free: list[int]) -> dict[int, int]:
@@ -216,10 +253,17 @@ def delete(t: torch.Tensor, why: str | Callable[[], str]) -> None:
     delete_all([t], lambda k: why if isinstance(why, str) else why())
 
 
-def delete_all(ts: Sequence[torch.Tensor], why: Callable[[int], str], *, held: Iterable[int] = ()) -> None:
+def delete_all(ts: Sequence[torch.Tensor], why: Callable[[int], str], *,
+               held: Iterable[int] | None = ()) -> None:
     """``delete`` each of ``ts``, ``ts[k]`` with the message ``why(k)``, built on first use (a
     step deletes a whole state's worth of tensors; almost none is ever used again). ``held``: the
-    positions whose buffers outputs hold now (``assign``'s); those are not emptied."""
+    positions whose buffers outputs hold now (``assign``'s); those are not emptied (None: all, as
+    after an in-place step)."""
+    if held is None:
+        for k, t in enumerate(ts):
+            t.__class__ = DonatedTensor
+            t.__dict__["_cfx_why"] = (why, k)
+        return
     held = set(held)
     prev = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # one switch for the lot (set_ on a view of a grad tensor)

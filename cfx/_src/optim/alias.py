@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from cfx._src.core import tree as tree_util
+from cfx._src.core import donation, tree as tree_util
 from cfx._src.optim import _util
 from cfx._src.optim._adam import adam_sweep, adamw_chunks, can_sweep_into, flat_chunk_kernel_applies
 from cfx._src.optim.base import GradientTransformation, apply_updates, chain, identity
@@ -56,6 +56,7 @@ def adam(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps
         scale_by_adam(b1=b1, b2=b2, eps=eps),
         scale_by_learning_rate(learning_rate),
     )
+    last: list = []  # the last update's gradient structure (``_fused_adam``)
 
     def update(updates, state, params=None, *, apply=False):
         _check_chain_state("adam", state, 3)
@@ -65,7 +66,7 @@ def adam(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps
         decay_state, adam_state, lr_state = state
         updates, adam_state, lr_state = _fused_adam(
             updates, adam_state, lr_state, params, learning_rate, b1=b1, b2=b2, eps=eps,
-            l2=weight_decay, apply=apply)
+            l2=weight_decay, apply=apply, last=last)
         return updates, (decay_state, adam_state, lr_state)
 
     def apply_fused(grads, state, params):
@@ -95,6 +96,7 @@ def adamw(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, ep
         add_decayed_weights(weight_decay, mask=mask),
         scale_by_learning_rate(learning_rate),
     )
+    last: list = []  # the last update's gradient structure (``_fused_adam``)
 
     def update(updates, state, params=None, *, apply=False):
         _check_chain_state("adamw", state, 3)
@@ -104,7 +106,7 @@ def adamw(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, ep
         adam_state, decay_state, lr_state = state
         updates, adam_state, lr_state = _fused_adam(
             updates, adam_state, lr_state, params, learning_rate, b1=b1, b2=b2, eps=eps,
-            decay=weight_decay, mask=mask, impl=impl, apply=apply)
+            decay=weight_decay, mask=mask, impl=impl, apply=apply, last=last)
         return updates, (adam_state, decay_state, lr_state)
 
     def apply_fused(grads, state, params):
@@ -121,33 +123,36 @@ def _check_chain_state(fn: str, state: Any, n: int) -> None:
 
 
 def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2, eps, l2=0.0,
-                decay=0.0, mask=None, impl="reference", apply=False):
+                decay=0.0, mask=None, impl="reference", apply=False, last=None):
     """The Adam chain in one sweep (see ``_adam.py``): returns updates and the two new states;
     with ``apply``, the new params in place of the updates (written into donated params where
-    ``can_sweep_into`` allows, else ``apply_updates``)."""
-    what = "cfx.optim update"
-    gs, treedef = tree_util.flatten(updates)
-    ps = None
-    if params is not None:
-        ps = _util.leaves_like(f"{what} (params vs grads)", params, treedef, updates)
-    mus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.mu, treedef, updates)
-    nus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.nu, treedef, updates)
+    ``can_sweep_into`` allows, else ``apply_updates``). ``last``: a list holding the structure of
+    the last call's gradients, through which a step that rebuilds no tree reads its leaves
+    (``tree.leaves_as``; every step of a training loop passes the same structures)."""
+    traced = torch.compiler.is_dynamo_compiling()  # (a graph reads no structure of the last call)
+    leaves = _adam_leaves(updates, adam_state, params, last if mask is None and not traced else None)
+    gs, ps, mus, nus, treedef = leaves
     if callable(learning_rate):
         lr, lr_state = learning_rate(lr_state.count), ScaleByScheduleState(lr_state.count + 1)
     else:
         lr = learning_rate
-    count = adam_state.count + 1
+    count = _next_count(adam_state.count)
     if not gs:
         return params if apply else updates, ScaleByAdamState(count, adam_state.mu, adam_state.nu), lr_state
+    lr = _util.as_scalar(lr, gs[0].device)
+    chunks = not l2 and ps is not None and flat_chunk_kernel_applies(impl, gs, mus, nus, ps)
+    into = not chunks and apply and can_sweep_into(ps, mus, lr, count)
+    if treedef is None:  # read through ``last``: exact leaves, but the tree to rebuild is not known
+        if into and donation.all_donated(mus) and donation.all_donated(nus):  # in place: none to rebuild
+            treedef = last[0]
+        else:
+            gs, ps, mus, nus, treedef = _adam_leaves(updates, adam_state, params, None)
     flags = _util.resolve_mask("cfx.optim.add_decayed_weights", mask, params, len(gs)) \
         if decay else None
-    lr = _util.as_scalar(lr, gs[0].device)
-    into = False
-    if not l2 and ps is not None and flat_chunk_kernel_applies(impl, gs, mus, nus, ps):
+    if chunks:
         mu, nu, out = adamw_chunks(gs, mus, nus, ps, count, b1=b1, b2=b2, eps=eps, decay=decay,
                                    decay_flags=flags, lr=lr)
     else:
-        into = apply and can_sweep_into(ps, mus, lr, count)
         mu, nu, out = adam_sweep(gs, mus, nus, count, b1=b1, b2=b2, eps=eps, params=ps, l2=l2,
                                  decay=decay, decay_flags=flags, lr=lr, into_params=into)
     # moments stepped in place (donated) are the old trees' very leaves: keep those trees
@@ -157,6 +162,34 @@ def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2,
         return params, new_state, lr_state
     out = tree_util.unflatten(treedef, out)
     return (apply_updates(params, out) if apply else out), new_state, lr_state
+
+
+def _adam_leaves(updates, adam_state, params, last: list | None) -> tuple:
+    """``(grads, params or None, mu, nu, treedef)`` as leaf lists, all shaped like the gradients
+    (ValueError otherwise). Read through ``last[0]`` where it fits, with ``treedef`` None: a
+    structure guess reads leaves exactly, but dict-like node types are not told apart
+    (``tree.leaves_as``), so it rebuilds no tree; else ``last`` becomes this call's structure."""
+    what = "cfx.optim update"
+    gs = None if not last else tree_util.leaves_as(updates, last[0])
+    if gs is None:
+        gs, treedef = tree_util.flatten(updates)
+        if last is not None:
+            last[:] = [treedef]
+        guess = treedef
+    else:
+        treedef, guess = None, last[0]
+    ps = None if params is None else _util.leaves_like(f"{what} (params vs grads)", params, guess, updates)
+    mus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.mu, guess, updates)
+    nus = _util.leaves_like(f"{what} (grads vs optimizer state)", adam_state.nu, guess, updates)
+    return gs, ps, mus, nus, treedef
+
+
+def _next_count(count: torch.Tensor) -> torch.Tensor:
+    """``count + 1``: in the old count's buffer where its caller donated it (an in-place step then
+    returns every buffer it was given as itself)."""
+    if donation.is_donated(count) and not count.requires_grad:  # (an int count never does)
+        return count.add_(1)
+    return count + 1
 
 
 def lamb(learning_rate: LearningRate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,

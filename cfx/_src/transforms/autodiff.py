@@ -11,6 +11,7 @@ Leaves that are not tensors but implement the differentiable-leaf protocol (``Sh
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from typing import Any, Callable, Sequence
 
@@ -43,11 +44,13 @@ def _plain_floats(xs: list) -> bool:
     detach each and make it require grad, with nothing to check."""
     if torch.compiler.is_dynamo_compiling():
         return False  # traced: the general path, leaf by leaf
-    return (all(type(x) is torch.Tensor for x in xs) and all(map(torch.Tensor.is_floating_point, xs))
+    return (set(map(type, xs)) <= _PLAIN and all(map(torch.Tensor.is_floating_point, xs))
             and not any(map(_requires_grad, xs)))
 
 
+_PLAIN = {torch.Tensor}
 _requires_grad = operator.attrgetter("requires_grad")
+_tensor_detach, _requires_grad_ = torch.Tensor.detach, torch.Tensor.requires_grad_
 
 # torch 2.11's dynamo cannot trace ``requires_grad_`` on a tensor made in the graph (later ones do;
 # ``trace_autograd_ops`` then traces ``torch.autograd.grad``): there ``cfx.jit`` differentiates
@@ -98,11 +101,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
         args = list(args)
         flat_inputs, treedefs, spans, plain = [], [], [], True
         for n in nums:
-            items, treedef = tree_util.flatten_with_path(args[n])
-            xs = [x for _, x in items]
+            xs, treedef = tree_util.flatten(args[n])
             if _plain_floats(xs):  # the usual case, in a few C-level passes
-                leaves = [x.detach().requires_grad_(True) for x in xs]
+                leaves = list(map(_requires_grad_, map(_tensor_detach, xs)))
             else:
+                items, treedef = tree_util.flatten_with_path(args[n])  # the paths, for errors
                 leaves, plain = [_diff_leaf(p, x, fname, n) for p, x in items], False
             spans.append((len(flat_inputs), len(flat_inputs) + len(leaves)))
             flat_inputs.extend(leaves)
@@ -113,7 +116,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
             out = fun(*args, **kwargs)
         value = _check_scalar(out, fname, has_aux)
         targets = flat_inputs if plain else [x.__cfx_anchor__() if _is_array_leaf(x) else x for x in flat_inputs]
-        if _is_array_leaf(value):
+        if type(value) is not torch.Tensor and _is_array_leaf(value):
             root = value.__cfx_anchor__()
             if root is not None:
                 value.__cfx_seed__()
@@ -123,10 +126,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
             grads = list(torch.autograd.grad(root, targets, allow_unused=True, create_graph=nested))
         else:
             grads = [None] * len(targets)
-        if not plain or any(g is None for g in grads):
+        if not plain or not all(map(isinstance, grads, itertools.repeat(torch.Tensor))):  # (unused leaves: None)
             grads = [x.__cfx_cotangent__() if _is_array_leaf(x) else torch.zeros_like(x) if g is None else g
                      for x, g in zip(flat_inputs, grads)]
-        trees = tuple(tree_util.unflatten(td, grads[a:b]) for td, (a, b) in zip(treedefs, spans))
+        trees = (tree_util.unflatten(treedefs[0], grads),) if not multi else \
+            tuple(tree_util.unflatten(td, grads[a:b]) for td, (a, b) in zip(treedefs, spans))
         if not nested:
             out = out.detach() if type(out) is torch.Tensor else tree_util.map(_detach, out)
         return out, (trees if multi else trees[0])

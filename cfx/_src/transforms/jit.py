@@ -237,13 +237,18 @@ class Jitted:
     def _eager(self, call: signature.Call):
         bufs = [call.tensors[i] for i in call.donated]
         keys = None if call.storages is None else [call.storages[i] for i in call.donated]
-        with donation.donated(bufs, keys=keys):
+        with donation.donated(bufs, keys=keys) as ids:
             out = self.fn(*call.args, **call.kwargs)
         if not bufs:
             return out
         outs, treedef = tree_util.flatten(out)
         if any(map(getattr, outs, _REQUIRES_GRAD, _FALSE)):  # (one C-level pass, usually all False)
             outs = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in outs]
+        kept = donation.returned_once(outs, bufs, ids)
+        if kept is not None:  # an in-place step: each buffer came back as itself, which keeps it
+            outs = [x.detach() if k else x for x, k in zip(outs, kept)]
+            self._delete(call, bufs, held=None)  # (all: none is emptied)
+            return tree_util.unflatten(treedef, outs)
         fits = lambda i, j: _fits(outs[i], bufs[j])  # noqa: E731
         taken = donation.assign(outs, bufs, fits, distinct=True)  # split: no two share a buffer
         outs = donation.write_into(outs, bufs, fits, taken=taken)
@@ -271,11 +276,16 @@ class Jitted:
         whose buffers an output holds, ``held``, are not emptied: see ``donation.delete_all``)."""
         gone = set(map(id, map(call.tensors.__getitem__, call.donated)))
         outs = [x.detach() if id(x) in gone else x for x in outs]
+        self._delete(call, [call.tensors[i] for i in call.donated], held=held)
+        return outs
+
+    def _delete(self, call: signature.Call, bufs: list, held: Iterable[int] | None) -> None:
+        """Delete the call's donated tensors ``bufs`` (``donation.delete_all``; ``held``: the positions
+        among them whose buffers outputs hold, None for all)."""
         name, where, donated = self.name, call.where, call.donated  # the message keeps no tensor alive
-        donation.delete_all([call.tensors[i] for i in donated], lambda k: (
+        donation.delete_all(bufs, lambda k: (
             f"this tensor was donated to {name} ({where(donated[k])}); its buffer now holds that "
             f"call's outputs. Use what {name} returned instead."), held=held)
-        return outs
 
     # -- inspecting ------------------------------------------------------------------------------
     def lower(self, *args, **kwargs) -> Lowered:

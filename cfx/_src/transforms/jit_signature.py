@@ -8,6 +8,7 @@ compiled graph, so nothing else recompiles.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from typing import Any, Callable, Hashable, Sequence
 
@@ -63,7 +64,7 @@ def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], dona
                              "(a tuple, a frozen dataclass).") from None
     dynamic = tuple(a for i, a in enumerate(args) if i not in statics) if statics else args
     parts = _walk([*dynamic, kwargs] if kwargs else dynamic, None if keyed else last)  # one walk per argument
-    leaves = parts[0][0] if len(parts) == 1 else [x for part, _ in parts for x in part]
+    leaves = parts[0][0] if len(parts) == 1 else list(itertools.chain.from_iterable(part for part, _ in parts))
     treedef = tuple(td for _, td in parts) + (() if kwargs else (_NO_KWARGS,))
     layout = _layout(n, tuple(statics), donate, treedef)
     if keyed or not _plain(leaves):

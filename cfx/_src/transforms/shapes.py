@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Any, Callable
 
 import torch
@@ -79,10 +80,12 @@ def any_abstract(ts: list) -> bool:
     """``any(is_abstract(t) for t in ts)``, a few C-level passes where all are plain tensors."""
     if torch.compiler.is_dynamo_compiling():
         return bool(ts)
-    if (all(type(t) is torch.Tensor for t in ts) and not any(map(_is_functional, ts))
-            and not any(map(_is_functorch_wrapped, ts))):
-        return any(t.is_meta for t in ts)
+    if set(map(type, ts)) <= _PLAIN and not any(map(_is_functional, ts)) and not any(map(_is_functorch_wrapped, ts)):
+        return any(map(_is_meta, ts))
     return any(map(is_abstract, ts))
+
+
+_PLAIN, _is_meta = {torch.Tensor}, operator.attrgetter("is_meta")
 
 
 def _is_array(x: Any) -> bool:
