@@ -227,10 +227,12 @@ class DonatedTensor(torch.Tensor):
     @property
     def _cfx_donated(self) -> str:
         """Why it is gone: the error message, built when first asked for (``delete_all``)."""
-        why = self.__dict__["_cfx_why"]
-        if not isinstance(why, str):  # (message of k, k)
-            why = self.__dict__["_cfx_why"] = why[0](why[1])
-        return why
+        gone = self.__dict__  # shared by the tensors one delete_all deleted (see there)
+        k = gone["_cfx_ids"].index(id(self))
+        said = gone["_cfx_said"]
+        if k not in said:
+            said[k] = gone["_cfx_why"](k)
+        return said[k]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -258,11 +260,13 @@ def delete_all(ts: Sequence[torch.Tensor], why: Callable[[int], str], *,
     """``delete`` each of ``ts``, ``ts[k]`` with the message ``why(k)``, built on first use (a
     step deletes a whole state's worth of tensors; almost none is ever used again). ``held``: the
     positions whose buffers outputs hold now (``assign``'s); those are not emptied (None: all, as
-    after an in-place step)."""
+    after an in-place step). The deleted tensors share one ``__dict__``, which finds each one's
+    position by its id (alive while it is) and keeps the messages built."""
+    gone = {"_cfx_why": why, "_cfx_ids": list(map(id, ts)), "_cfx_said": {}}
     if held is None:
-        for k, t in enumerate(ts):
+        for t in ts:
             t.__class__ = DonatedTensor
-            t.__dict__["_cfx_why"] = (why, k)
+            t.__dict__ = gone
         return
     held = set(held)
     prev = torch.is_grad_enabled()
@@ -272,7 +276,7 @@ def delete_all(ts: Sequence[torch.Tensor], why: Callable[[int], str], *,
             if k not in held:
                 t.set_()
             t.__class__ = DonatedTensor
-            t.__dict__["_cfx_why"] = (why, k)
+            t.__dict__ = gone
     finally:
         torch._C._set_grad_enabled(prev)
 

@@ -235,8 +235,8 @@ class Jitted:
         return entry
 
     def _eager(self, call: signature.Call):
-        bufs = [call.tensors[i] for i in call.donated]
-        keys = None if call.storages is None else [call.storages[i] for i in call.donated]
+        bufs = list(map(call.tensors.__getitem__, call.donated))
+        keys = None if call.storages is None else list(map(call.storages.__getitem__, call.donated))
         with donation.donated(bufs, keys=keys) as ids:
             out = self.fn(*call.args, **call.kwargs)
         if not bufs:
