@@ -25,6 +25,8 @@ def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
     otherwise. ``triton`` is honoured on CUDA tensors, and on CPU tensors under
     ``TRITON_INTERPRET=1`` (how the tests run the kernels); anything else is a ``ValueError``.
     """
+    if impl == "auto" and tensors and not tensors[0].is_cuda:  # (the CPU's answer, at once)
+        return "reference"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     on_cuda = all(t.is_cuda for t in tensors)

@@ -538,3 +538,16 @@ def test_adam_reads_through_the_last_structure_but_rebuilds_each_calls_own():
             grads, optim.chain(optim.scale_by_adam(), optim.scale_by_learning_rate(1e-2)).init(params), params)
         assert type(updates) is kind and type(state[1].mu) is kind and list(updates) == ["b", "a"]
         cfx.tree.assert_tree_close(updates, ref)
+
+
+def test_a_refused_donated_adamw_step_leaves_its_count_as_it_was():
+    """The count steps in place only after every check: a step refused for a bad mask can be
+    retried with the same state."""
+    from cfx._src.core import donation
+
+    params, grads = problem(0, [(4, 3), (3,)])
+    bad = optim.adamw(1e-2, weight_decay=0.1, mask=[True])  # not shaped like the params
+    p, g, s = clone(params), clone(grads[0]), bad.init(params)
+    with donation.donated(cfx.tree.leaves((p, s, g))), pytest.raises(ValueError):
+        optim.apply_gradients(bad, g, s, p)
+    assert int(s[0].count) == 0

@@ -136,12 +136,12 @@ def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2,
         lr, lr_state = learning_rate(lr_state.count), ScaleByScheduleState(lr_state.count + 1)
     else:
         lr = learning_rate
-    count = _next_count(adam_state.count)
     if not gs:
+        count = _next_count(adam_state.count)
         return params if apply else updates, ScaleByAdamState(count, adam_state.mu, adam_state.nu), lr_state
     lr = _util.as_scalar(lr, gs[0].device)
     chunks = not l2 and ps is not None and flat_chunk_kernel_applies(impl, gs, mus, nus, ps)
-    into = not chunks and apply and can_sweep_into(ps, mus, lr, count)
+    into = not chunks and apply and can_sweep_into(ps, mus, lr, adam_state.count)
     if treedef is None:  # read through ``last``: exact leaves, but the tree to rebuild is not known
         if into and donation.all_donated(mus) and donation.all_donated(nus):  # in place: none to rebuild
             treedef = last[0]
@@ -149,6 +149,7 @@ def _fused_adam(updates, adam_state, lr_state, params, learning_rate, *, b1, b2,
             gs, ps, mus, nus, treedef = _adam_leaves(updates, adam_state, params, None)
     flags = _util.resolve_mask("cfx.optim.add_decayed_weights", mask, params, len(gs)) \
         if decay else None
+    count = _next_count(adam_state.count)  # after every check: a refused call leaves a donated count as it was
     if chunks:
         mu, nu, out = adamw_chunks(gs, mus, nus, ps, count, b1=b1, b2=b2, eps=eps, decay=decay,
                                    decay_flags=flags, lr=lr)
