@@ -78,16 +78,15 @@ def _one_pass_groups(gs, mus, nus, ps) -> list[list[int]] | None:
         return None  # a compiled step fuses the foreach sweep itself
     if not donation.all_donated([*mus, *nus]):
         return None
-    one = set(map(_dtype, itertools.chain(gs, mus, nus, ps)))
-    if len(one) == 1 and len(set(map(_device, itertools.chain(gs, ps)))) == 1:  # the usual case: one group
-        device, dtype = ps[0].device, ps[0].dtype
-        ok = device.type in ("cpu", "cuda") and dtype in _ONE_PASS_DTYPES and not any_abstract(ps)
-        return [list(range(len(ps)))] if ok else None
-    dtypes, devices = list(map(_dtype, ps)), list(map(_device, ps))
-    if not (list(map(_dtype, gs)) == list(map(_dtype, mus)) == list(map(_dtype, nus)) == dtypes
-            and list(map(_device, gs)) == devices):  # (C-level passes: this runs every step)
-        return None
-    kinds = set(zip(devices, dtypes))
+    dtypes, devices = set(map(_dtype, itertools.chain(gs, mus, nus, ps))), set(map(_device, itertools.chain(gs, ps)))
+    if len(dtypes) == 1 and len(devices) == 1:  # the usual case, in C-level passes (this runs every step)
+        kinds = {(*devices, *dtypes)}
+    else:  # leaf by leaf: each leaf's four tensors of one kind
+        dtypes, devices = list(map(_dtype, ps)), list(map(_device, ps))
+        if not (list(map(_dtype, gs)) == list(map(_dtype, mus)) == list(map(_dtype, nus)) == dtypes
+                and list(map(_device, gs)) == devices):
+            return None
+        kinds = set(zip(devices, dtypes))
     if any(device.type not in ("cpu", "cuda") or dtype not in _ONE_PASS_DTYPES for device, dtype in kinds):
         return None
     if any_abstract(ps):
