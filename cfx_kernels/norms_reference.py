@@ -12,7 +12,7 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     mixed-dtype layer norm does; CUDA's refuses a bf16 ``x`` with fp32 params, so the reference promotes
     itself."""
     if (weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype):  # one dtype: fp32 inside
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        return torch.layer_norm(x, (x.shape[-1],), weight, bias, eps)  # (F.layer_norm's op, without its Python)
     dt = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
     w = None if weight is None else weight.to(dt)
     b = None if bias is None else bias.to(dt)

@@ -9,6 +9,7 @@ may donate its own temporaries the same way (a gradient it made and will not rea
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import operator
@@ -160,6 +161,22 @@ def returned_once(outs: list[Any], donated: list[torch.Tensor], ids: frozenset |
     return flags
 
 
+def fresh(outs: list[Any], kept: list[bool]) -> list[Any]:
+    """``outs`` with each ``kept`` one made a new tensor object on its buffer (``detach``): the
+    caller's old name for it is deleted, the new one lives on. The others are kept as they are,
+    but those that require grad, detached. In C-level passes where most are kept tensors (an
+    in-place step's outputs): all detached, then the few others put back."""
+    others = kept.count(False)
+    if others * 4 > len(kept) or not all(map(isinstance, outs, itertools.repeat(torch.Tensor))):
+        return [x.detach() if k or (isinstance(x, torch.Tensor) and x.requires_grad) else x
+                for x, k in zip(outs, kept)]
+    new = list(map(torch.Tensor.detach, outs))
+    for i in itertools.compress(range(len(outs)), map(operator.not_, kept)) if others else ():
+        if not outs[i].requires_grad:
+            new[i] = outs[i]
+    return new
+
+
 def _returned_as_is(outs: list[Any], donated: list[torch.Tensor], free: list[int]) -> dict[int, int]:
     """``assign``'s first pass: each free donated tensor returned as it is (by the first output that
     is it) keeps its buffer. By identity alone: in an in-place step that is every buffer but the few
@@ -263,10 +280,9 @@ def delete_all(ts: Sequence[torch.Tensor], why: Callable[[int], str], *,
     after an in-place step). The deleted tensors share one ``__dict__``, which finds each one's
     position by its id (alive while it is) and keeps the messages built."""
     gone = {"_cfx_why": why, "_cfx_ids": list(map(id, ts)), "_cfx_said": {}}
-    if held is None:
-        for t in ts:
-            t.__class__ = DonatedTensor
-            t.__dict__ = gone
+    if held is None:  # (two C-level passes)
+        collections.deque(map(setattr, ts, itertools.repeat("__class__"), itertools.repeat(DonatedTensor)), 0)
+        collections.deque(map(setattr, ts, itertools.repeat("__dict__"), itertools.repeat(gone)), 0)
         return
     held = set(held)
     prev = torch.is_grad_enabled()

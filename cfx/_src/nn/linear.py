@@ -55,20 +55,22 @@ class Linear:
 
     def apply(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         # (..., in) -> (..., out)
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"Linear.apply: x has {x.shape[-1]} features in its last dim, expected "
-                             f"in_features={self.in_features} (x shape {tuple(x.shape)}).")
+        shape = x.shape
+        if shape[-1] != self.in_features:
+            raise ValueError(f"Linear.apply: x has {shape[-1]} features in its last dim, expected "
+                             f"in_features={self.in_features} (x shape {tuple(shape)}).")
         w = params["w"]
-        if isinstance(w, LoraWeight):  # x @ base (+ b) + scale * (x A) B: the merged weight never exists
-            y = self.apply({**params, "w": w.base}, x)
-            return (y + w.delta(x)).to(y.dtype)
-        if isinstance(w, QuantizedWeight):
-            return int8_matmul(x, w.q, w.scale, params["b"] if self.bias else None)
+        if type(w) is not torch.Tensor:  # (a plain weight, the usual case, skips both tests)
+            if isinstance(w, LoraWeight):  # x @ base (+ b) + scale * (x A) B: the merged weight never exists
+                y = self.apply({**params, "w": w.base}, x)
+                return (y + w.delta(x)).to(y.dtype)
+            if isinstance(w, QuantizedWeight):
+                return int8_matmul(x, w.q, w.scale, params["b"] if self.bias else None)
         if not self.bias:
             return x @ w
         # one addmm with the bias fused; w's gradient comes out contiguous in w's own layout
         y = torch.addmm(params["b"], x.reshape(-1, self.in_features), w)  # (N, out)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.view(*shape[:-1], self.out_features)
 
     def axes(self) -> dict:
         out = {"w": tuple(self.axes_names)}

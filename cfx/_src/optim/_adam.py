@@ -65,7 +65,7 @@ def adam_sweep(gs: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], nus: Seq
 
 
 _ONE_PASS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_dtype, _device = operator.attrgetter("dtype"), operator.attrgetter("device")
+_dtype, _device, _is_cpu = operator.attrgetter("dtype"), operator.attrgetter("device"), operator.attrgetter("is_cpu")
 
 
 def _one_pass_groups(gs, mus, nus, ps) -> list[list[int]] | None:
@@ -78,7 +78,11 @@ def _one_pass_groups(gs, mus, nus, ps) -> list[list[int]] | None:
         return None  # a compiled step fuses the foreach sweep itself
     if not donation.all_donated([*mus, *nus]):
         return None
-    dtypes, devices = set(map(_dtype, itertools.chain(gs, mus, nus, ps))), set(map(_device, itertools.chain(gs, ps)))
+    dtypes = set(map(_dtype, itertools.chain(gs, mus, nus, ps)))
+    if ps and all(map(_is_cpu, itertools.chain(gs, ps))):  # (``.device`` makes an object per tensor: read it once)
+        devices = {ps[0].device}
+    else:
+        devices = set(map(_device, itertools.chain(gs, ps)))
     if len(dtypes) == 1 and len(devices) == 1:  # the usual case, in C-level passes (this runs every step)
         kinds = {(*devices, *dtypes)}
     else:  # leaf by leaf: each leaf's four tensors of one kind
@@ -111,7 +115,9 @@ def _one_pass(gs, mus, nus, ps, count, groups, *, b1, b2, eps, l2, decay, flags,
         if l2:  # adam's coupled L2 on the gradient, every leaf alike
             parts = [(idx, l2)]
         else:
-            parts = [([i for i in idx if flags[i]], decay), ([i for i in idx if not flags[i]], 0.0)]
+            on = list(map(flags.__getitem__, idx))  # (C-level passes: one group is every leaf)
+            parts = [(list(itertools.compress(idx, on)), decay),
+                     (list(itertools.compress(idx, map(operator.not_, on))), 0.0)]
         for part, wd in parts:
             if not part:
                 continue

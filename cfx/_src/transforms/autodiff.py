@@ -16,8 +16,9 @@ import operator
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.autograd.graph import _engine_run_backward  # (torch.autograd.grad's own engine call)
 
-from cfx._src.core import tree as tree_util
+from cfx._src.core import tree as tree_util, tree_recurring
 
 
 def _is_array_leaf(x: Any) -> bool:
@@ -51,11 +52,24 @@ def _plain_floats(xs: list) -> bool:
 _PLAIN = {torch.Tensor}
 _requires_grad = operator.attrgetter("requires_grad")
 _tensor_detach, _requires_grad_ = torch.Tensor.detach, torch.Tensor.requires_grad_
+_has_torch_function = torch._C._has_torch_function  # (a mode counts: what torch.autograd.grad asks)
 
 # torch 2.11's dynamo cannot trace ``requires_grad_`` on a tensor made in the graph (later ones do;
 # ``trace_autograd_ops`` then traces ``torch.autograd.grad``): there ``cfx.jit`` differentiates
 # through ``torch.func`` instead (``_traced``)
 TRACES_GRAD_WITH_FUNC = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+
+
+def _grad(root: torch.Tensor, leaves: list[torch.Tensor], create_graph: bool) -> tuple:
+    """``torch.autograd.grad(root, leaves, allow_unused=True, create_graph=...)`` for a scalar
+    ``root`` and plain tensor ``leaves`` made here: the engine call it makes, without its Python
+    checks per input (a few microseconds a leaf, every step). A root of another class, a torch
+    function mode (``shard_map``'s varying-axes typing), or code being compiled goes through
+    ``torch.autograd.grad`` itself."""
+    if type(root) is not torch.Tensor or _has_torch_function((root,)) or torch.compiler.is_dynamo_compiling():
+        return torch.autograd.grad(root, leaves, allow_unused=True, create_graph=create_graph)
+    seed = torch.ones_like(root, memory_format=torch.preserve_format)  # d root / d root
+    return _engine_run_backward((root,), (seed,), create_graph, create_graph, tuple(leaves), True, False)
 
 
 def _check_scalar(out: Any, fname: str, has_aux: bool) -> torch.Tensor:
@@ -73,6 +87,12 @@ def _check_scalar(out: Any, fname: str, has_aux: bool) -> torch.Tensor:
                          f"(e.g. a mean loss), got {got}. Reduce it first, or use cfx.vjp-style "
                          "torch.autograd.grad with grad_outputs.")
     return out
+
+
+# The last call's differentiated arguments' structures, shared by every value_and_grad: a train step
+# differentiates the same structure every step, through a function it often wraps anew each step
+# (``cfx.value_and_grad(model.loss)(params, ...)``). Another structure is flattened as usual.
+_ARGUMENTS = tuple(tree_recurring.Recurring() for _ in range(4))
 
 
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
@@ -100,8 +120,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
                 return out, (trees if multi else trees[0])
         args = list(args)
         flat_inputs, treedefs, spans, plain = [], [], [], True
-        for n in nums:
-            xs, treedef = tree_util.flatten(args[n])
+        for k, n in enumerate(nums):
+            xs, treedef = _ARGUMENTS[k].flatten(args[n]) if k < len(_ARGUMENTS) else tree_util.flatten(args[n])
             if _plain_floats(xs):  # the usual case, in a few C-level passes
                 leaves = list(map(_requires_grad_, map(_tensor_detach, xs)))
             else:
@@ -123,7 +143,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
         else:
             root = value
         if targets and root is not None and root.requires_grad:
-            grads = list(torch.autograd.grad(root, targets, allow_unused=True, create_graph=nested))
+            grads = list(_grad(root, targets, nested) if plain else
+                         torch.autograd.grad(root, targets, allow_unused=True, create_graph=nested))
         else:
             grads = [None] * len(targets)
         if not plain or not all(map(isinstance, grads, itertools.repeat(torch.Tensor))):  # (unused leaves: None)

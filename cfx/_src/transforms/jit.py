@@ -50,7 +50,7 @@ import torch
 from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module, _use_lazy_graph_module
 
 from cfx._src.core import context, donation
-from cfx._src.core import tree as tree_util
+from cfx._src.core import tree as tree_util, tree_recurring
 from cfx._src.transforms import jit_signature as signature, jit_tracing as tracing, regional
 from cfx._src.lax import comm
 from cfx._src.mesh import context as ctx_lib
@@ -126,6 +126,7 @@ class Jitted:
         self.backend, self.compile = backend, compile
         self._entries: dict[Any, _Entry] = {}
         self._last: list = []  # the last eager call's argument structures (``signature.split``)
+        self._outs = tree_recurring.Recurring()  # the outputs' structure, the same every step
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)
 
@@ -241,14 +242,14 @@ class Jitted:
             out = self.fn(*call.args, **call.kwargs)
         if not bufs:
             return out
-        outs, treedef = tree_util.flatten(out)
-        if any(map(getattr, outs, _REQUIRES_GRAD, _FALSE)):  # (one C-level pass, usually all False)
-            outs = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in outs]
+        outs, treedef = self._outs.flatten(out)
         kept = donation.returned_once(outs, bufs, ids)
         if kept is not None:  # an in-place step: each buffer came back as itself, which keeps it
-            outs = [x.detach() if k else x for x, k in zip(outs, kept)]
+            outs = donation.fresh(outs, kept)  # (and the others detached where they require grad)
             self._delete(call, bufs, held=None)  # (all: none is emptied)
             return tree_util.unflatten(treedef, outs)
+        if any(map(getattr, outs, _REQUIRES_GRAD, _FALSE)):  # (one C-level pass, usually all False)
+            outs = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in outs]
         fits = lambda i, j: _fits(outs[i], bufs[j])  # noqa: E731
         taken = donation.assign(outs, bufs, fits, distinct=True)  # split: no two share a buffer
         outs = donation.write_into(outs, bufs, fits, taken=taken)
@@ -259,7 +260,7 @@ class Jitted:
         about donated buffers no output took."""
         if not call.donated:
             return out
-        outs, treedef = tree_util.flatten(out)
+        outs, treedef = self._outs.flatten(out)
         if not entry.warned:
             entry.warned = True
             held = {x.untyped_storage()._cdata for x in outs if isinstance(x, torch.Tensor)}

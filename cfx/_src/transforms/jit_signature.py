@@ -7,6 +7,7 @@ compiled graph, so nothing else recompiles.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import operator
@@ -195,8 +196,12 @@ def _check_donated_buffers(name: str, tensors: list, donated: list[int], where) 
     if not donated:
         return None
     keys = donation.storage_keys(tensors)
-    if len(set(keys)) == len(keys) and not any(map(_requires_grad, map(tensors.__getitem__, donated))):
-        return keys  # no buffer shared, none differentiated: nothing below would raise
+    if not any(map(_requires_grad, map(tensors.__getitem__, donated))):
+        if len(set(keys)) == len(keys):
+            return keys  # no buffer shared, none differentiated: nothing below would raise
+        counts = collections.Counter(keys)  # shared among the others only (tokens and targets views of one batch)?
+        if max(map(counts.__getitem__, map(keys.__getitem__, donated))) == 1:
+            return keys
     holders: dict[int, list[int]] = {}
     for i, key in enumerate(keys):
         holders.setdefault(key, []).append(i)
