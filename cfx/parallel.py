@@ -12,8 +12,9 @@ from cfx._src.parallel.tp_block import GridBlock, grid_specs, tensor_parallel_gr
 from cfx._src.parallel.tp_grid import TensorGrid
 from cfx._src.parallel.rules import Rules
 from cfx._src.plan.plan import Plan
-from cfx._src.plan.program import Program, TrainState
+from cfx._src.plan.program import Program
+from cfx._src.plan.protocol import TrainProgram, TrainState
 from cfx._src.parallel.state import state_specs, tree_pmean, tree_psum
 
-__all__ = ["DAPEvoformer", "EXPERT_RULES", "GridBlock", "MEGATRON_RULES", "Plan", "Program", "Rules", "TrainState", "SequenceSplit", "TensorGrid", "TensorParallelBlock", "dap", "expert_grads", "expert_parallel", "grid_specs", "ring_attention", "sequence_grads", "sequence_parallel",
+__all__ = ["DAPEvoformer", "EXPERT_RULES", "GridBlock", "MEGATRON_RULES", "Plan", "Program", "Rules", "TrainProgram", "TrainState", "SequenceSplit", "TensorGrid", "TensorParallelBlock", "dap", "expert_grads", "expert_parallel", "grid_specs", "ring_attention", "sequence_grads", "sequence_parallel",
            "state_specs", "tensor_parallel", "tensor_parallel_experts", "tensor_parallel_grid", "tree_pmean", "tree_psum", "zigzag_indices"]

@@ -6,7 +6,7 @@ the axes that split it, ``cfx.optim.sharded``). Params are built blockwise (``in
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -21,15 +21,11 @@ from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.reduction import sharded
 from cfx._src.parallel.state import state_specs
 from cfx._src.plan.layout import put_tree
+from cfx._src.plan.protocol import TrainState
 from cfx._src.core.random import key
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.plan.build import check_clip_outside_scaling
-
-
-class TrainState(NamedTuple):
-    params: Any
-    opt_state: Any
 
 
 class AutoProgram:

@@ -6,7 +6,7 @@
 The plan's fields are the strategy's arguments (a Plan, its text, and keyword fields on top:
 ``Strategy("data=2", zero=3, remat="blocks")``); the precision is the Trainer's flag, mapped to
 cfx's policy (``checks.PRECISIONS``). At ``setup`` the strategy builds the program the training
-job would (``train.local.program_for``) and its state; each ``training_step`` of the ``Module`` runs one
+job would (``Plan.step``) and its state; each ``training_step`` of the ``Module`` runs one
 step of it. Lightning's loop keeps its part -- logging, validation, callbacks, checkpoints, the
 progress bar, accumulation (``cfx.optim.accumulate`` around the module's ``tx``) -- and the
 strategy answers its calls: ``backward`` and ``optimizer_step`` only run Lightning's closure
@@ -38,7 +38,6 @@ from cfx._src.lightning.module import Module
 from cfx._src.mesh.mesh import DEFAULT_TIMEOUT_S
 from cfx._src.optim.accumulate import accumulate
 from cfx._src.plan.plan import Plan
-from cfx._src.train.local import program_for
 
 LIGHTNING_FILE = "lightning.ckpt"  # in a checkpoint directory: the Trainer's loops, callbacks, logger state
 
@@ -129,7 +128,7 @@ class Strategy(DDPStrategy):
         tx = module.tx if k == 1 else accumulate(module.tx, k)
         mesh = self._mesh.enter_context(plan.make_mesh(backend="dist" if self.world_size > 1 else "local",
                                                        timeout=self.timeout)) if plan.mesh else None
-        self._program = program_for(plan, module.model, tx, mesh, nvme_dir=self.nvme_dir, jit=self.jit)
+        self._program = plan.step(module.model, tx, mesh=mesh, nvme_dir=self.nvme_dir, jit=self.jit)
         self._state = state_io.start(self._program, module.init_key, module.trained_params)
         self.steps = 0
         module._runner = self

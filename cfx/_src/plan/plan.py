@@ -21,7 +21,9 @@ from cfx._src.models.function import as_model
 from cfx._src.plan.config import PlanConfig
 from cfx._src.plan.describe import Description, describe
 from cfx._src.plan.build import check_model
-from cfx._src.plan.program import Program, TrainState
+from cfx._src.plan.local import LocalProgram
+from cfx._src.plan.program import Program
+from cfx._src.plan.protocol import TrainProgram, TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +57,13 @@ class Plan(PlanConfig):
         runs (``print`` it). ``model`` may be a loss function with ``params=`` / ``init=``."""
         return describe(self, as_model(model, **function), tx, batch=batch)
 
-    def step(self, model: Any, tx: Any, *, mesh: Mesh, params: Any = None, init: Any = None, specs: Any = None,
-             grad_clip: float = 0.0, nvme_dir: str | None = None, jit: bool | str = False) -> Program:
-        """The train step ``step(state, batch) -> (state, metrics)`` (a ``Program``, which also
-        has ``init``, ``params``, ``put``, ``loss`` and ``sample``); every check runs here, before
-        any rank starts. ``model`` is a cfx model, or your own pure ``loss_fn(params, *batch)`` (a
+    def step(self, model: Any, tx: Any, *, mesh: Mesh | None = None, params: Any = None, init: Any = None,
+             specs: Any = None, grad_clip: float = 0.0, nvme_dir: str | None = None,
+             jit: bool | str = False) -> TrainProgram:
+        """The train step ``step(state, batch) -> (state, metrics)``, a ``TrainProgram``
+        (``cfx._src.plan.protocol``: also ``init``, ``params``, ``put``, ``loss``, ``save``, ``load``
+        and ``sample``): a ``Program`` on ``mesh``, or without a mesh the single-device plan's
+        ``LocalProgram``; every check runs here, before any rank starts. ``model`` is a cfx model, or your own pure ``loss_fn(params, *batch)`` (a
         mean over the batch rows) with its starting ``params`` or an ``init(key)``, and optionally
         ``specs`` laying the params over the mesh (``cfx._src.models.function``).
         ``grad_clip > 0`` clips by the global norm over every shard; ``nvme_dir``: where
@@ -67,8 +71,13 @@ class Plan(PlanConfig):
         compile each rank's step with ``cfx.jit`` (True: inductor, or a ``torch.compile`` backend
         name), the state donated to it."""
         model = as_model(model, params=params, init=init, specs=specs)
+        if mesh is None:
+            if jit:
+                raise ValueError("jit=True compiles a Plan's step on a mesh; give the plan an axis (e.g. 'data=1') "
+                                 "and its mesh, or drop jit.")
+            return LocalProgram(self, model, tx, grad_clip=grad_clip)
         return Program(self, model, tx, mesh, grad_clip=grad_clip, nvme_dir=nvme_dir, jit=jit)
 
-    def init(self, model: Any, tx: Any, key, *, mesh: Mesh, **function: Any) -> TrainState:
+    def init(self, model: Any, tx: Any, key, *, mesh: Mesh | None = None, **function: Any) -> TrainState:
         """Sharded params and optimizer state; ``plan.step(model, tx, mesh=mesh).init(key)``."""
         return self.step(model, tx, mesh=mesh, **function).init(key)

@@ -41,7 +41,7 @@ import dataclasses
 import os
 import tempfile
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -66,6 +66,7 @@ from cfx._src.pipeline.executor import pipeline
 from cfx._src.plan.build import (check_jit, check_mesh, check_model, free_device_bytes, make_optimizer, make_placement,
                                  make_schedule, parallel_model, sequence_order, split_over_model, wrap_blocks)
 from cfx._src.plan.layout import Layout, put_tree
+from cfx._src.plan.protocol import TrainState
 from cfx._src.plan.lora_base import place_base
 from cfx._src.plan.saving import StateFiles
 from cfx._src.remat.plan import solve as solve_remat
@@ -76,11 +77,6 @@ from cfx._src.zero.gathered import gathered
 from cfx._src.zero.offload import probe_nvme_dir
 from cfx._src.zero.params import ZeroParams
 from cfx._src.zero.placed import Placement
-
-class TrainState(NamedTuple):
-    params: Any      # the stored layout (``Layout``), ShardedArrays
-    opt_state: Any   # the optimizer's state over the stored params, ShardedArrays
-
 
 class Program:
     """``plan`` applied to ``model``, ``tx`` on ``mesh``; callable as the train step."""
@@ -239,7 +235,7 @@ class Program:
         return self._placements[rank]
 
     def _body(self, state: TrainState, batch: tuple, key) -> tuple[TrainState, torch.Tensor]:
-        params, opt_state = state
+        params, opt_state = state.params, state.opt_state
         scale = loss_scale(opt_state) if self.policy.needs_loss_scaling else None
         local = self.layout.local_view(params)
         _watch(params, "param", self.home)  # booked while a cfx.memory tracker is active

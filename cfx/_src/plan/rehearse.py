@@ -22,7 +22,7 @@ from cfx._src.lax.stats import CommRecord, comm_stats
 from cfx._src.mesh.layout import block_shape
 from cfx._src.mesh.context import Group, RankContext, installed
 from cfx._src.mesh.spec import is_spec
-from cfx._src.plan.program import TrainState
+from cfx._src.plan.protocol import TrainState
 
 
 class _Done:
