@@ -104,11 +104,12 @@ class Strategy:
             self.pspecs, self.sspecs, self.batch = pspecs, sspecs, P("data")
         else:
             train = Plan(mesh=tuple(mesh.shape.items())).step(model, tx, mesh=mesh, grad_clip=1.0)
-            self.params, self.state = train.init(key)
+            state = train.init(key)
+            self.params, self.state = state.params, state.opt_state
 
             def step(p, s, t):
-                (p, s), metrics = train(TrainState(p, s), (t[:, :-1], t[:, 1:]))
-                return p, s, metrics["loss"]
+                new, metrics = train(TrainState(p, s), (t[:, :-1], t[:, 1:]))
+                return new.params, new.opt_state, metrics["loss"]
             self.step = step
             self.loss_of = lambda p, t: train.eval_model.loss(p, t[:, :-1], t[:, 1:])
             self.pspecs, self.batch = train.layout.specs, train.layout.batch_spec

@@ -20,9 +20,14 @@ import math
 from typing import Any, Mapping
 
 from cfx._src.core.text import format_bytes, parse_bytes
+from cfx._src.plan import strategies
 
-AXES = ("pipe", "data", "expert", "seq", "model", "row", "col", "dep")
-GRID_AXES = {"2d": ("row", "col"), "2.5d": ("row", "col", "dep"), "3d": ("row", "col", "dep")}
+
+def plan_axes() -> tuple[str, ...]:
+    """The mesh axes a Plan takes: those its strategies own (``strategies.STRATEGIES``), in list order."""
+    return tuple(a for s in strategies.STRATEGIES for a in s.axes)
+
+GRID_SCHEMES = ("2d", "2.5d", "3d")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "host", "nvme", "auto")
 REMATS = ("none", "blocks", "dots", "auto")
@@ -31,13 +36,14 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 SEQUENCE_METHODS = ("none", "ring", "ulysses", "megatron")
 
 
-def parse_mesh(text: str, *, axes: tuple[str, ...] = AXES, where: str | None = None,
+def parse_mesh(text: str, *, axes: tuple[str, ...] | None = None, where: str | None = None,
                fix: str = "") -> tuple[tuple[str, int], ...]:
     """``"data=2,model=2"`` -> ``(("data", 2), ("model", 2))``: comma-separated ``AXIS=SIZE``, each
     AXIS one of ``axes`` once, each SIZE a positive integer, in the order given. The one reader of
     mesh text: ``Plan.parse``'s axes and every command line's ``--mesh``. A ValueError starts with
     ``where`` (default ``--mesh 'TEXT'``) and ends with ``fix`` (what that caller takes)."""
     where = f"--mesh {text!r}" if where is None else where
+    axes = plan_axes() if axes is None else axes
     mesh: list[tuple[str, int]] = []
     for part in text.split(","):
         name, eq, size = (s.strip() for s in part.partition("="))
@@ -114,12 +120,19 @@ class PlanConfig:
         """The mesh axis the sequence is split over: ``seq``, ``model`` (Megatron-SP) or None."""
         return {"ring": "seq", "ulysses": "seq", "megatron": "model"}.get(self.sp)
 
+    @property
+    def home(self) -> str:
+        """Where the model state lives: ``device``, or with offload ``host`` (``host``, ``auto``) or ``nvme``."""
+        return {"none": "device", "nvme": "nvme"}.get(self.offload, "host")
+
     # -- checks that need no model ----------------------------------------------------------------
     def _check(self) -> None:
+        """The fields' own values here; how they combine, each strategy's ``check_plan``."""
+        axes = plan_axes()
         names = [a for a, _ in self.mesh]
         for a, s in self.mesh:
-            if a not in AXES:
-                raise ValueError(f"Plan: unknown mesh axis {a!r}; a Plan's axes are {AXES}.")
+            if a not in axes:
+                raise ValueError(f"Plan: unknown mesh axis {a!r}; a Plan's axes are {axes}.")
             if not isinstance(s, int) or isinstance(s, bool) or s < 1:
                 raise ValueError(f"Plan: axis {a!r} has size {s!r}; sizes are positive ints.")
         dup = sorted({a for a in names if names.count(a) > 1})
@@ -135,62 +148,10 @@ class PlanConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Plan: {name}={v!r}; use a positive int.")
         _one_of("sp", self.sp, SEQUENCE_METHODS)
-        if self.has("seq") and self.sp not in ("ring", "ulysses"):
-            raise ValueError(f"Plan: the seq axis splits the sequence, which sp={self.sp} does not; use sp=ring "
-                             "(the default) or sp=ulysses, or drop seq= from the mesh.")
-        if self.sp in ("ring", "ulysses") and not self.has("seq"):
-            raise ValueError(f"Plan: sp={self.sp} splits the sequence over a seq axis, and the mesh "
-                             f"{dict(self.mesh)} has none; add seq=N to the mesh.")
-        if self.sp == "megatron" and not self.has("model"):
-            raise ValueError(f"Plan: sp=megatron splits the sequence over the model axis (with tensor "
-                             f"parallelism), and the mesh {dict(self.mesh)} has none; add model=N to the mesh.")
-        if self.zero and not self.has("data"):
-            raise ValueError(f"Plan: zero={self.zero} shards over the data axis, and the mesh "
-                             f"{dict(self.mesh)} has none; add data=N to the mesh or use zero=0.")
-        if self.offload != "none" and self.zero != 3:
-            raise ValueError(f"Plan: offload={self.offload} places ZeRO-3 chunks (Gemini); it needs "
-                             f"zero=3, not zero={self.zero}.")
-        if self.offload_budget is not None and self.offload != "auto":
-            raise ValueError(f"Plan: only offload=auto takes a device budget, not offload={self.offload}.")
-        if (self.remat == "auto") != (self.remat_budget is not None):
-            raise ValueError("Plan: remat=auto needs an activation budget (remat=auto:512MiB, or "
-                             "--remat-budget) and only auto takes one.")
-        if not self.has("pipe"):
-            if self.microbatches != 1 or self.chunks != 1 or self.schedule != "1f1b":
-                raise ValueError("Plan: schedule / microbatches / chunks describe a pipeline; the mesh "
-                                 f"{dict(self.mesh)} has no pipe axis. Add pipe=N or drop them.")
-        elif self.chunks > 1 and self.schedule != "interleaved":
-            raise ValueError(f"Plan: chunks={self.chunks} (virtual stages per rank) needs "
-                             f"schedule=interleaved, not {self.schedule}.")
-        self._check_grid()
-
-    def _check_grid(self) -> None:
-        """``tp`` names exactly the grid axes the mesh has, its shape, and only the axes it is wired with."""
-        grid = [a for a in ("row", "col", "dep") if self.has(a)]
-        if self.tp is None:
-            if grid:
-                raise ValueError(f"Plan: the axes {grid} of the mesh {dict(self.mesh)} are a tensor-parallel grid; "
-                                 "name its scheme: tp=2d (row, col), tp=2.5d or tp=3d (row, col, dep).")
-            return
-        _one_of("tp", self.tp, tuple(GRID_AXES))
-        want = GRID_AXES[self.tp]
-        if tuple(grid) != want:
-            raise ValueError(f"Plan: tp={self.tp} splits every block over the axes {want}; the mesh "
-                             f"{dict(self.mesh)} has {tuple(grid)}. Give the mesh exactly "
-                             f"{', '.join(a + '=N' for a in want)} (and data=N).")
-        q = self.size("row")
-        if self.size("col") != q or (self.tp == "3d" and self.size("dep") != q):
-            need = "row = col = dep (a cube)" if self.tp == "3d" else "row = col (a square grid)"
-            raise ValueError(f"Plan: tp={self.tp} needs {need}; the mesh {dict(self.mesh)} has "
-                             + ", ".join(f"{a}={self.size(a)}" for a in want) + ". Give those axes equal sizes.")
-        other = [a for a in ("pipe", "expert", "seq", "model") if self.has(a)]
-        if other:
-            raise ValueError(f"Plan: tp={self.tp} is wired with data parallelism (and ZeRO) only, not with the "
-                             f"axes {other} of the mesh {dict(self.mesh)}; drop {', '.join(a + '=' for a in other)} "
-                             "(or use Megatron's model= axis without tp=).")
-        if self.offload != "none" or self.remat == "auto":
-            raise ValueError(f"Plan: tp={self.tp} does not take offload={self.offload} / remat={self.remat} yet; "
-                             "use offload=none and remat=none, blocks or dots.")
+        if self.tp is not None:
+            _one_of("tp", self.tp, GRID_SCHEMES)
+        for strategy in strategies.STRATEGIES:
+            strategy.check_plan(self)
 
     @property
     def grid_rows(self) -> int:
@@ -266,7 +227,7 @@ class PlanConfig:
                                  "'pipe=2,data=2 zero=1 remat=blocks microbatches=4'.")
             if key in kw:
                 raise ValueError(f"Plan.parse({text!r}): {key} is given twice.")
-            if key in AXES:  # the mesh's pairs, in the order given, read by parse_mesh below
+            if key in plan_axes():  # the mesh's pairs, in the order given, read by parse_mesh below
                 axes.append(pair)
             elif key in ("zero", "microbatches", "chunks"):
                 kw[key] = _int(text, key, value)
@@ -278,7 +239,7 @@ class PlanConfig:
             elif key in ("schedule", "precision", "sp", "tp"):
                 kw[key] = value
             else:
-                raise ValueError(f"Plan.parse({text!r}): unknown key {key!r}; keys are the axes {AXES} "
+                raise ValueError(f"Plan.parse({text!r}): unknown key {key!r}; keys are the axes {plan_axes()} "
                                  "and zero, offload, remat, schedule, microbatches, chunks, precision, sp, tp.")
         return dict(kw, mesh=parse_mesh(",".join(axes), where=f"Plan.parse({text!r})") if axes else ())
 

@@ -1,10 +1,9 @@
 """How a Plan stores a model's params between steps, and the views each rank computes on.
 
-Specs come from the model's logical axes (``model.axes()``) through rules: Megatron's
-``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` -> ``model`` when the mesh has a model axis
-(``vocab`` stays whole under Megatron-SP), a mixture of experts' ``experts`` -> ``expert``
-(``EXPERT_RULES``), all else replicated (with ``tp``: the blocks' specs on the grid, ``grid_specs``);
-batches split their rows over ``data`` (and ``expert``)
+Specs come from the model's logical axes (``model.axes()``) through the rules the plan's strategies
+give (``Strategy.rules``: Megatron's ``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` -> ``model``, a
+mixture of experts' ``experts`` -> ``expert``), all else replicated, or from a strategy's own specs
+(``Strategy.param_specs``: the tensor grid's); batches split their rows over ``data`` (and ``expert``)
 and, with sequence parallelism, their positions over ``seq`` (``model`` for Megatron-SP). Without
 a pipe axis the stored tree *is* the model's params tree.
 
@@ -38,10 +37,7 @@ from cfx._src.spmd.init_sharded import init_sharded
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.layout import block_shape, check_spec
 from cfx._src.mesh.spec import P, is_spec
-from cfx._src.parallel.expert import EXPERT_RULES
-from cfx._src.parallel.megatron import MEGATRON_RULES
 from cfx._src.parallel.rules import Rules
-from cfx._src.parallel.tp_block import grid_specs, tensor_parallel_grid
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.spmd.spec_tree import broadcast_specs
@@ -54,14 +50,13 @@ from cfx._src.models.parts import hook
 class Layout:
     """The stored layout of ``model``'s params for a plan on ``mesh`` (module doc)."""
 
-    def __init__(self, cfg, model, mesh):
+    def __init__(self, cfg, model, mesh, strategies: tuple = ()):
         self.cfg, self.mesh = cfg, mesh
-        tp = cfg.has("model")
-        split = {k: "model" for k in MEGATRON_RULES if tp and not (k == "vocab" and cfg.sp == "megatron")}
-        experts = EXPERT_RULES if cfg.has("expert") else {}
-        self.rules = Rules({"batch": cfg.batch_axes or None, "length": cfg.sequence_axis, **split, **experts})
+        rules = {k: v for s in strategies for k, v in s.rules(cfg).items()}  # the params' logical axes
+        self.rules = Rules({"batch": cfg.batch_axes or None, "length": cfg.sequence_axis, **rules})
         self.model_shapes = eval_shape(model.init, random.key(0))
-        self.model_specs = self._model_specs(model, mesh)
+        own = [x for x in (s.param_specs(cfg, model, mesh) for s in strategies) if x is not None]
+        self.model_specs = own[0] if own else self._model_specs(model, mesh)
         # tokens (B, T): the sequence split too; a model may name its batch's axes (a Denoiser's: rows)
         self.batch_spec = self.rules.spec(hook(model, "batch_axes", ("batch", "length")))
         self.stacked, self.zero3 = cfg.has("pipe"), cfg.zero == 3
@@ -83,10 +78,8 @@ class Layout:
 
     def _model_specs(self, model, mesh) -> Any:
         """The params' specs: the model's own (``param_specs``: a P or a pytree prefix, broadcast and
-        checked against every leaf's shape), with ``tp`` the grid's (``grid_specs``: the blocks split
-        over row, col, dep; the rest replicated), else its logical axes through the plan's rules."""
-        if self.cfg.tp is not None:
-            return grid_specs(tensor_parallel_grid(model, self.cfg.tp), mesh=mesh)
+        checked against every leaf's shape), else its logical axes through the plan's rules (a strategy
+        that lays params out otherwise -- the tensor grid's ``grid_specs`` -- gives its own)."""
         own = hook(model, "param_specs")
         if own is None:
             return self.rules.specs(model.axes(), mesh=mesh)
@@ -211,7 +204,9 @@ class Layout:
 
     def stack_local(self, tree: Any) -> Any:
         """The inverse of ``local_view`` for a tree of tensors shaped like it (grads, updates, a
-        ZeroParams' pieces): the blocks' rows stacked."""
+        ZeroParams or its pieces): the blocks' rows stacked."""
+        if isinstance(tree, ZeroParams):
+            tree = tree.pieces
         if not self.stacked:
             return tree
         return {**tree, "blocks": tree_util.map(lambda *xs: torch.stack(xs), *tree["blocks"])}

@@ -19,7 +19,7 @@ from cfx._src.models.parts import hook
 from cfx._src.optim.base import apply_gradients, chain
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.loss_scale import loss_scale
-from cfx._src.plan.build import check_clip_outside_scaling, check_model, remat_blocks
+from cfx._src.plan.build import check_clip_outside_scaling, check_model, rank_model
 from cfx._src.plan.protocol import TrainState
 from cfx._src.precision.amp import Policy, policy as amp_policy
 from cfx._src.remat.plan import solve as solve_chain
@@ -68,8 +68,7 @@ class LocalProgram:
         self.policy = amp_policy(plan.precision)
         self._steps: dict[tuple, Any] = {}  # remat=auto: a schedule and its step per batch shape
         self._remat_plan = None
-        self._step = None if plan.remat == "auto" else train_step(remat_blocks(model, plan.remat), tx,
-                                                                        self.policy)
+        self._step = None if plan.remat == "auto" else train_step(rank_model(plan, model), tx, self.policy)
 
     @property
     def remat_plan(self) -> Any:
@@ -111,8 +110,9 @@ class LocalProgram:
         if shape not in self._steps:
             meta = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"),
                                  eval_shape(self.model.init, jr.key(0)))
-            model, schedule = solve_chain(self.model, meta, batch[0], budget=self.plan.remat_budget, key=key)
-            self._steps[shape] = schedule, train_step(model, self.tx, self.policy)
+            _, schedule = solve_chain(self.model, meta, batch[0], budget=self.plan.remat_budget, key=key)
+            self._steps[shape] = schedule, train_step(rank_model(self.plan, self.model, schedule=schedule), self.tx,
+                                                      self.policy)
         self._remat_plan, step = self._steps[shape]
         return step
 

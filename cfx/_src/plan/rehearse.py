@@ -61,8 +61,9 @@ class Rehearsal:
         return out
 
 
-def rehearse(program, rows: int, seq: int, rank: int) -> Rehearsal:
-    """Rank ``rank``'s step of ``program`` on a global batch of ``rows`` x ``seq`` tokens."""
+def rehearse(program, body, rows: int, seq: int, rank: int) -> Rehearsal:
+    """Rank ``rank``'s step of ``program`` on a global batch of ``rows`` x ``seq`` tokens, ``body``
+    its step body for that batch (``Program.body_for``)."""
     mesh, layout = program.mesh, program.layout
     coords = mesh.coords(rank)
     dry = _DryGroup()
@@ -73,7 +74,7 @@ def rehearse(program, rows: int, seq: int, rank: int) -> Rehearsal:
         opt_state = program.opt.init(layout.local_view(params) if layout.opt_on_local else params)
         tokens = torch.zeros(block_shape((rows, seq), layout.batch_spec, mesh), dtype=torch.long)
         with comm_stats() as stats, memory.track() as mem, mem.track_ops("device"):
-            program._body(TrainState(params, opt_state), (tokens, tokens), None)
+            body(TrainState(params, opt_state), (tokens, tokens), None)
         peak = mem.peak_by_kind("device", rank=rank).get("activation", 0)
     return Rehearsal(rank, tuple(stats.records), peak)
 
