@@ -64,4 +64,4 @@ def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="n_stages must be an integer >= 1"):
         partition(gpt2(2), 0)
     with pytest.raises(ValueError, match="map_blocks"):
-        partition(dataclasses.replace(gpt2(2), remat_plan=object()), 2)
+        partition(cfx.remat.Chained(gpt2(2), object()), 2)

@@ -4,7 +4,7 @@
 Greedy decoding (``temperature=0``) picks the argmax; otherwise the logits are divided by
 ``temperature``, cut to the ``top_k`` largest and to the smallest set whose probability reaches
 ``top_p``, and sampled with ``cfx.random``: step ``i`` draws with ``fold_in(key, i)``, so the same
-key gives the same tokens on every rank. A vocabulary-parallel model's logits (``vocab_axis``,
+key gives the same tokens on every rank. A vocabulary-parallel model's logits (``logits_axis``,
 ``cfx.parallel.tensor_parallel``) are gathered before picking.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Sampling:
 
 def whole_vocab(model: Any, logits: torch.Tensor) -> torch.Tensor:
     """Logits over the whole vocabulary (fp32): a vocabulary-parallel model's shards gathered."""
-    axis = hook(model, "vocab_axis")
+    axis = hook(model, "logits_axis")
     if axis is not None:
         logits = lax.all_gather(logits, axis, dim=-1, tiled=True)
     return logits.float()

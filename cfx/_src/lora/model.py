@@ -201,8 +201,8 @@ class LoraModel:
         return self.model.max_len_name
 
     @property
-    def vocab_axis(self) -> str | None:
-        return getattr(self.model, "vocab_axis", None)
+    def logits_axis(self) -> str | None:
+        return getattr(self.model, "logits_axis", None)
 
     def init(self, key: torch.Tensor) -> Any:
         """The adapters (``cfx.lora.init(model, lora, key)``): this model's params."""

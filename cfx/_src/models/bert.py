@@ -16,14 +16,16 @@ import torch
 
 from cfx._src.core import random
 from cfx._src.models.common import (DecoderLM, _check_int_2d, check_inputs, check_params, check_targets,
-                                     config_from_preset, cross_entropy, dropout_keys)
+                                     config_from_preset, dropout_keys)
 from cfx._src.models.parts import ModelParts
+from cfx._src.nn.loss import cross_entropy
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.mlp import activation
 from cfx._src.nn.norm import LayerNorm
+from cfx._src.nn.vocab import TokenLoss
 from cfx._src.transforms.shapes import is_abstract
 
 BERT_PRESETS: dict[str, dict[str, int]] = {
@@ -84,16 +86,12 @@ class Bert(DecoderLM):
 
     config: BertConfig
     blocks: tuple = None
-    vocab_axis: str | None = None
+    layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
     seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
-    remat_plan: Any = None
     max_len_name = "max_position_embeddings"
 
     def __post_init__(self):
         c = self.config
-        if self.vocab_axis is not None and c.head != "mlm":
-            raise ValueError("Bert: a vocab-parallel head needs head='mlm' (the classifier has no vocabulary); "
-                             "use cfx.parallel.tensor_parallel(model, vocab=False).")
         self._init_blocks(lambda: TransformerBlock(
             c.hidden_size, c.n_head, c.intermediate_size, activation="gelu", norm="layernorm",
             norm_eps=c.layer_norm_eps, bias=True, dropout=c.dropout, init_std=c.init_std, causal=False,
@@ -111,6 +109,7 @@ class Bert(DecoderLM):
         if c.head == "mlm":
             layers["mlm_dense"] = Linear(C, C, axes_names=("embed", "embed_out"), init_std=std)
             layers["mlm_ln"] = LayerNorm(C, eps=c.layer_norm_eps)
+            layers["loss"] = TokenLoss()  # the MLM's, over the vocabulary (the classifier's is its own)
         else:
             layers["pooler"] = Linear(C, C, axes_names=("embed", "embed_out"), init_std=std)
             layers["classifier"] = Linear(C, c.num_labels, axes_names=("embed", "labels"), init_std=std)
@@ -150,7 +149,7 @@ class Bert(DecoderLM):
 
     def apply(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
               token_types: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
-        """MLM logits ``(B, T, vocab_size)`` (this rank's ``(B, T, V/n)`` under ``vocab_axis``), or
+        """MLM logits ``(B, T, vocab_size)`` (this rank's ``(B, T, V/n)`` under a vocabulary split), or
         class logits ``(B, num_labels)``. ``mask``: bool ``(B, T)``, True = real token (padded keys
         are hidden from every query); ``token_types``: ``(B, T)`` segment ids (default 0);
         ``key=None`` means no dropout."""
@@ -184,7 +183,7 @@ class Bert(DecoderLM):
         if c.head == "mlm":  # (B, T, C) -> (B, T, V)
             p = params["mlm"]
             h = activation("gelu", layers["mlm_dense"].apply(p["dense"], x))
-            h = self.head_input(layers["mlm_ln"].apply(p["ln"], h))
+            h = layers["mlm_ln"].apply(p["ln"], h)
             return layers["wte"].attend(params["wte"], h) + p["b"]
         pooled = torch.tanh(layers["pooler"].apply(params["pooler"], x[:, 0]))  # (B, C): the [CLS] token
         return layers["classifier"].apply(params["classifier"], dropout(pooled, c.dropout, key))  # (B, L)

@@ -11,11 +11,11 @@ import torch
 
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
-from cfx._src.lax.collectives import pvary
-from cfx._src.nn.embedding import Embedding, vocab_parallel_embed
+from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.lora_weight import is_weight_node, weight_nodes_as_leaves
 from cfx._src.nn.sublayers import keep_sublayers
-from cfx._src.nn.loss import IGNORE_INDEX, cross_entropy, mean_over_sequence, vocab_parallel_cross_entropy
+from cfx._src.nn.loss import IGNORE_INDEX, mean_over_sequence
+from cfx._src.remat.chained import chain_runner, take_chain_runner
 from cfx._src.transforms.regional import block_apply
 from cfx._src.transforms.shapes import is_abstract
 
@@ -177,6 +177,11 @@ def check_targets(where: str, tokens: torch.Tensor, targets: Any, *, vocab_size:
                          f"got ids in [{int(valid.min())}, {int(valid.max())}].")
 
 
+def _head_logits(head: Any, params: dict, h: torch.Tensor) -> torch.Tensor:
+    """A head's logits of ``h``: a tied embedding table attends (``attend``), any other head applies."""
+    return head.attend(params, h) if callable(getattr(head, "attend", None)) else head.apply(params, h)
+
+
 def dropout_keys(key: torch.Tensor | None, rate: float, n: int) -> list[torch.Tensor | None]:
     """``n`` keys for the dropout sites, or ``n`` Nones when there is no dropout to do."""
     if key is None or rate == 0.0:
@@ -186,26 +191,47 @@ def dropout_keys(key: torch.Tensor | None, rate: float, n: int) -> list[torch.Te
 
 class DecoderLM:
     """Mixin for frozen-dataclass models with ``config``, ``blocks`` (a tuple of block layers) and
-    ``vocab_axis`` (a mesh axis the vocabulary is split over, or None; set by
-    ``cfx.parallel.tensor_parallel``, under which ``apply`` returns this rank's logits shard)."""
+    named sublayers (``_build_layers``: embeddings, norms, the head, a language model's ``"loss"``),
+    any of which ``layers`` replaces -- as ``blocks`` replaces the blocks -- with a layer of the same
+    params: how a parallel strategy swaps in its forms (``cfx.parallel.tensor_parallel``'s
+    vocabulary-parallel embedding, head and loss, under which ``apply`` returns this rank's logits
+    shard). The model's code runs whatever its sublayers are and never names a split."""
 
     blocks: tuple
-    vocab_axis: str | None
+    layers: tuple   # (name, layer) pairs replacing sublayers of _build_layers
     seq: Any        # a cfx.parallel SequenceSplit when the sequence is split over a mesh axis, else None
-    remat_plan: Any
     max_len_name: str  # the config field bounding the sequence length
 
     def _init_blocks(self, default_block: Callable[[], Any], n_layer: int) -> None:
         """``blocks`` defaults to ``n_layer`` copies of ``default_block()`` (given blocks must number
-        ``n_layer``); then the named sublayers of ``_build_layers`` are built once (``keep_sublayers``)."""
+        ``n_layer``); then the named sublayers of ``_build_layers``, with ``layers`` replacing theirs,
+        are built once (``keep_sublayers``)."""
         if self.blocks is None:
             object.__setattr__(self, "blocks", (default_block(),) * n_layer)
         elif len(self.blocks) != n_layer:
             raise ValueError(f"{type(self).__name__}: got {len(self.blocks)} blocks for n_layer={n_layer}.")
-        keep_sublayers(self, self._build_layers())
+        built = self._build_layers()
+        unknown = sorted(set(dict(self.layers)) - set(built))
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: layers= replaces {unknown}, which it does not have; its "
+                             f"sublayers are {sorted(built)}.")
+        keep_sublayers(self, {**built, **dict(self.layers)})
 
     def _layers(self) -> dict:
         return self._sublayers
+
+    def sublayers(self) -> dict:
+        """The named layers around the blocks (a copy): what ``with_layers`` may replace."""
+        return dict(self._sublayers)
+
+    def with_layers(self, **layers: Any):
+        """A copy of the model with the named sublayers replaced (same params, other computation)."""
+        return dataclasses.replace(self, layers=tuple({**dict(self.layers), **layers}.items()))
+
+    @property
+    def logits_axis(self) -> str | None:
+        """The mesh axis the logits' last dim is split over (its loss layer's: a vocabulary split), or None."""
+        return getattr(self._sublayers.get("loss"), "logits_axis", None)
 
     def map_blocks(self, f: Callable[[Any], Any]):
         """A copy of the model whose blocks are ``f(block)`` (same ``init`` / ``apply`` / ``axes``)."""
@@ -224,9 +250,11 @@ class DecoderLM:
             cache.advance(x.shape[1])
             return x
         extra = {} if positions is None else {"positions": positions}
-        if self.remat_plan is not None:  # the blocks as one chain, under a checkpointing schedule
-            return self.remat_plan.run([b.apply for b in self.blocks], params, x,
-                                       [dict(mask=mask, key=k, **extra) for k in keys])
+        runner = take_chain_runner()
+        if runner is not None:  # the blocks as one chain, under a checkpointing schedule (cfx.remat.Chained)
+            with chain_runner(None):
+                return runner.run([b.apply for b in self.blocks], params, x,
+                                  [dict(mask=mask, key=k, **extra) for k in keys])
         for block, p, k in zip(self.blocks, params, keys):  # compiled once each under jit(compile="blocks")
             x = block_apply(block)(p, x, mask=mask, key=k, **extra)
         return x
@@ -243,35 +271,34 @@ class DecoderLM:
         return self.head_loss(params, self.hidden(params, tokens, mask=mask, key=key), targets)
 
     def _logits(self, params: Any, x: torch.Tensor) -> torch.Tensor:
-        """The head's logits ``(B, T, V)`` (this rank's ``(B, T, V/n)`` under ``vocab_axis``) for the
+        """The head's logits ``(B, T, V)`` (this rank's ``(B, T, V/n)`` under a vocabulary split) for the
         last block's output ``x`` (B, T, C); ``_head_parts`` says what the head is."""
         h, head, p = self._head_parts(params, x)
-        return head.attend(p, h) if isinstance(head, Embedding) else head.apply(p, h)
+        return _head_logits(head, p, h)
 
     def head_loss(self, params: Any, x: torch.Tensor, targets: torch.Tensor, *,
                   fused: bool | None = None) -> torch.Tensor:
         """The mean loss of the last block's output ``x`` (B, T, C) against ``targets`` (B, T).
 
         ``fused`` (default: on CUDA) computes the head's matmul and the loss together in chunks
-        (``cfx_kernels.linear_cross_entropy``), so the (B T, V) logits never exist; a head split
-        over ``vocab_axis``, a sequence split over an axis and an int8 head take the unfused path."""
+        (``cfx_kernels.linear_cross_entropy``), so the (B T, V) logits never exist; a loss that is not
+        the plain token loss (a split vocabulary), a sequence split over an axis and an int8 head take
+        the unfused path."""
         h, head, p = self._head_parts(params, x)
         w = p["w"]
         if fused is None:
             fused = h.is_cuda
-        if not fused or self.vocab_axis is not None or self.seq is not None or not isinstance(w, torch.Tensor):
-            return self.logits_loss(head.attend(p, h) if isinstance(head, Embedding) else head.apply(p, h), targets)
+        plain = getattr(self._layers().get("loss"), "fusable", False)
+        if not fused or not plain or self.seq is not None or not isinstance(w, torch.Tensor):
+            return self.logits_loss(_head_logits(head, p, h), targets)
         from cfx_kernels.linear_cross_entropy import linear_cross_entropy
 
         weight = w if isinstance(head, Embedding) else w.T  # (V, C): an embedding's rows; a Linear's (C, V).T
         return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), bias=p.get("b"))
 
     def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of logits (B, T, V) -- this rank's (B, T, V/n) under ``vocab_axis``."""
-        if self.vocab_axis is not None:
-            loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_axis)
-        else:
-            loss = cross_entropy(logits, targets)
+        """The model's loss layer on logits (B, T, V) -- this rank's (B, T, V/n) under a vocabulary split."""
+        loss = self._layers()["loss"](logits, targets)
         if self.seq is not None:  # the sequence split over an axis: every rank's tokens
             count = (targets != IGNORE_INDEX).sum()
             loss = mean_over_sequence(torch.where(count > 0, loss, 0.0), count, self.seq.axis)
@@ -302,12 +329,6 @@ class DecoderLM:
         check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
 
     def embed(self, emb_layer: Any, emb_params: dict, tokens: torch.Tensor) -> torch.Tensor:
-        """Token embeddings (B, T, C); from this rank's vocab shard when ``vocab_axis`` is set."""
-        if self.vocab_axis is not None:
-            return vocab_parallel_embed(emb_params["w"], tokens, self.vocab_axis)
+        """Token embeddings (B, T, C) from the embedding layer (from this rank's shard of the rows when
+        that layer is vocabulary-parallel)."""
         return emb_layer.apply(emb_params, tokens)
-
-    def head_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head's input; marked varying over ``vocab_axis`` so its gradient sums over shards
-        (the head then yields this rank's logits shard (B, T, V/n))."""
-        return x if self.vocab_axis is None else pvary(x, self.vocab_axis)

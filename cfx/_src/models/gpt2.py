@@ -20,6 +20,7 @@ from cfx._src.nn.dropout import dropout
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import split_keys
 from cfx._src.nn.norm import LayerNorm
+from cfx._src.nn.vocab import TokenLoss
 
 GPT2_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256),
@@ -65,9 +66,8 @@ class GPT2(DecoderLM):
 
     config: GPT2Config
     blocks: tuple = None
-    vocab_axis: str | None = None
+    layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
     seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
-    remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
     max_len_name = "n_positions"
 
     def __post_init__(self):
@@ -85,6 +85,7 @@ class GPT2(DecoderLM):
             "wpe": Embedding(c.n_positions, c.n_embd, axes_names=("positions", "embed"),
                              init_std=c.init_std),
             "ln_f": LayerNorm(c.n_embd, eps=c.layer_norm_eps),
+            "loss": TokenLoss(),
         }
 
     def init(self, key: torch.Tensor) -> dict:
@@ -128,7 +129,7 @@ class GPT2(DecoderLM):
     def _head_parts(self, params: dict, x: torch.Tensor) -> tuple:
         # the last block's output (B, T, C) -> ln_f; the head is the tied embedding
         layers = self._layers()
-        return self.head_input(layers["ln_f"].apply(params["ln_f"], x)), layers["wte"], params["wte"]
+        return layers["ln_f"].apply(params["ln_f"], x), layers["wte"], params["wte"]
 
     def parts(self) -> ModelParts:
         """Embeddings (wte + wpe) | blocks | ln_f + the tied head + loss (dropout off)."""

@@ -17,6 +17,7 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.norm import RMSNorm
+from cfx._src.nn.vocab import TokenLoss
 
 # Real sizes use default RoPE only: Llama 3.x's "llama3" frequency scaling is not implemented, so
 # "1b" is Llama-3.2-1B's shape at its original 8192-token context.
@@ -82,9 +83,8 @@ class Llama(DecoderLM):
 
     config: LlamaConfig
     blocks: tuple = None
-    vocab_axis: str | None = None
+    layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
     seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
-    remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
     max_len_name = "max_position_embeddings"
 
     def __post_init__(self):
@@ -103,6 +103,7 @@ class Llama(DecoderLM):
         if not c.tie_embeddings:
             layers["lm_head"] = Linear(c.hidden_size, c.vocab_size, bias=False,
                                        axes_names=("embed", "vocab"), init_std=c.init_std)
+        layers["loss"] = TokenLoss()
         return layers
 
     def init(self, key: torch.Tensor) -> dict:
@@ -146,7 +147,7 @@ class Llama(DecoderLM):
     def _head_parts(self, params: dict, x: torch.Tensor) -> tuple:
         # the last block's output (B, T, C) -> norm; the head is tied to the embedding, or lm_head
         layers = self._layers()
-        x = self.head_input(layers["norm"].apply(params["norm"], x))  # (B, T, C)
+        x = layers["norm"].apply(params["norm"], x)  # (B, T, C)
         name = "embed" if self.config.tie_embeddings else "lm_head"
         return x, layers[name], params[name]
 

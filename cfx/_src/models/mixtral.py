@@ -31,6 +31,7 @@ from cfx._src.models.common import _check_int_2d, check_targets, config_from_pre
 from cfx._src.models.llama import Llama, LlamaConfig
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.moe import MoE, RouterStats, load_balancing_loss, z_loss
+from cfx._src.remat.chained import take_chain_runner
 
 MIXTRAL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=32000, hidden_size=128, intermediate_size=256, n_layer=2, n_head=4, n_kv_heads=2,
@@ -114,7 +115,7 @@ class Mixtral(Llama):
         (transformers without an attention mask)."""
         del key
         c = self.config
-        if self.remat_plan is not None or self.seq is not None:
+        if take_chain_runner() is not None or self.seq is not None:
             raise ValueError("Mixtral.loss: remat=auto schedules and sequence parallelism do not carry the routers' "
                              "statistics yet; train Mixtral with data / expert / tensor parallelism, ZeRO and "
                              "remat=blocks.")

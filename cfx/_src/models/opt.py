@@ -36,6 +36,7 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.norm import LayerNorm
+from cfx._src.nn.vocab import TokenLoss
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of wpe (HF OPTLearnedPositionalEmbedding)
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # every released OPT uses relu
@@ -114,9 +115,8 @@ class OPT(DecoderLM):
 
     config: OPTConfig
     blocks: tuple = None
-    vocab_axis: str | None = None
+    layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
     seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
-    remat_plan: Any = None   # a cfx.remat.solve plan that runs the blocks; None: one after another
     max_len_name = "max_position_embeddings"
 
     def __post_init__(self):
@@ -141,19 +141,24 @@ class OPT(DecoderLM):
             layers["project_out"] = Linear(C, E, bias=False, axes_names=("embed", "embed_proj"), init_std=std)
         if not c.tie_embeddings:
             layers["lm_head"] = Linear(E, c.vocab_size, bias=False, axes_names=(e_axis, "vocab"), init_std=std)
+        layers["loss"] = TokenLoss()
         return layers
+
+    def _param_layers(self) -> dict:
+        """The sublayers with params, in init's order (the loss has none)."""
+        return {n: layer for n, layer in self._layers().items() if n != "loss"}
 
     def _tree(self, blocks: Any, leaf: Any) -> dict:
         """``{name: leaf(name, layer)}`` in init's / axes' order: the embedding side, ``blocks``, the rest."""
-        layers = self._layers()
+        layers = self._param_layers()
         out = {n: leaf(n, layer) for n, layer in layers.items() if n in EMBEDDING_SIDE}
         out["blocks"] = blocks
         out.update({n: leaf(n, layer) for n, layer in layers.items() if n not in EMBEDDING_SIDE})
         return out
 
     def init(self, key: torch.Tensor) -> dict:
-        k_blocks, *k_layers = split_keys(key, 1 + len(self._layers()))
-        keys = dict(zip(self._layers(), k_layers))
+        k_blocks, *k_layers = split_keys(key, 1 + len(self._param_layers()))
+        keys = dict(zip(self._param_layers(), k_layers))
         # (HF starts the padding_idx row at zero; here it is drawn like the others, so that
         # cfx.init_sharded builds it leaf by leaf: weights loaded from HF carry HF's row)
         return self._tree([b.init(k) for b, k in zip(self.blocks, split_keys(k_blocks, len(self.blocks)))],
@@ -212,12 +217,12 @@ class OPT(DecoderLM):
         if "project_out" in layers:
             x = layers["project_out"].apply(params["project_out"], x)  # (B, T, E)
         name = "lm_head" if "lm_head" in layers else "wte"
-        return self.head_input(x), layers[name], params[name]
+        return x, layers[name], params[name]
 
     def parts(self) -> ModelParts:
         """Embeddings (wte [+ project_in] + wpe) | blocks | [ln_f] [+ project_out] + the head + loss
         (dropout off, no padding mask: positions 0..T-1)."""
-        names = tuple(self._layers())
+        names = tuple(self._param_layers())
         first = tuple(n for n in names if n in EMBEDDING_SIDE)
         last = tuple(n for n in names if n not in EMBEDDING_SIDE)
         if self.config.tie_embeddings:

@@ -76,11 +76,9 @@ class Hooks(Protocol):
 
     config: Any                # a config with ``vocab_size`` and the field ``max_len_name`` names
     max_len_name: str          # the config field bounding the sequence length (``cfx.generate``'s check)
-    vocab_axis: str | None     # the mesh axis its vocabulary is split over (Megatron's vocab parallelism);
-                               # a model without the field has no vocabulary (Megatron splits its blocks alone)
+    logits_axis: str | None    # the mesh axis its logits' last dim is split over (a vocabulary-parallel head)
     seq: Any                   # a SequenceSplit when its sequence is split over a mesh axis; having the
                                # field at all says the model can split its sequence (sequence_parallel)
-    remat_plan: Any            # a cfx.remat.solve schedule the model runs over all its blocks
     batch_axes: tuple          # the logical axes of its batch's leading leaves (default ("batch", "length"))
     param_specs: Any           # its params' specs over the plan's mesh (a P or a pytree prefix), instead of
                                # those its logical axes get from the plan's rules (a LossModel's ``specs=``)

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from cfx._src.models.common import DecoderLM, check_params, config_from_preset, cross_entropy, dropout_keys
+from cfx._src.models.common import DecoderLM, check_params, config_from_preset, dropout_keys
+from cfx._src.nn.loss import cross_entropy
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.conv import Conv2d
@@ -97,7 +98,7 @@ class ViT(DecoderLM):
     config: ViTConfig
     blocks: tuple = None
     seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``, ``tensor_parallel(sequence=True)``)
-    remat_plan: Any = None
+    layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
     batch_axes = ("batch",)  # images (B, channels, H, W) and labels (B,): rows split over data, nothing else
 
     def __post_init__(self):

@@ -33,6 +33,7 @@ import torch
 from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.spec import P, is_spec
+from cfx._src.nn.vocab import vocab_parallel_layers
 from cfx._src.parallel.megatron import TensorParallelBlock
 from cfx._src.parallel.state import tree_pmean
 
@@ -131,4 +132,4 @@ def tensor_parallel_experts(model: Any, axis: str = "model") -> Any:
     if not has_experts(model):
         raise ValueError(f"tensor_parallel_experts: {type(model).__name__} has no mixture-of-experts blocks; "
                          "use cfx.parallel.tensor_parallel.")
-    return dataclasses.replace(model.map_blocks(split), vocab_axis=axis)
+    return model.map_blocks(split).with_layers(**vocab_parallel_layers(model.sublayers(), axis))

@@ -28,6 +28,7 @@ from cfx._src.core import random
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
+from cfx._src.nn.vocab import vocab_parallel_layers
 from cfx._src.precision.quant import QuantizedWeight
 from cfx._src.models.parts import has_hook, hook
 from cfx_kernels.int8_matmul import int8_matmul
@@ -140,7 +141,9 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
     the mean over every rank's tokens. Gradients of the leaves replicated over ``axis`` are each
     rank's positions' share: sum them with ``cfx.parallel.sequence_grads``.
 
-    A model without a vocabulary (no ``vocab_axis`` field: ``cfx.models.ViT``) has only its blocks split.
+    The vocabulary split replaces the model's vocabulary layers -- its tables, heads and token loss --
+    with their split forms (``cfx._src.nn.vocab``, through ``model.with_layers``); a model without a
+    token loss (``cfx.models.ViT``, a classifying Bert) has no vocabulary, and only its blocks split.
     A model whose blocks are not ``TransformerBlock`` s provides its own split as
     ``model.tensor_parallel(axis)`` (``cfx.diffusion.Denoiser``: the UNet's resnets and transformers)."""
     own = hook(model, "tensor_parallel")
@@ -153,8 +156,12 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
         raise ValueError("tensor_parallel: the model's blocks are mixtures of experts, whose experts Megatron's "
                          "split does not cover yet; split them over an expert axis instead "
                          "(cfx.parallel.expert_parallel).")
-    name, has_vocab = type(model).__name__, has_hook(model, "vocab_axis")  # none: the blocks alone split
-    vocab = not sequence and has_vocab if vocab is None else vocab
+    layers = model.sublayers() if callable(getattr(model, "sublayers", None)) else {}
+    name = type(model).__name__
+    # its vocabulary's split forms; none: the blocks alone split (refused for tables without a token loss)
+    vocab_layers = vocab_parallel_layers(layers, axis) if vocab or (vocab is None and not sequence) else {}
+    has_vocab = bool(vocab_layers)
+    vocab = has_vocab if vocab is None else vocab
     if vocab and not has_vocab:
         raise ValueError(f"tensor_parallel(vocab=True): {name} has no vocabulary to split; leave vocab= at its "
                          "default (its blocks alone are split).")
@@ -168,4 +175,4 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
     if sequence:
         from cfx._src.parallel.sequence import SequenceSplit
         return dataclasses.replace(tp, seq=SequenceSplit(axis, "megatron", "contiguous"))
-    return dataclasses.replace(tp, vocab_axis=axis) if vocab else tp
+    return tp.with_layers(**vocab_layers) if vocab else tp

@@ -207,7 +207,7 @@ def tensor_parallel_grid(model: Any, mode: str = "2d", *, axes: tuple[str, ...] 
     if not isinstance(blocks, tuple) or not blocks:
         raise ValueError(f"tensor_parallel_grid: {name} has no blocks tuple to split; pass a model speaking the "
                          "parts protocol (GPT-2, Llama, ViT, ...) or a TransformerBlock.")
-    if hook(model, "vocab_axis") is not None or hook(model, "seq") is not None:
+    if hook(model, "logits_axis") is not None or hook(model, "seq") is not None:
         raise ValueError(f"tensor_parallel_grid: {name} already splits its vocabulary or sequence over a mesh axis; "
                          "apply the grid to the plain model.")
     for i, b in enumerate(blocks):

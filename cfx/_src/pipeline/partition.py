@@ -26,7 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
-from cfx._src.models.parts import ModelParts, hook, parts_of
+from cfx._src.models.parts import ModelParts, parts_of
+from cfx._src.remat.chained import Chained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Partition:
 def model_parts(model: Any) -> ModelParts:
     """The model's parts protocol (``cfx/_src/models/parts.py``), checked for a pipeline."""
     where = f"cfx.pipeline({type(model).__name__})"
-    if hook(model, "remat_plan") is not None:
+    if isinstance(model, Chained):
         raise ValueError(f"{where}: the model runs its blocks under a cfx.remat.solve plan, which "
                          "spans all blocks; a pipeline cuts them into stages. Drop the plan and "
                          "remat per block: model.map_blocks(cfx.remat).")

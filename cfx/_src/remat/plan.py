@@ -24,6 +24,7 @@ import torch
 
 from cfx._src.remat import solver
 from cfx._src.remat.chain import Chain
+from cfx._src.remat.chained import Chained
 from cfx._src.remat.execute import run_chain
 from cfx._src.remat.profile import StageProfile, profile_chain
 from cfx._src.core.text import format_bytes, format_table, parse_bytes
@@ -98,7 +99,7 @@ class _Probe:
 
 
 def _is_model(f: Any) -> bool:
-    return hasattr(f, "blocks") and hasattr(f, "remat_plan") and hasattr(f, "apply")
+    return hasattr(f, "blocks") and callable(getattr(f, "map_blocks", None)) and hasattr(f, "apply")
 
 
 def _chain_of(f: Any, args: tuple, mask, key):
@@ -110,14 +111,15 @@ def _chain_of(f: Any, args: tuple, mask, key):
         params, tokens = args
         if not isinstance(params, dict) or not params.get("blocks"):
             raise ValueError("remat.solve: params must be the model's params dict with a 'blocks' list.")
-        probe = dataclasses.replace(f, remat_plan=_Probe())
         try:
             with torch.no_grad():
-                probe.apply(params, tokens, mask=mask, key=key)
+                Chained(f, _Probe()).apply(params, tokens, mask=mask, key=key)
         except _Captured as c:
             x, mask_, keys = c.x, c.mask, c.keys
         else:
-            raise AssertionError("the model's apply did not run its blocks through run_blocks")
+            raise ValueError(f"remat.solve: {type(f).__name__}.apply does not run its blocks as a chain a schedule "
+                             "can take (cfx.remat.Chained: its block loop asks take_chain_runner()); pass the "
+                             "blocks as a list of stage functions instead.")
         fns = [b.apply for b in f.blocks]
         kwargs = [dict(mask=mask_, key=k) for k in keys]
         names = [f"blocks.{i}" for i in range(len(fns))]
@@ -137,7 +139,7 @@ def _chain_of(f: Any, args: tuple, mask, key):
 
 def _finish(f: Any, plan: RematSolution):
     if _is_model(f):
-        return dataclasses.replace(f, remat_plan=plan), plan
+        return Chained(f, plan), plan
 
     def run(params, x, kwargs=None):
         return plan.run(f, params, x, kwargs)
@@ -154,7 +156,7 @@ def solve(f: Any, *args: Any, budget: int | str, mask: torch.Tensor | None = Non
           key: torch.Tensor | None = None, max_slots: int = 20000):
     """The fastest schedule (Rotor) whose peak activation memory fits ``budget`` bytes.
 
-    Returns ``(runnable, plan)``: for a model, a copy that runs its blocks under the plan. Raises
+    Returns ``(runnable, plan)``: for a model, ``Chained(model, plan)``, which runs its blocks under the plan. Raises
     ValueError stating the minimum feasible budget when ``budget`` is below it.
     """
     budget = parse_bytes(budget)

@@ -51,7 +51,7 @@ def megatron_split(model: Any, axis: str) -> tuple[Any, Any]:
     """``model`` Megatron tensor-parallel over ``axis`` and its params' specs under it (how a
     ``LoraModel`` splits its frozen base: each rank runs on its block of it)."""
     tp = tensor_parallel(model, axis)
-    rules = {k: axis for k in MEGATRON_RULES if k != "vocab" or getattr(tp, "vocab_axis", None) is not None}
+    rules = {k: axis for k in MEGATRON_RULES if k != "vocab" or getattr(tp, "logits_axis", None) is not None}
     return tp, Rules(rules).specs(model.axes())
 
 

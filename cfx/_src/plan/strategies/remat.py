@@ -15,6 +15,7 @@ from cfx._src.models.function import LossModel
 from cfx._src.models.parts import hook, parts_of
 from cfx._src.plan.strategy import Built, Strategy
 from cfx._src.remat import policies as cp
+from cfx._src.remat.chained import Chained
 from cfx._src.remat.engine import remat
 from cfx._src.remat.plan import solve as solve_remat
 
@@ -69,7 +70,7 @@ class Remat(Strategy):
             return remat_blocks(model, plan.remat)
         if schedule is None or plan.has("pipe"):
             return model
-        return dataclasses.replace(model, remat_plan=schedule)
+        return Chained(model, schedule)
 
     def solve(self, plan, built: Built, tokens: torch.Tensor, key: Any) -> Any:
         """``remat=auto``: the fastest schedule whose activations fit the budget (Rotor), solved on one
