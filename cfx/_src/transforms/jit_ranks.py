@@ -22,7 +22,7 @@ import torch
 from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module, _use_lazy_graph_module
 
 from cfx._src.core import context
-from cfx._src.lax import comm
+from cfx._src.lax import groups
 from cfx._src.mesh import context as ctx_lib
 
 
@@ -82,7 +82,7 @@ class Entries:
                 pass
             if entry.reads is None:  # its trace failed: nothing to share
                 return self._get((key, where), build)
-            here = context.reads_here(entry.reads, lambda names: comm.axes(names, "cfx.jit").index)
+            here = context.reads_here(entry.reads, lambda names: groups.axes(names, "cfx.jit").index)
             if here == entry.reads:
                 return entry
             shared = (key, shape, here)
