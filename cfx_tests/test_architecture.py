@@ -3,6 +3,7 @@
 - ``cfx/_src`` holds only packages, each a layer; a layer imports only the layers below it (``LAYERS``);
 - no import circle between files, function-local imports included (``cfx`` and ``cfx_kernels``);
 - an implementation never imports the public modules that re-export it, and the kernels import no cfx;
+- every kernel module names in ``__all__`` what other code imports from it;
 - no two public packages import each other;
 - no function longer than 80 lines, Triton kernels aside.
 """
@@ -116,6 +117,45 @@ def test_implementations_never_import_the_public_modules():
     kernels = sorted(f"{a} -> {b}" for a, bs in EDGES.items() if a.startswith("cfx_kernels") for b in bs
                      if b.startswith("cfx."))
     assert not kernels, f"cfx_kernels stands alone: {kernels}"
+
+
+def _defined(tree: ast.Module) -> dict[str, ast.AST]:
+    """A module's top-level names: functions, classes, assigned and imported names."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name.partition(".")[0], node) for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name):
+                        out[n.id] = node
+    return out
+
+
+def test_kernel_modules_name_their_public_functions():
+    # each cfx_kernels module's __all__: names it defines, and every public name imported from it
+    listed, wrong = {}, []
+    for name, tree in TREES.items():
+        if not name.startswith("cfx_kernels"):
+            continue
+        node = _defined(tree).get("__all__")
+        if node is None:
+            wrong.append(f"{name} has no __all__")
+            continue
+        listed[name] = set(ast.literal_eval(node.value))
+        wrong += [f"{name}.__all__ names {n!r}, which it does not define"
+                  for n in sorted(listed[name] - set(_defined(tree)))]
+    importers = list(TREES.items()) + [(p.stem, ast.parse(p.read_text())) for p in sorted((ROOT / "cfx_tests").glob("*.py"))]
+    for who, tree in importers:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in listed:
+                wrong += [f"{who} imports {a.name} from {node.module}, whose __all__ does not list it"
+                          for a in node.names if not a.name.startswith("_") and a.name not in listed[node.module]
+                          and f"{node.module}.{a.name}" not in MODULES]  # (not a submodule)
+    assert not wrong, "\n".join(sorted(set(wrong)))
 
 
 def test_no_two_public_packages_import_each_other():
