@@ -5,7 +5,8 @@
 - an implementation never imports the public modules that re-export it, and the kernels import no cfx;
 - every kernel module names in ``__all__`` what other code imports from it;
 - no two public packages import each other;
-- no function longer than 80 lines, Triton kernels aside.
+- no function longer than 80 lines, Triton kernels aside; no class longer than 200 lines
+  (``LONG_CLASSES_TO_SPLIT`` aside).
 """
 import ast
 import collections
@@ -19,6 +20,13 @@ LAYERS = ["core", "precision", "mesh", "lax", "transforms", "spmd", "checkpoint"
           "remat", "models", "lora", "parallel", "pipeline", "generate", "plan", "autochunk", "autoshard", "diffusion", "train",
           "lightning"]
 MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 200
+# Classes over MAX_CLASS_LINES in files being reworked on other branches (plan/), with their line
+# counts when the cap came in: split each by idea there, then drop its entry here.
+LONG_CLASSES_TO_SPLIT = {
+    "cfx._src.plan.config.PlanConfig": 227,
+    "cfx._src.plan.program.Program": 288,
+}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -187,4 +195,25 @@ def test_no_function_over_80_lines(top):
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {n} lines")
+    assert not long, "split these by idea:\n" + "\n".join(long)
+
+
+@pytest.mark.parametrize("top", ["cfx", "cfx_kernels"])
+def test_no_class_over_200_lines(top):
+    long, seen = [], set()
+    for name, tree in TREES.items():
+        if not name.startswith(top):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                n, key = node.end_lineno - node.lineno + 1, f"{name}.{node.name}"
+                if key in LONG_CLASSES_TO_SPLIT:
+                    seen.add(key)
+                    if n <= MAX_CLASS_LINES:
+                        long.append(f"{key}: {n} lines now; drop it from LONG_CLASSES_TO_SPLIT")
+                elif n > MAX_CLASS_LINES:
+                    long.append(f"{key}: {n} lines")
+    if top == "cfx":
+        long += [f"{key}: listed in LONG_CLASSES_TO_SPLIT but not found; drop it from there"
+                 for key in sorted(set(LONG_CLASSES_TO_SPLIT) - seen)]
     assert not long, "split these by idea:\n" + "\n".join(long)
