@@ -1,6 +1,7 @@
-"""The house's rules, read off the source (docs/ARCHITECTURE.md draws the same map):
+"""The house's rules, read off the source and docs/ARCHITECTURE.md, the map they keep true:
 
-- ``cfx/_src`` holds only packages, each a layer; a layer imports only the layers below it (``LAYERS``);
+- ``cfx/_src`` holds only packages, each a layer; a layer imports only the layers below it, in the
+  order of the map's table "The layers, bottom up" (``LAYERS``, read from it: the one list);
 - no import circle between files, function-local imports included (``cfx`` and ``cfx_kernels``);
 - an implementation never imports the public modules that re-export it, and the kernels import no cfx;
 - every kernel module names in ``__all__`` what other code imports from it;
@@ -11,14 +12,25 @@
 import ast
 import collections
 import pathlib
+import re
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+MAP = ROOT / "docs" / "ARCHITECTURE.md"
+LAYERS_HEADING = "## The layers, bottom up"
+
+
+def map_layers() -> list[str]:
+    """The packages of the map's layer table, bottom to top: the first cell (`name`) of each row of
+    the table under ``LAYERS_HEADING``, up to the next heading."""
+    _, found, rest = MAP.read_text().partition(f"\n{LAYERS_HEADING}\n")
+    section = rest.split("\n## ", 1)[0] if found else ""
+    return [m.group(1) for m in re.finditer(r"^\| *`(\w+)` *\|", section, flags=re.MULTILINE)]
+
+
 # bottom to top: a package may import only those before it
-LAYERS = ["core", "precision", "mesh", "lax", "transforms", "spmd", "checkpoint", "nn", "optim", "gemini", "zero",
-          "remat", "models", "lora", "parallel", "pipeline", "generate", "plan", "autochunk", "autoshard", "diffusion", "train",
-          "lightning"]
+LAYERS = map_layers()
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 200
 # Classes over MAX_CLASS_LINES in files being reworked on other branches (plan/), with their line
@@ -73,7 +85,13 @@ def test_src_holds_only_layer_packages():
     loose = sorted(p.name for p in src.glob("*.py") if p.name != "__init__.py")
     assert not loose, f"modules at cfx/_src's root: {loose}; put each in the layer package it belongs to"
     packages = sorted(p.name for p in src.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert sorted(LAYERS) == packages, "every cfx/_src package is a layer: place a new one in LAYERS"
+    where = f"{MAP.relative_to(ROOT)}'s table under {LAYERS_HEADING!r}"
+    assert LAYERS, f"no layers read from {where} (one row per cfx/_src package, `name` first, bottom to top)"
+    twice = sorted(n for n, k in collections.Counter(LAYERS).items() if k > 1)
+    assert not twice, f"{where} lists {twice} more than once"
+    missing, extra = sorted(set(packages) - set(LAYERS)), sorted(set(LAYERS) - set(packages))
+    assert not missing, f"cfx/_src packages missing from {where}: {missing}; add a row for each where it sits"
+    assert not extra, f"{where} lists {extra}, which are no cfx/_src packages; drop or rename the rows"
 
 
 def test_layers_import_only_downward():
@@ -81,9 +99,10 @@ def test_layers_import_only_downward():
     for a, targets in EDGES.items():
         for b in targets:
             la, lb = layer(a), layer(b)
-            if la and lb and la != lb and LAYERS.index(lb) > LAYERS.index(la):
-                wrong.append(f"{a} ({la}) imports {b} ({lb}), a layer above it")
-    assert not wrong, "\n".join(wrong)
+            if la in LAYERS and lb in LAYERS and LAYERS.index(lb) > LAYERS.index(la):  # (others: see above)
+                wrong.append(f"{a} ({la}) imports {b} ({lb}), a layer above it (a later row)")
+    assert not wrong, (f"layers importing upward in the order of {MAP.relative_to(ROOT)}'s table under "
+                       f"{LAYERS_HEADING!r} (fix the import, or the table's order if it is wrong):\n" + "\n".join(wrong))
 
 
 def test_no_import_circles_between_files():
