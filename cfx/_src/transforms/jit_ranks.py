@@ -69,11 +69,7 @@ class Entries:
         shape, rank = where
         shared = (key, shape)
         while True:
-            with self._lock:
-                entry = self._entries.get(shared)
-                if entry is None:
-                    entry = self._entries[shared] = build()
-                    entry.owner = rank
+            entry = self._get(shared, build, owner=rank)
             if entry.owner == rank:
                 return entry
             entry.traced.wait()
@@ -87,11 +83,13 @@ class Entries:
                 return entry
             shared = (key, shape, here)
 
-    def _get(self, key: Hashable, build: Callable[[], Entry]) -> Entry:
+    def _get(self, key: Hashable, build: Callable[[], Entry], *, owner: int | None = None) -> Entry:
+        """The entry under ``key``, built (compiled by ``owner``, the rank asking) if there is none."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 entry = self._entries[key] = build()
+                entry.owner = owner
             return entry
 
 
