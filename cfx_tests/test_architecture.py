@@ -203,35 +203,30 @@ def _is_triton_kernel(fn: ast.FunctionDef) -> bool:
     return any("jit" in ast.unparse(d) for d in fn.decorator_list) and fn.name.startswith("_")
 
 
+def _lengths(top: str, kinds: tuple) -> list[tuple[str, ast.AST, int]]:
+    """The ``kinds`` nodes of the ``top`` tree's files: dotted name, node, length in lines."""
+    return [(f"{name}.{node.name}", node, node.end_lineno - node.lineno + 1)
+            for name, tree in TREES.items() if name.startswith(top)
+            for node in ast.walk(tree) if isinstance(node, kinds)]
+
+
 @pytest.mark.parametrize("top", ["cfx", "cfx_kernels"])
 def test_no_function_over_80_lines(top):
-    long = []
-    for name, tree in TREES.items():
-        if not name.startswith(top):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_kernel(node):
-                n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES:
-                    long.append(f"{name}.{node.name}: {n} lines")
+    long = [f"{key}: {n} lines" for key, node, n in _lengths(top, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if n > MAX_FUNCTION_LINES and not _is_triton_kernel(node)]
     assert not long, "split these by idea:\n" + "\n".join(long)
 
 
 @pytest.mark.parametrize("top", ["cfx", "cfx_kernels"])
 def test_no_class_over_200_lines(top):
     long, seen = [], set()
-    for name, tree in TREES.items():
-        if not name.startswith(top):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef):
-                n, key = node.end_lineno - node.lineno + 1, f"{name}.{node.name}"
-                if key in LONG_CLASSES_TO_SPLIT:
-                    seen.add(key)
-                    if n <= MAX_CLASS_LINES:
-                        long.append(f"{key}: {n} lines now; drop it from LONG_CLASSES_TO_SPLIT")
-                elif n > MAX_CLASS_LINES:
-                    long.append(f"{key}: {n} lines")
+    for key, _, n in _lengths(top, (ast.ClassDef,)):
+        if key in LONG_CLASSES_TO_SPLIT:
+            seen.add(key)
+            if n <= MAX_CLASS_LINES:
+                long.append(f"{key}: {n} lines now; drop it from LONG_CLASSES_TO_SPLIT")
+        elif n > MAX_CLASS_LINES:
+            long.append(f"{key}: {n} lines")
     if top == "cfx":
         long += [f"{key}: listed in LONG_CLASSES_TO_SPLIT but not found; drop it from there"
                  for key in sorted(set(LONG_CLASSES_TO_SPLIT) - seen)]
