@@ -1,12 +1,16 @@
-"""Shared by every kernel module: which implementation runs (``impl="auto" | "triton" | "reference"``)."""
+"""Shared by every kernel module: which implementation runs (``impl="auto" | "triton" | "reference"``),
+and on which CUDA device a Triton launch runs (``on_device``)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
 import torch
 
 IMPLS = ("auto", "triton", "reference")
+
+__all__ = ["interpret_mode", "on_device", "resolve_impl"]
 
 
 def interpret_mode() -> bool:
@@ -41,3 +45,9 @@ def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
         raise ValueError(f"impl='triton' needs CUDA tensors (got {devices}) or TRITON_INTERPRET=1 "
                          f"to run the kernel through the Triton interpreter on CPU.")
     return "triton"
+
+
+def on_device(t: torch.Tensor):
+    """Around a kernel's launches: Triton launches on the current CUDA device, so make it ``t``'s
+    (nothing for a CPU tensor, which the interpreter runs)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

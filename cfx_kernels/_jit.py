@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+__all__ = ["device_function", "lazy_jit"]
+
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
     """fp32 values -> bf16 bit patterns (uint16), rounding to nearest even."""

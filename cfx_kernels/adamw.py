@@ -25,6 +25,8 @@ from cfx_kernels.adamw_reference import adamw_flat_reference_
 GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 1024
 
+__all__ = ["adamw_flat_"]
+
 
 def _check(param, grad, exp_avg, exp_avg_sq, step) -> None:
     bufs = (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["adamw_flat_reference_"]
+
 
 def adamw_flat_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                           exp_avg_sq: torch.Tensor, *, step: int, lr: float, b1: float, b2: float,

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from cfx_kernels._common import resolve_impl
+from cfx_kernels._common import on_device, resolve_impl
 from cfx_kernels.attention_reference import (allowed_keys, attention_block_backward_reference,
                                              attention_block_reference, check_inputs)
-from cfx_kernels.flash_attention import _LOG2E, _backward, _forward, _on_device, triton_unsupported
+from cfx_kernels.flash_attention import _LOG2E, _backward, _forward, triton_unsupported
+
+__all__ = ["flash_attention_block", "flash_attention_block_backward"]
 
 
 def _block_impl(impl: str, q, k, v, mask) -> str:
@@ -46,7 +48,7 @@ def flash_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         return attention_block_reference(q, k, v, causal=causal, mask=mask, scale=scale)
     scale = q.shape[3] ** -0.5 if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    with torch.no_grad(), _on_device(q):
+    with torch.no_grad(), on_device(q):
         o, lse2 = _forward(q, k, v, mask, bool(causal), scale)
     lse = lse2 / _LOG2E  # the kernel's log2 units -> natural log
     empty = _empty_rows(mask, causal, q.shape[1], k.shape[1], q.device)
@@ -62,5 +64,5 @@ def flash_attention_block_backward(q, k, v, out, lse, dout, *, causal: bool, mas
     scale = q.shape[3] ** -0.5 if scale is None else float(scale)
     lse2 = (lse.masked_fill(lse == float("-inf"), 0.0) * _LOG2E).contiguous()  # empty rows: p = 0 anyway
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    with torch.no_grad(), _on_device(q):
+    with torch.no_grad(), on_device(q):
         return _backward(q, k, v, mask, out.contiguous(), lse2, dout.contiguous(), bool(causal), scale)

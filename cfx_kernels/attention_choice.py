@@ -16,6 +16,8 @@ import dataclasses
 
 import torch
 
+__all__ = ["Measured", "TABLE", "choose"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Measured:

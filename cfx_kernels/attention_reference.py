@@ -11,6 +11,9 @@ import math
 
 import torch
 
+__all__ = ["QUERY_TILE", "allowed_keys", "attention_block_backward_reference", "attention_block_reference",
+           "attention_reference", "check_inputs"]
+
 
 def _err(msg: str) -> ValueError:
     return ValueError(f"cfx_kernels.flash_attention: {msg}")

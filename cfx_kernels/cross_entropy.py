@@ -41,8 +41,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")
 BLOCK_V = 1024
 
-__all__ = ["CrossEntropyStats", "cross_entropy", "cross_entropy_shard_grad", "cross_entropy_stats",
-           "loss_from_stats"]
+__all__ = ["DTYPES", "REDUCTIONS", "CrossEntropyStats", "cross_entropy", "cross_entropy_shard_grad",
+           "cross_entropy_stats", "loss_from_stats"]
 
 
 def _check(where: str, logits, targets) -> None:

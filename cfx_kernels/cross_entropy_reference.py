@@ -6,6 +6,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+__all__ = ["CrossEntropyStats", "cross_entropy_reference", "shard_grad_reference", "stats_reference"]
+
 
 class CrossEntropyStats(NamedTuple):
     """Per-row pieces of the loss over one vocab shard, fp32 (fp64 for fp64 logits, in the

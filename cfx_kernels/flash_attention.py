@@ -12,12 +12,11 @@ through the Triton interpreter on CPU tensors.
 """
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import torch
 
-from cfx_kernels._common import interpret_mode, resolve_impl
+from cfx_kernels._common import interpret_mode, on_device, resolve_impl
 from cfx_kernels._jit import device_function, lazy_jit
 from cfx_kernels.attention_reference import attention_reference, check_inputs
 
@@ -32,12 +31,13 @@ MAX_HEAD_DIM = 128
 _NO_MASK, _BOOL_MASK, _ADD_MASK = 0, 1, 2
 _LOG2E = 1.4426950408889634
 
+__all__ = ["flash_attention", "triton_unsupported"]
+
 # ----------------------------------------------------------------------------- kernels
 # Shared arguments: contiguous tensors in (B, T|S, heads, D), strides passed per
 # tensor; LSE and DELTA are (B, H, T) fp32. Scores live in the log2 domain (qk_scale = scale *
 # log2(e)) so exp2 is used throughout. A masked score is -inf; a row whose scores are all -inf
 # gets l = 0, output 0 and LSE 0, so its probabilities recompute to exp2(-inf) = 0 in backward.
-
 
 @device_function
 def _tile_scores(q, kT, M, offs_m, offs_n, T, S, stride_mt, stride_ms, qk_scale,
@@ -326,15 +326,10 @@ def _backward(q, k, v, mask, o, lse, do, causal, scale):
     return dq, dk, dv
 
 
-def _on_device(t: torch.Tensor):
-    # Triton launches on the current CUDA device: make it the tensors' one.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale):
-        with _on_device(q):
+        with on_device(q):
             o, lse = _forward(q, k, v, mask, causal, scale)
         ctx.save_for_backward(q, k, v, mask, o, lse)  # O(T + S) per head: no (T, S) matrix
         ctx.causal, ctx.scale = causal, scale
@@ -343,7 +338,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, mask, o, lse = ctx.saved_tensors
-        with _on_device(q):
+        with on_device(q):
             dq, dk, dv = _backward(q, k, v, mask, o, lse, do.contiguous(), ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None
 

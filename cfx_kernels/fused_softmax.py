@@ -24,11 +24,10 @@ mask allow; the kernel splits a row index over at most 4 of them.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
-from cfx_kernels._common import resolve_impl
+from cfx_kernels._common import on_device, resolve_impl
 from cfx_kernels._jit import lazy_jit
 from cfx_kernels.fused_softmax_reference import MASKED_LOGIT, fused_softmax_reference
 
@@ -42,6 +41,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_LENGTH = 16384  # one row lives in one program's registers
 MAX_LEADING_DIMS = 4  # after coalescing: how many indices the kernels split a row index into
 _TILE = 4096  # elements per program: rows of a short L are blocked together
+
+__all__ = ["MAX_LEADING_DIMS", "MAX_LENGTH", "fused_softmax", "triton_unsupported"]
 
 
 def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
@@ -241,15 +242,10 @@ def _sum_to(dx: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Te
     return dx.sum(dims, keepdim=True, dtype=torch.float32).reshape(shape).to(dtype)
 
 
-def _on_device(t: torch.Tensor):
-    # Triton launches on the current CUDA device: make it the tensors' one.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 class _FusedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, mask):
-        with _on_device(x):
+        with on_device(x):
             y = _forward(x, bias, mask)
         ctx.save_for_backward(y, mask)  # x and bias are not needed: dx comes from y alone
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
@@ -258,7 +254,7 @@ class _FusedSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         y, mask = ctx.saved_tensors
-        with _on_device(y):
+        with on_device(y):
             dx = _backward(y, dy.contiguous(), mask)
         dbias = _sum_to(dx, *ctx.bias_meta) if ctx.needs_input_grad[1] else None
         return (dx if ctx.needs_input_grad[0] else None), dbias, None

@@ -20,6 +20,8 @@ import torch
 
 MASKED_LOGIT = -1e9  # what a masked-out position's logit is set to before the softmax
 
+__all__ = ["MASKED_LOGIT", "fused_softmax_reference"]
+
 
 def fused_softmax_reference(x: torch.Tensor, bias: torch.Tensor | None = None,
                             mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,6 +19,8 @@ from cfx_kernels.int8_matmul_reference import int8_matmul_reference, quantize_we
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+__all__ = ["int8_matmul", "quantize_weight"]
+
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w_int8, scale)`` with ``w ~= w_int8 * scale``; ``w`` is a floating ``(in, out)`` matrix."""

@@ -10,6 +10,8 @@ import torch
 
 QMAX = 127  # symmetric: int8 values in [-127, 127]
 
+__all__ = ["int8_matmul_reference", "quantize_weight_reference"]
+
 
 def quantize_weight_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` with ``w ~= q * scale``: ``w`` is ``(in, out)``, ``scale`` fp32 ``(out,)``

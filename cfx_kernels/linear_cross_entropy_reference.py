@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+__all__ = ["linear_cross_entropy_reference"]
+
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                                    bias: torch.Tensor | None = None, ignore_index: int = -100,

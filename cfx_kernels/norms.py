@@ -20,6 +20,8 @@ from cfx_kernels.norms_reference import add_norm_reference, layer_norm_reference
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FEATURES = 65536  # one row lives in one program's registers
 
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
+
 
 def _check(where: str, x, weight, bias) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
@@ -58,7 +60,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if resolve_impl(impl, *tensors) == "reference" or x.numel() == 0:
         return layer_norm_reference(x, weight, bias, eps)
     _check_triton("layer_norm", x, weight, bias)
-    return _LayerNorm.apply(x, weight, bias, float(eps))
+    return _Norm.apply(x, weight, bias, float(eps), False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
@@ -68,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
     if resolve_impl(impl, x, weight) == "reference" or x.numel() == 0:
         return rms_norm_reference(x, weight, eps)
     _check_triton("rms_norm", x, weight, None)
-    return _RMSNorm.apply(x, weight, float(eps))
+    return _Norm.apply(x, weight, None, float(eps), True)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -232,32 +234,20 @@ def _backward(ctx, dy, rms, ds=None):
     return dx.view(ctx.x_shape), dweight, dbias
 
 
-class _LayerNorm(torch.autograd.Function):
+class _Norm(torch.autograd.Function):
+    """LayerNorm, or RMSNorm with ``rms`` (its ``bias`` None)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        x2, y, mean, rstd = _forward(x, weight, bias, eps, rms=False)
+    def forward(ctx, x, weight, bias, eps, rms):
+        x2, y, mean, rstd = _forward(x, weight, bias, eps, rms)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.rms = x.shape, rms
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dweight, dbias = _backward(ctx, dy, rms=False)
-        return dx, dweight, dbias, None
-
-
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x2, y, mean, rstd = _forward(x, weight, None, eps, rms=True)
-        ctx.save_for_backward(x2, weight, None, mean, rstd)
-        ctx.x_shape = x.shape
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dweight, _ = _backward(ctx, dy, rms=True)
-        return dx, dweight, None
+        dx, dweight, dbias = _backward(ctx, dy, ctx.rms)  # dbias None without a bias
+        return dx, dweight, dbias, None, None
 
 
 class _AddNorm(torch.autograd.Function):

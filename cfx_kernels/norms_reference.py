@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+__all__ = ["add_norm_reference", "layer_norm_reference", "rms_norm_reference"]
+
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          eps: float) -> torch.Tensor:

@@ -334,7 +334,7 @@ def test_an_in_place_steps_outputs_keep_their_buffers_as_assign_would_decide(n, 
         outs.append(bufs[-1])
     outs = [outs[i] for i in torch.randperm(len(outs), generator=torch.Generator().manual_seed(seed)).tolist()]
     flags = donation.returned_once(outs, bufs)
-    if bufs and (drop or twice):
+    if any(sum(o is b for o in outs) != 1 for b in bufs):  # (one buffer dropped and returned twice is once)
         assert flags is None
         return
     taken = donation.assign(outs, bufs, lambda i, j: outs[i].shape == bufs[j].shape, distinct=True)

@@ -198,7 +198,7 @@ def test_a_compiled_graph_has_its_code_before_its_first_call(backend):
 
     from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
-    from cfx._src.transforms.jit import _Entry, _Recorder
+    from cfx._src.transforms.jit_ranks import Entry, Recorder
 
     def pending():
         return {id(o) for o in gc.get_objects()  # type(): a dead weak proxy must not be dereferenced
@@ -207,6 +207,6 @@ def test_a_compiled_graph_has_its_code_before_its_first_call(backend):
     gm = torch.fx.symbolic_trace(lambda x, w: (torch.tanh(x @ w).sum(),))  # dynamo hands tuples
     before = pending()
     with _use_lazy_graph_module(True):  # as dynamo's convert_frame calls a backend
-        compiled = _Recorder(backend, _Entry(None, None))(gm, [torch.randn(3, 4), torch.randn(4, 2)])
+        compiled = Recorder(backend, Entry(None, None))(gm, [torch.randn(3, 4), torch.randn(4, 2)])
     assert pending() <= before, "a graph module the backend built generates its code on its first call"
     assert compiled is not None

@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 import cfx
 import cfx_kernels.attention_blocks as blocks_lib
 import cfx_kernels.flash_attention as fa
-from cfx_kernels.attention_reference import attention_reference
+from cfx_kernels.attention_reference import allowed_keys, attention_reference
 from cfx_tests.budget import examples
 
 MASKS = ("none", "pad", "rows", "add", "addpad")
@@ -331,7 +331,7 @@ def test_blocks_combine_to_the_whole_and_their_backward_sums_to_its_gradient(int
     # the two facts ring attention rests on; for the Triton kernel and its reference alike
     q, k, v, m, do = make_inputs(2, 16, 24, 4, 2, 16, mask=mask, seed=3)
     want = out_and_grads(attention_reference, q, k, v, do, causal=causal, mask=m)
-    allowed = blocks_lib.allowed_keys(m, causal, 16, 24, q.device)  # (B|1, 1|T, S)
+    allowed = allowed_keys(m, causal, 16, 24, q.device)  # (B|1, 1|T, S)
     allowed = allowed.expand(2, 16, 24) if allowed is not None else None
     cut = 10
     for impl in ("reference", "triton"):

@@ -12,7 +12,7 @@ import torch
 
 import cfx
 from cfx import P
-from cfx._src.lax import comm
+from cfx._src.lax import groups, p2p
 from cfx._src.mesh.ledger import CollectiveMismatch, CollectiveTimeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,11 +98,11 @@ def test_a_rank_that_skips_a_collective_is_named_at_once(first):
 @pytest.mark.timeout(30)
 def test_a_point_to_point_message_with_another_shape_is_refused():
     def body(x):
-        ax = comm.axes(("data",), "test")
+        ax = groups.axes(("data",), "test")
         if x.item() == 0.0:
-            comm.send(torch.zeros(3), ax, 1, tag=7).wait()
+            p2p.send(torch.zeros(3), ax, 1, tag=7).wait()
         else:
-            comm.recv((4,), torch.float32, "cpu", ax, 0, tag=7)
+            p2p.recv((4,), torch.float32, "cpu", ax, 0, tag=7)
         return x
     with pytest.raises(CollectiveMismatch, match=r"message #1 over \('data',\) \(torch.float32 \(3,\), tag 7\).*"
                                                  r"message #1 over \('data',\) \(torch.float32 \(4,\), tag 7\)"):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import cfx
 from cfx import P
-from cfx._src.lax import comm
+from cfx._src.lax import comm, groups
 from cfx._src.mesh import context as ctx_lib
 from cfx.parallel import Plan, TrainState
 from cfx import zero
@@ -207,7 +207,7 @@ def _replay(mesh, records: dict[int, list]) -> None:
     def body(_):
         rank = ctx_lib.current("replay").rank  # (axis_index over every axis would connect a new group)
         for r in records[rank]:
-            ax = comm.Axes(r.axes, "replay")
+            ax = groups.Axes(r.axes, "replay")
             dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[r.nbytes // max(r.numel, 1)]
             x = torch.ones(r.numel, dtype=dtype)
             if r.op == "all_reduce":

@@ -39,7 +39,7 @@ import torch
 
 from cfx._src.spmd import resharding as reshard
 from cfx._src.autoshard.cost import CostModel
-from cfx._src.lax import comm
+from cfx._src.lax import comm, groups
 from cfx._src.lax.collectives import pmax
 from cfx._src.mesh.spec import P
 
@@ -147,7 +147,7 @@ def measure(mesh, *, sizes: Sequence[int] = SIZES,
     steps = [m[3] for m in moves]
 
     def body(_):
-        everyone = comm.axes(tuple(mesh.axis_names), "cfx.autoshard.calibrate")
+        everyone = groups.axes(tuple(mesh.axis_names), "cfx.autoshard.calibrate")
         say = progress and everyone.index == 0  # one rank reports
         tiny = torch.zeros(1)
 

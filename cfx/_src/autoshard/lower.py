@@ -31,7 +31,7 @@ import torch
 from cfx._src.core import tree as tree_util
 from cfx._src.autoshard.graph import Graph
 from cfx._src.autoshard.specs import Strategy, entries
-from cfx._src.lax import comm
+from cfx._src.lax import comm, groups
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.mesh.spec import P
 from cfx._src.spmd.resharding import find_path, run_steps
@@ -166,7 +166,7 @@ def _embedding(n, s: Strategy, args, kwargs, mesh):
     if not vocab:
         return n.target(*args, **kwargs)
     rows = weight.shape[0]
-    first = comm.index_of(comm.axes(vocab, "cfx.autoshard")) * rows
+    first = groups.index_of(groups.axes(vocab, "cfx.autoshard")) * rows
     mine = (ids >= first) & (ids < first + rows)
     out = aten.embedding.default(weight, torch.where(mine, ids - first, torch.zeros_like(ids)), *args[2:])
     return out * mine.unsqueeze(-1).to(out.dtype)
@@ -189,7 +189,7 @@ def _nll_loss(n, s: Strategy, args, kwargs, mesh):
     if not rows or reduction != 1:  # no split, or "sum" (partial sums as they are)
         return n.target(*args, **kwargs)
     total, weight = n.target(*args[:3], 2, *args[4:])
-    everywhere = comm.all_reduce(weight, comm.axes(rows, "cfx.autoshard"), "sum")
+    everywhere = comm.all_reduce(weight, groups.axes(rows, "cfx.autoshard"), "sum")
     return total / everywhere, weight
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cfx._src.lax import comm, vma
+from cfx._src.lax import comm, groups, p2p, vma
 
 Axis = str | Sequence[str]
 
@@ -28,8 +28,8 @@ def _names(axis: Axis) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
-def _ax(axis: Axis, where: str) -> comm.Axes:
-    return comm.axes(_names(axis), where)
+def _ax(axis: Axis, where: str) -> groups.Axes:
+    return groups.axes(_names(axis), where)
 
 
 def _check_dim(x: torch.Tensor, dim: int, where: str) -> int:
@@ -40,7 +40,7 @@ def _check_dim(x: torch.Tensor, dim: int, where: str) -> int:
 
 def axis_index(axis: Axis) -> int:
     """This rank's position along ``axis`` (tuple axes linearised major to minor)."""
-    return comm.index_of(_ax(axis, "cfx.lax.axis_index"))
+    return groups.index_of(_ax(axis, "cfx.lax.axis_index"))
 
 
 def axis_size(axis: Axis) -> int:
@@ -74,7 +74,7 @@ class _PExtremum(torch.autograd.Function):
         return g * hit / ties.clamp_min(1), None, None
 
 
-def _in(x: torch.Tensor, ax: comm.Axes) -> torch.Tensor:
+def _in(x: torch.Tensor, ax: groups.Axes) -> torch.Tensor:
     """``x`` as a collective over ``ax`` receives it: implicitly pvary'd where a tracking shard_map
     body passes a differentiable value that does not vary over the axes (JAX's rule)."""
     if vma.is_tracking() and x.requires_grad and torch.is_grad_enabled():
@@ -82,11 +82,11 @@ def _in(x: torch.Tensor, ax: comm.Axes) -> torch.Tensor:
     return x
 
 
-def _reduced(out: torch.Tensor, x: torch.Tensor, ax: comm.Axes) -> torch.Tensor:
+def _reduced(out: torch.Tensor, x: torch.Tensor, ax: groups.Axes) -> torch.Tensor:
     return vma.mark(out, vma.varying_axes(x) - set(ax.names)) if vma.is_tracking() else out
 
 
-def _varying(out: torch.Tensor, x: torch.Tensor, ax: comm.Axes) -> torch.Tensor:
+def _varying(out: torch.Tensor, x: torch.Tensor, ax: groups.Axes) -> torch.Tensor:
     return vma.mark(out, vma.varying_axes(x) | set(ax.names)) if vma.is_tracking() else out
 
 
@@ -279,7 +279,7 @@ def ppermute(x: torch.Tensor, axis: Axis, perm: Sequence[tuple[int, int]]) -> to
     return _varying(_PPermute.apply(x, ax, tuple(perm)), x, ax)
 
 
-def _check_peer(ax: comm.Axes, peer: int, tag: int, where: str, name: str) -> None:
+def _check_peer(ax: groups.Axes, peer: int, tag: int, where: str, name: str) -> None:
     if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < ax.size or peer == ax.index:
         raise ValueError(f"{where}: {name}={peer!r} must be another position of axis {ax.names}, an "
                          f"int in [0, {ax.size}) other than this rank's {ax.index}.")
@@ -287,7 +287,7 @@ def _check_peer(ax: comm.Axes, peer: int, tag: int, where: str, name: str) -> No
         raise ValueError(f"{where}: tag must be an int in [0, 2**31), got {tag!r}.")
 
 
-def send(x: torch.Tensor, axis: Axis, *, dst: int, tag: int = 0) -> comm.Pending:
+def send(x: torch.Tensor, axis: Axis, *, dst: int, tag: int = 0) -> p2p.Pending:
     """Point-to-point, not differentiable: start sending ``x`` to position ``dst`` of ``axis``.
 
     Returns a handle; call its ``wait()`` before the end of the step (the send never waits for
@@ -298,7 +298,7 @@ def send(x: torch.Tensor, axis: Axis, *, dst: int, tag: int = 0) -> comm.Pending
     where = "cfx.lax.send"
     ax = _ax(axis, where)
     _check_peer(ax, dst, tag, where, "dst")
-    return comm.send(x, ax, dst, tag)
+    return p2p.send(x, ax, dst, tag)
 
 
 def recv(axis: Axis, *, src: int, shape: Sequence[int], dtype: torch.dtype = torch.float32,
@@ -317,5 +317,5 @@ def recv_start(axis: Axis, *, src: int, shape: Sequence[int], dtype: torch.dtype
     where = "cfx.lax.recv"
     ax = _ax(axis, where)
     _check_peer(ax, src, tag, where, "src")
-    out, done = comm.recv_start(shape, dtype, device, ax, src, tag)
+    out, done = p2p.recv_start(shape, dtype, device, ax, src, tag)
     return (vma.mark(out, ax.names) if vma.is_tracking() else out), done

@@ -7,7 +7,7 @@ import threading
 
 from cfx._src.core import context
 from cfx._src.core.text import format_table
-from cfx._src.lax import comm
+from cfx._src.lax import groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,7 @@ class CommStats(context.Collector):
     rank this process drives) and by code running inside a rank.
     """
 
-    stack = comm._collectors
+    stack = groups.collectors
 
     def __init__(self):
         self.records: list[CommRecord] = []

@@ -34,7 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from cfx._src.core import context
-from cfx._src.lax import comm
+from cfx._src.lax import comm, groups
 
 EMPTY: frozenset = frozenset()
 _ATTR = "_cfx_vma"
@@ -99,7 +99,7 @@ def lift(x: torch.Tensor, axes: frozenset, where: str) -> torch.Tensor:
     cache = tracker.lifted if tracker is not None and x.grad_fn is None else None  # leaf inputs only
     if cache is not None and key in cache:
         return cache[key][1]
-    out = mark(PVary.apply(x, comm.axes(tuple(sorted(missing)), where)), target)
+    out = mark(PVary.apply(x, groups.axes(tuple(sorted(missing)), where)), target)
     if cache is not None:
         cache[key] = (x, out)  # x kept alive with its entry, so its id is not reused meanwhile
     return out

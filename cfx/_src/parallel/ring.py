@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from cfx._src.lax import collectives as lax
-from cfx._src.lax import comm
+from cfx._src.lax import comm, groups
 from cfx_kernels.attention_blocks import flash_attention_block, flash_attention_block_backward
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -127,7 +127,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str 
     where = "cfx.parallel.ring_attention"
     if not isinstance(axis, str):
         raise ValueError(f"{where}: axis must be one mesh axis name, got {axis!r}.")
-    ax = comm.axes((axis,), where)
+    ax = groups.axes((axis,), where)
     if layout not in LAYOUTS:
         raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}.")
     for name, t in (("q", q), ("k", k), ("v", v)):

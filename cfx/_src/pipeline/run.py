@@ -1,5 +1,6 @@
 """One pipeline step on one rank (``PipelineStep`` runs it): the schedule's actions in order, and the
-state that lives from a microbatch's F to its B / W (see ``executor``'s module doc for the actions)."""
+state that lives from a microbatch's F to its B / W (see ``executor``'s module doc for the actions;
+the messages between stages: ``messages``)."""
 from __future__ import annotations
 
 import collections
@@ -18,14 +19,13 @@ from cfx._src.nn.loss import IGNORE_INDEX
 from cfx._src.parallel.state import tree_psum
 from cfx._src.pipeline import trace as trace_lib
 from cfx._src.pipeline.backward import SplitBackward
+from cfx._src.pipeline.messages import Messages
 from cfx._src.remat.saved import SavedTensors, storage_keys
 from cfx._src.transforms.shapes import is_abstract
 from cfx._src.zero.params import ShardedLeaf
 
 WHERE = "cfx.pipeline"
 FORWARD = ("F", "SEND_F", "RECV_F")  # what an evaluation runs of a schedule
-RECVS = ("RECV_F", "RECV_B")  # indexed by message family (the tag's first part)
-
 
 
 class Run:
@@ -43,7 +43,8 @@ class Run:
         total = max(sum(self.valid), 1)
         self.weights = [v / total for v in self.valid]  # microbatch shares of the mean loss
         w = _grad_leaf(tree_util.leaves(params)[0])
-        self.msg = dict(shape=step.parts.activation_shape(self.tokens[0].shape), dtype=w.dtype, device=w.device)
+        self.messages = Messages(step, dict(shape=step.parts.activation_shape(self.tokens[0].shape), dtype=w.dtype,
+                                            device=w.device))
         # this rank's params as fresh leaves, and each stage's list of them
         mine = sched.stages_of(rank)
         held = {k for s in mine for k in plan.extras(s)}
@@ -57,17 +58,13 @@ class Run:
         # saved tensors are watched only while a cfx.memory tracker is active (the hook costs time)
         self.tracked = memory.is_tracking()
         self.param_storages = storage_keys(_grad_leaf(t) for t in tree_util.leaves(params))
-        self.acc: dict[int, torch.Tensor] = {}    # id(leaf) -> accumulated gradient
-        self.owned: set[int] = set()              # the ids whose sum this run may add into
+        self.sums = WeightGrads()                 # what W computed, summed over microbatches
         self.inputs: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> stage input
         self.outputs: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> output to send
         self.out_grads: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> gradient of its output
         self.in_grads: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> gradient of its input, to send
         self.live: dict[tuple, tuple] = {}        # (stage, mb) -> (root, x) awaiting B / I
         self.split: dict[tuple, SplitBackward] = {}  # (stage, mb) -> awaiting W
-        self.sends: list = []
-        self.posted: collections.deque = collections.deque()    # (RECV action, buffer, done), in order
-        self.unposted: collections.deque = collections.deque()  # RECV actions not posted yet
         self.scale = None
         self.loss = torch.zeros((), dtype=torch.float32, device=w.device)
 
@@ -77,25 +74,18 @@ class Run:
         collectors = trace_lib.active()
         events = []
         actions = [a for a in step.schedule.actions[self.rank] if not self.forward_only or a.kind in FORWARD]
-        self.unposted = collections.deque(a for a in actions if a.kind in RECVS)
-        self._post_next()
+        self.messages.start(actions)
         for a in actions:
             t0 = time.perf_counter()
             getattr(self, "_" + a.kind)(a.stage, a.microbatch, a.peer)
             events.append((a, t0, time.perf_counter()))
-            self.sends = [s for s in self.sends if not s.done()]
-        for s in self.sends:
-            s.wait()
-        self.sends = []
+            self.messages.reap()
+        self.messages.finish()
         assert not (self.inputs or self.outputs or self.out_grads or self.in_grads or self.live
-                    or self.split or self.posted), "a validated schedule consumes everything it produces"
+                    or self.split), "a validated schedule consumes everything it produces"
         group = tuple((n, c) for n, c in ctx.coords.items() if n != step.axis)
         for c in collectors:
             c._add(ctx.rank, self.rank, group, step.schedule, events)
-
-    def _tag(self, family: int, stage: int, mb: int) -> int:
-        sched = self.step.schedule
-        return 1 + (family * sched.n_stages + stage) * sched.n_microbatches + mb
 
     def _F(self, s: int, mb: int, peer) -> None:
         step, last = self.step, self.step.schedule.n_stages - 1
@@ -168,24 +158,6 @@ class Run:
         else:
             self.in_grads[s, mb] = gx
 
-    def _accumulate(self, s: int, grads: list) -> None:
-        """Add a backward's param grads into the step's sums: in place where the sum is a tensor
-        nothing else holds (no second gradient of a microbatch alive beside the sum)."""
-        shared = collections.Counter(g.untyped_storage()._cdata for g in grads if g is not None)
-        for leaf, g in zip(self.stage_leaves[s], grads):
-            if g is None:
-                continue
-            k = id(leaf)
-            if k not in self.acc:
-                self.acc[k] = g
-                if g._base is None and shared[g.untyped_storage()._cdata] == 1:
-                    self.owned.add(k)  # a fresh tensor of its own: safe to add into
-            elif k in self.owned:
-                self.acc[k].add_(g)
-            else:
-                self.acc[k] = self.acc[k] + g
-                self.owned.add(k)
-
     def _B(self, s: int, mb: int, peer) -> None:
         root, grad, x = self._backward_inputs(s, mb)
         # into the leaves' .grad: autograd adds each gradient in place as it arrives, so a stage's
@@ -201,55 +173,33 @@ class Run:
         self._hand_back(s, mb, sb.input_grad())
 
     def _W(self, s: int, mb: int, peer) -> None:
-        self._accumulate(s, self.split.pop((s, mb)).weight_grads())
+        self.sums.add(self.stage_leaves[s], self.split.pop((s, mb)).weight_grads())
 
     def _send(self, t: torch.Tensor, family: int, s: int, mb: int, peer: int) -> None:
-        want = self.msg
+        want = self.messages.spec
         if tuple(t.shape) != want["shape"] or t.dtype != want["dtype"]:
             raise ValueError(f"{WHERE}: stage {s} produced a {t.dtype} tensor of shape "
                              f"{tuple(t.shape)} for rank {peer}, which expects {want['dtype']} "
                              f"{want['shape']} (microbatch, T, C in the params' dtype); keep "
                              f"blocks shape- and dtype-preserving.")
-        self.sends.append(lax.send(t, self.step.axis, dst=peer, tag=self._tag(family, s, mb)))
+        self.messages.send(t, family, s, mb, peer)
 
     def _SEND_F(self, s: int, mb: int, peer: int) -> None:
         self._send(self.outputs.pop((s, mb)), 0, s, mb, peer)
 
     def _RECV_F(self, s: int, mb: int, peer: int) -> None:
-        self.inputs[s + 1, mb] = self._received("RECV_F", s, mb)
+        self.inputs[s + 1, mb] = self.messages.received("RECV_F", s, mb)
 
     def _SEND_B(self, s: int, mb: int, peer: int) -> None:
         self._send(self.in_grads.pop((s, mb)), 1, s, mb, peer)
 
     def _RECV_B(self, s: int, mb: int, peer: int) -> None:
-        self.out_grads[s - 1, mb] = self._received("RECV_B", s, mb)
-
-    # Receives are posted one ahead: while this rank computes, the next message it will read can
-    # already move (gloo moves a message only once its receive is posted), so a RECV action
-    # mostly finds its bytes arrived instead of starting the transfer. One message buffer more.
-    def _post_next(self) -> None:
-        if self.unposted:
-            a = self.unposted.popleft()
-            tag = self._tag(RECVS.index(a.kind), a.stage, a.microbatch)
-            self.posted.append((a, *lax.recv_start(self.step.axis, src=a.peer, tag=tag, **self.msg)))
-
-    def _received(self, kind: str, s: int, mb: int) -> torch.Tensor:
-        a, out, done = self.posted.popleft()
-        assert (a.kind, a.stage, a.microbatch) == (kind, s, mb), "receives are posted in action order"
-        self._post_next()
-        done()
-        return out
+        self.out_grads[s - 1, mb] = self.messages.received("RECV_B", s, mb)
 
     # -- results ----------------------------------------------------------------------------------
     def results(self) -> tuple[torch.Tensor, Any]:
-        def total(leaf):  # what B added into .grad, and what W summed
-            g, w = leaf.grad, self.acc.get(id(leaf))
-            if g is None:
-                return w if w is not None else torch.zeros_like(leaf)
-            return g if w is None else g + w
-
         def held(tree):
-            return tree_util.map(lambda t: total(_grad_leaf(t)), tree)
+            return tree_util.map(lambda t: self.sums.total(_grad_leaf(t)), tree)
 
         grads = {}
         for k, v in self.params.items():
@@ -268,6 +218,39 @@ class Run:
             loss, shared = tree_psum((self.loss, shared), axis)
             return loss, {k: shared[k] if k != "blocks" else v for k, v in grads.items()}
         return tree_psum((self.loss, grads), axis)  # one flat all-reduce, the loss riding along
+
+
+class WeightGrads:
+    """The params' gradients W computes (a split backward's second half), summed over microbatches."""
+
+    def __init__(self):
+        self.acc: dict[int, torch.Tensor] = {}    # id(leaf) -> accumulated gradient
+        self.owned: set[int] = set()              # the ids whose sum this run may add into
+
+    def add(self, leaves: list, grads: list) -> None:
+        """Add a backward's gradients of ``leaves`` into the sums: in place where the sum is a tensor
+        nothing else holds (no second gradient of a microbatch alive beside the sum)."""
+        shared = collections.Counter(g.untyped_storage()._cdata for g in grads if g is not None)
+        for leaf, g in zip(leaves, grads):
+            if g is None:
+                continue
+            k = id(leaf)
+            if k not in self.acc:
+                self.acc[k] = g
+                if g._base is None and shared[g.untyped_storage()._cdata] == 1:
+                    self.owned.add(k)  # a fresh tensor of its own: safe to add into
+            elif k in self.owned:
+                self.acc[k].add_(g)
+            else:
+                self.acc[k] = self.acc[k] + g
+                self.owned.add(k)
+
+    def total(self, leaf: torch.Tensor) -> torch.Tensor:
+        """``leaf``'s whole gradient: what B added into its ``.grad``, and what W summed here."""
+        g, w = leaf.grad, self.acc.get(id(leaf))
+        if g is None:
+            return w if w is not None else torch.zeros_like(leaf)
+        return g if w is None else g + w
 
 
 class _WithLoss(torch.autograd.Function):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from cfx._src.lax import comm
+from cfx._src.lax import comm, groups
 from cfx._src.mesh.spec import P
 
 Layout = tuple[tuple[tuple[str, ...], ...], frozenset]
@@ -155,7 +155,7 @@ class _Relayout(torch.autograd.Function):
         if s.op == "split":                      # slice <- all-gather
             out = torch.cat(comm.all_gather_blocks(g, ax), s.dim)
         elif s.op == "all_gather":               # all-gather <- this rank's slice
-            out = g.chunk(ax.size, s.dim)[comm.index_of(ax)].contiguous()
+            out = g.chunk(ax.size, s.dim)[groups.index_of(ax)].contiguous()
         elif s.op == "all_to_all":               # all-to-all <- all-to-all back
             out = torch.cat(comm.all_to_all_blocks(g.chunk(ax.size, s.dim), ax), s.to_dim)
         elif s.op == "psum":                     # reduce partial sums <- the same cotangent everywhere
@@ -165,9 +165,9 @@ class _Relayout(torch.autograd.Function):
         return out, None, None
 
 
-def _apply(x: torch.Tensor, s: Step, ax: comm.Axes) -> torch.Tensor:
+def _apply(x: torch.Tensor, s: Step, ax: groups.Axes) -> torch.Tensor:
     if s.op == "split":
-        return x.chunk(ax.size, s.dim)[comm.index_of(ax)].contiguous()
+        return x.chunk(ax.size, s.dim)[groups.index_of(ax)].contiguous()
     if s.op == "all_gather":
         return torch.cat(comm.all_gather_blocks(x, ax), s.dim)
     if s.op == "all_to_all":
@@ -182,7 +182,7 @@ def _apply(x: torch.Tensor, s: Step, ax: comm.Axes) -> torch.Tensor:
 def run_steps(x: torch.Tensor, steps: tuple[Step, ...]) -> torch.Tensor:
     """A rank's block moved through ``steps`` (inside a rank; differentiable)."""
     for s in steps:
-        ax = comm.axes((s.axis,), "cfx.reshard")
+        ax = groups.axes((s.axis,), "cfx.reshard")
         x = _Relayout.apply(x, s, ax) if x.requires_grad and torch.is_grad_enabled() else _apply(x, s, ax)
     return x
 

@@ -27,12 +27,8 @@ donated tensor objects are deleted: using one raises a ``ValueError`` naming the
 optimizers then update donated params and moments in place): the fast eager path, and the way to
 debug a jitted function with print and pdb.
 
-Inside ``shard_map`` (and ``cfx.jit(shard_map(f))``, which is ``shard_map(cfx.jit(f))``) the rank
-context is read into the trace as constants (axis sizes, and an axis index where code computes
-with one), and every collective is an opaque functional op the running rank executes over its own
-groups (``lax.comm``). The first rank to call compiles; a rank whose own values of what that trace
-read are the same runs the same graph, others compile theirs (``context.reads``): data parallel and
-ZeRO-3 compile once per mesh, a vocab-parallel TP head once per ``model`` index.
+Inside ``shard_map`` (and ``cfx.jit(shard_map(f))``) the rank threads of a local mesh share one
+compiled graph where what its trace read of the rank is the same for them (``jit_ranks``).
 """
 from __future__ import annotations
 
@@ -40,37 +36,17 @@ import dataclasses
 import functools
 import itertools
 import sys
-import threading
 import time
 import types
 import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module, _use_lazy_graph_module
 
 from cfx._src.core import context, donation
 from cfx._src.core import tree as tree_util, tree_recurring
-from cfx._src.transforms import jit_signature as signature, jit_tracing as tracing, regional
-from cfx._src.lax import comm
+from cfx._src.transforms import jit_ranks, jit_signature as signature, jit_tracing as tracing, regional
 from cfx._src.mesh import context as ctx_lib
-
-
-@dataclasses.dataclass
-class _Entry:
-    """One signature's compiled function and what compiling it took."""
-
-    run: Callable[..., Any]
-    code: types.CodeType                                     # this signature's own code object
-    graphs: list = dataclasses.field(default_factory=list)   # the FX graphs dynamo handed the backend
-    compile_seconds: float | None = None                     # the first call: trace, compile, run
-    calls: int = 0
-    warned: bool = False                                     # about donated buffers no output took
-    # inside shard_map: the rank that compiles it, what its graph baked in of that rank
-    # (context.reads: ranks with other values compile their own), an event set once known
-    owner: int | None = None
-    reads: frozenset | None = None
-    traced: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +100,9 @@ class Jitted:
                              "are both static and donated; a static argument is a value of the graph, not "
                              "a buffer. Drop one of the two.")
         self.backend, self.compile = backend, compile
-        self._entries: dict[Any, _Entry] = {}
+        self._entries = jit_ranks.Entries()  # one per signature, shared by rank threads where they can
         self._last: list = []  # the last eager call's argument structures (``signature.split``)
         self._outs = tree_recurring.Recurring()  # the outputs' structure, the same every step
-        self._lock = threading.Lock()
         functools.update_wrapper(self, fn)
 
     # -- calling ---------------------------------------------------------------------------------
@@ -144,7 +119,7 @@ class Jitted:
         first = not entry.traced.is_set()  # this thread compiles it
         t0 = time.perf_counter()
         if first:
-            context.reads_reset()  # what the trace reads of this rank (see _Recorder)
+            context.reads_reset()  # what the trace reads of this rank (see jit_ranks.Recorder)
             self._say(f"compiling a new signature (graph {len(self._entries)}); the first call takes a while")
         try:
             with tracing.around_call(self.name):
@@ -172,44 +147,11 @@ class Jitted:
                              "varying axes per op), or run it there with cfx.jit(..., compile=False), which "
                              "keeps the donation.")
 
-    def _entry(self, call: signature.Call) -> _Entry:
-        """This call's compiled entry. Inside shard_map the first rank to arrive compiles a graph
-        that every rank runs, unless its trace baked in values of that rank (an axis index): then
-        the ranks whose values differ compile their own, once per distinct set of values."""
-        where = ctx_lib.compile_key()
-        if where is None:
-            return self._get(call.key, call)
-        if any(t.requires_grad for t in call.tensors):  # differentiated from outside: AOT compiles its
-            return self._get((call.key, where), call)  # backward lazily, on the first call: not shared
-        shape, rank = where
-        key = (call.key, shape)
-        while True:
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is None:
-                    entry = self._entries[key] = self._build(call)
-                    entry.owner = rank
-            if entry.owner == rank:
-                return entry
-            entry.traced.wait()
-            from torch._dynamo import convert_frame  # dynamo is loaded on first use, not at import
-            with convert_frame.compile_lock:  # the owner's graph is in dynamo's cache once this is free
-                pass
-            if entry.reads is None:  # its trace failed: nothing to share
-                return self._get((call.key, where), call)
-            here = context.reads_here(entry.reads, lambda names: comm.axes(names, "cfx.jit").index)
-            if here == entry.reads:
-                return entry
-            key = (call.key, shape, here)
+    def _entry(self, call: signature.Call) -> jit_ranks.Entry:
+        """This call's compiled entry, shared with the other rank threads where it can be."""
+        return self._entries.get(call.key, call.tensors, lambda: self._build(call))
 
-    def _get(self, key: Any, call: signature.Call) -> _Entry:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = self._build(call)
-            return entry
-
-    def _build(self, call: signature.Call) -> _Entry:
+    def _build(self, call: signature.Call) -> jit_ranks.Entry:
         fn, statics, n, graphs = self.fn, call.statics, len(call.args), []
         donate = {i % n for i in self.donate}
 
@@ -230,9 +172,10 @@ class Jitted:
         # signatures never share (or evict) each other's entries, and a second compile is a recompile.
         code = traced.__code__.replace(co_name=f"jit_{self.name}_{len(self._entries)}")
         own = types.FunctionType(code, traced.__globals__, code.co_name, None, traced.__closure__)
-        entry = _Entry(None, code, graphs)
+        entry = jit_ranks.Entry(None, code, graphs)
         context.mark_constants()  # what the rank context bakes into the graph (cfx._src.core.context)
-        entry.run = torch.compile(own, fullgraph=True, dynamic=False, backend=_Recorder(self.backend, entry))
+        backend = jit_ranks.Recorder(self.backend, entry)  # keeps the graphs and what the trace read
+        entry.run = torch.compile(own, fullgraph=True, dynamic=False, backend=backend)
         return entry
 
     def _eager(self, call: signature.Call):
@@ -255,7 +198,7 @@ class Jitted:
         outs = donation.write_into(outs, bufs, fits, taken=taken)
         return tree_util.unflatten(treedef, self._release(call, outs, held=taken.values()))
 
-    def _finish(self, call: signature.Call, out: Any, entry: _Entry) -> Any:
+    def _finish(self, call: signature.Call, out: Any, entry: jit_ranks.Entry) -> Any:
         """A compiled call's outputs, after ``_release`` (see there); warns once per signature
         about donated buffers no output took."""
         if not call.donated:
@@ -323,7 +266,7 @@ class Jitted:
         return f"cfx.jit({self.name}, donate_argnums={self.donate}, static_argnums={self.static})"
 
 
-def _compiles(entry: _Entry) -> int:
+def _compiles(entry: jit_ranks.Entry) -> int:
     """How many graphs dynamo holds for this signature (its cache entries; an analysis dynamo
     restarted is not one)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -336,30 +279,6 @@ _REQUIRES_GRAD, _FALSE = itertools.repeat("requires_grad"), itertools.repeat(Fal
 def _fits(out: Any, buf: torch.Tensor) -> bool:
     return (isinstance(out, torch.Tensor) and out.shape == buf.shape and out.dtype == buf.dtype
             and out.device == buf.device)
-
-
-class _Recorder:
-    """The compiler backend, keeping each graph dynamo hands it (for ``lower`` and ``stats``) and
-    what its trace baked in of the rank compiling it (``context.reads``)."""
-
-    def __init__(self, backend: str | Callable, entry: _Entry):
-        import torch._dynamo
-        self.inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-        self.entry = entry
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        self.entry.graphs.append(gm)
-        self.entry.reads = context.reads()
-        try:
-            # graph modules with their code generated now, not on the first call: ranks sharing
-            # this graph make their first calls at once, and a lazy module's codegen is not
-            # thread-safe. Dynamo has turned lazy modules on before calling a backend: turn them
-            # off for what this backend builds (aot_eager's graphs) and for what re-enters the
-            # switch (inductor's). Compiles hold dynamo's lock, so no other compile sees the flag.
-            with _force_skip_lazy_graph_module(), _use_lazy_graph_module(False):
-                return self.inner(gm, example_inputs)
-        finally:
-            self.entry.traced.set()  # the other ranks may go on (before this one runs the graph)
 
 
 def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),

@@ -9,7 +9,7 @@ this rank's ``ZeroParams``, an optimizer and an ``Offload`` (``offload``)::
     zparams = engine.params()
 
 It is the one stateful object of ZeRO: params, gradients and optimizer state live in its tier
-stores, not in pytrees. The gathered layers' shards are packed in execution order into
+stores (``chunk_stores``), not in pytrees. The gathered layers' shards are packed in execution order into
 equal-size flat *chunks* (``chunking``; the size search, over sizes up to ``max_chunk_size``
 elements, default twice the largest layer shard, is ``engine.chunk_search``): the unit of
 placement, fetch/evict and optimizer step; grads and optimizer state are chunked alike.
@@ -26,18 +26,16 @@ that of ``cfx.zero(tx, stage=3)`` on fp32 params, whatever the policy.
 """
 from __future__ import annotations
 
-import collections
 import os
 
 import torch
 
-from cfx._src.mesh import memory
 from cfx._src.core import tree as tree_util
 from cfx._src.gemini.placer import Placer
 from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, WarmupRecord
 from cfx._src.gemini.states import TensorState as S, transition
-from cfx._src.gemini.store import make_stores
 from cfx._src.lax import collectives as lax
+from cfx._src.zero.chunk_stores import ChunkStores
 from cfx._src.zero.chunking import check_budget, pack_groups
 from cfx._src.zero.flat import GroupLayout, concat_flat
 from cfx._src.zero.offload import ChunkRef, Offload, gather_groups
@@ -77,23 +75,22 @@ class GeminiEngine:
             check_budget(self.chunks, self.dtype.itemsize, self.n, offload.policy.device_budget_bytes,
                          [self.paths[self.groups[gs[0]][0]] for gs in self.chunks.groups])
         nvme = offload.nvme_dir and os.path.join(offload.nvme_dir, f"rank{lax.axis_index(axis)}-{id(self):x}")
-        self.stores = make_stores(nvme_dir=nvme)
+        self.tiers = ChunkStores(offload, nvme_dir=nvme)  # where each chunk's params, state and grads live
+        self.stores, self.traffic = self.tiers.stores, self.tiers.traffic
         self.refs = [ChunkRef(self, g) for g in range(len(self.groups))]
         self.states = {g: S.FREE for g in range(len(self.groups))}  # per group (layer)
         self.placer = Placer(offload.policy, self.chunk_bytes, fetch=self._fetch, evict=self._evict)
-        self.traffic: collections.Counter = collections.Counter()  # bytes by "src->dst"
         self.anchor: torch.Tensor | None = None
-        self._inner_defs = {}
         pieces = [x for _, x in items]
         with torch.no_grad():
             shards = [concat_flat([pieces[i].detach() for i in g]) for g in self.groups]
             for c in range(self.chunks.n_chunks):
                 chunk = self.chunks.pack(shards, c)
-                self._put(self.cfg.param_home, ("param", c), chunk, "param")
+                self.tiers.put(self.cfg.param_home, ("param", c), chunk, "param")
                 master = chunk.to(torch.float32, copy=True)
                 if self.dtype != torch.float32:
-                    self._put(self.cfg.optim_home, ("master", c), master, "optim")
-                self._store_inner(c, self.tx.init((master,)))
+                    self.tiers.put(self.cfg.optim_home, ("master", c), master, "optim")
+                self.tiers.put_inner(c, self.tx.init((master,)))
             del shards
         if isinstance(offload.policy, DevicePolicy):
             for c in range(self.chunks.n_chunks):
@@ -109,33 +106,6 @@ class GeminiEngine:
         """The chunks on the device."""
         return self.placer.resident
 
-    # -- stores --------------------------------------------------------------------------------
-    def _put(self, tier, key, x, kind):
-        self.stores[tier].put(key, x, kind=kind)
-
-    def _get(self, tier, key) -> torch.Tensor:
-        x = self.stores[tier].get(key)
-        if tier == "nvme":
-            self.traffic["nvme->host"] += x.numel() * x.element_size()
-        return x
-
-    def _write(self, tier, key, x, kind):
-        if tier == "nvme":
-            self.traffic["host->nvme"] += x.numel() * x.element_size()
-            self._put(tier, key, x, kind)
-        else:
-            self.stores[tier].get(key).copy_(x)
-
-    def _store_inner(self, c, inner):
-        leaves, self._inner_defs[c] = tree_util.flatten(inner)
-        for j, x in enumerate(leaves):
-            self._put(self.cfg.optim_home, ("optim", c, j), x, "optim")
-
-    def _load_inner(self, c):
-        td = self._inner_defs[c]
-        return tree_util.unflatten(td, [self._get(self.cfg.optim_home, ("optim", c, j))
-                                        for j in range(td.num_leaves)])
-
     # -- placement -----------------------------------------------------------------------------
     def _device_shard(self, g) -> torch.Tensor:
         """Group ``g``'s shard: a view into the device copy of its chunk."""
@@ -146,8 +116,8 @@ class GeminiEngine:
     def _fetch(self, c) -> None:
         if self.cfg.param_home == "device":
             return
-        x = self._get(self.cfg.param_home, ("param", c))
-        self._put("device", ("copy", c), x, "chunk")
+        x = self.tiers.get(self.cfg.param_home, ("param", c))
+        self.tiers.put("device", ("copy", c), x, "chunk")
         self.traffic["host->device"] += self.chunk_bytes[c]
 
     def _evict(self, c) -> None:
@@ -184,15 +154,8 @@ class GeminiEngine:
         """Add group ``g``'s reduce-scattered gradient shard into its slice of its chunk's gradient."""
         if self.states[g] is S.COMPUTE:  # re-gathered in backward
             self._move(g, S.HOLD_AFTER_BWD, S.HOLD, S.FREE)
-        home, key = self.cfg.grad_home, ("grad", self.chunks.chunk_of[g])
-        if home == "host":
-            self.traffic["device->host"] += grad.numel() * grad.element_size()
-        if key not in self.stores[home]:
-            with memory.ops_unwatched():  # booked by the store as "grad", not as an op output
-                zeros = torch.zeros(self.chunks.size, dtype=grad.dtype)
-            self._put(home, key, zeros, "grad")
-            del zeros
-        self.chunks.view(self.stores[home].get(key), g).add_(grad)
+        chunk = self.tiers.grad_chunk(self.chunks.chunk_of[g], grad, self.chunks.size)
+        self.chunks.view(chunk, g).add_(grad)
 
     # -- training ------------------------------------------------------------------------------
     def tree(self):
@@ -217,7 +180,7 @@ class GeminiEngine:
     def update(self) -> None:
         """One optimizer step over every chunk, then drop the gradients."""
         with torch.no_grad():
-            grads = [self._grad(c) for c in range(self.chunks.n_chunks)]
+            grads = [self.tiers.take_grad(c, self.chunks.size) for c in range(self.chunks.n_chunks)]
             # one all-reduce for the whole model's norm and inf/nan count; each chunk is stepped
             # inside cfx.optim.sharded with the rest of them, so clipping and the loss scaler
             # see every chunk of every rank
@@ -231,36 +194,25 @@ class GeminiEngine:
         for c in sorted(self.resident):
             if isinstance(self.cfg.policy, DevicePolicy):
                 if self.cfg.param_home != "device":
-                    self.stores["device"].get(("copy", c)).copy_(self._get(self.cfg.param_home, ("param", c)))
+                    self.stores["device"].get(("copy", c)).copy_(self.tiers.get(self.cfg.param_home, ("param", c)))
                     self.traffic["host->device"] += self.chunk_bytes[c]
             else:
                 self.placer.evict(c)
 
-    def _grad(self, c) -> torch.Tensor:
-        key = ("grad", c)
-        store = self.stores[self.cfg.grad_home]
-        g = store.get(key).to(torch.float32) if key in store else \
-            torch.zeros(self.chunks.size, dtype=torch.float32)
-        if key in store:
-            store.delete(key)
-        return g
-
     def _update_chunk(self, c, g) -> None:
         home, ohome = self.cfg.param_home, self.cfg.optim_home
-        p = self._get(home, ("param", c))
+        p = self.tiers.get(home, ("param", c))
         low = self.dtype != torch.float32
-        master = self._get(ohome, ("master", c)) if low else p
-        (u,), inner = self.tx.update((g,), self._load_inner(c), (master,))
+        master = self.tiers.get(ohome, ("master", c)) if low else p
+        (u,), inner = self.tx.update((g,), self.tiers.load_inner(c), (master,))
         if low:
             new_master = master + u
-            self._write(ohome, ("master", c), new_master, "optim")
+            self.tiers.write(ohome, ("master", c), new_master, "optim")
             new_p = new_master.to(self.dtype)
         else:
             new_p = p + u
-        self._write(home, ("param", c), new_p, "param")
-        leaves = tree_util.leaves(inner)
-        for j, x in enumerate(leaves):
-            self._write(ohome, ("optim", c, j), x, "optim")
+        self.tiers.write(home, ("param", c), new_p, "param")
+        self.tiers.write_inner(c, inner)
 
     def step(self, fn, *args, **kwargs) -> torch.Tensor:
         loss = self.backward(fn, *args, **kwargs)
@@ -271,7 +223,7 @@ class GeminiEngine:
         """This rank's pieces (fresh tensors), as ``ZeroParams``."""
         leaves = [None] * len(self.paths)
         for c, gs in enumerate(self.chunks.groups):
-            chunk = self._get(self.cfg.param_home, ("param", c))
+            chunk = self.tiers.get(self.cfg.param_home, ("param", c))
             for g in gs:
                 for i, piece in zip(self.groups[g], self.layouts[g].split_shard(self.chunks.view(chunk, g))):
                     leaves[i] = piece.clone()
@@ -286,5 +238,5 @@ class GeminiEngine:
 
     def inner_state(self, c: int = 0):
         """The optimizer state of chunk ``c`` (e.g. to read a loss scale: every chunk's is the same)."""
-        return self._load_inner(c)
+        return self.tiers.load_inner(c)
 

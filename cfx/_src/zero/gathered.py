@@ -45,7 +45,7 @@ import torch
 from cfx._src.mesh import memory
 from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
-from cfx._src.lax import comm
+from cfx._src.lax import comm, groups
 from cfx._src.mesh.context import in_backward
 from cfx._src.zero import prefetch
 from cfx._src.zero.flat import GroupLayout, concat_flat
@@ -135,7 +135,7 @@ class _GatherFn(torch.autograd.Function):
             src._started[1]()
             src._started = None
         rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
-        ax = comm.axes((src.axis,), "cfx.zero.gathered")
+        ax = groups.axes((src.axis,), "cfx.zero.gathered")
         if not src.deferred:  # the gradient is read at once
             return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax).div_(ax.size))
         # the pieces' gradients are returned by the backward (not accumulated into .grad), so

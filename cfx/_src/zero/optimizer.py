@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -56,27 +55,17 @@ from cfx._src.lax import collectives as lax
 from cfx._src.lax import vma
 from cfx._src.mesh import context as ctx_lib
 from cfx._src.optim import reduction
-from cfx._src.mesh.spec import is_spec
 from cfx._src.transforms.autodiff import value_and_grad as _value_and_grad
 from cfx._src.zero.buckets import ShardGrads, bucketed_value_and_grad
-from cfx._src.zero.flat import GroupLayout, concat_flat, make_groups, piece_size
+from cfx._src.zero.flat import concat_flat
 from cfx._src.zero.gathered import grads_captured
-from cfx._src.zero.params import ZeroParams, check_axis_size
+from cfx._src.zero.layout import ZeroLayout, group_shards, layout_of, piece_tree, state_specs_of
+from cfx._src.zero.params import ZeroParams
 
 
 class ZeroState(NamedTuple):
     master: tuple   # per group: fp32 master shard for fp16/bf16 params, None for fp32 params
     inner: Any      # the wrapped transformation's state over this rank's pieces
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroLayout:
-    n: int                                   # ranks the shards are cut for (1 at stage 0)
-    paths: tuple[str, ...]
-    axes: tuple[tuple[str, ...], ...]        # per leaf: the axes a piece's sum of squares sums over
-    groups: tuple[tuple[tuple[int, ...], GroupLayout, torch.dtype], ...]
-    treedef: Any = None                      # the params' (pieces') structure
-    total_axes: tuple[tuple[str, ...], ...] = ()  # per leaf: + axes where other ranks hold other leaves
 
 
 def _watch(tree: Any, kind: str, tier: str) -> None:
@@ -113,42 +102,8 @@ class ZeroTransformation:
 
     # -- layout -------------------------------------------------------------------------------
     def layout(self, params: Any) -> ZeroLayout:
-        """The groups for ``params`` (pieces when ``stage == 3``) on this rank's mesh."""
-        n = lax.axis_size(self.axis)  # unknown axis: ValueError on every rank, before any comm
-        if self.stage == 3:
-            if not isinstance(params, ZeroParams):
-                raise ValueError(f"cfx.zero(stage=3): params must be ZeroParams (this rank's pieces); got "
-                                 f"{type(params).__name__}. Make them with cfx.zero.shard_params(params, "
-                                 f"axis={self.axis!r}) inside shard_map.")
-            check_axis_size(params, self.axis, "cfx.zero(stage=3)")
-            items, _ = tree_util.flatten_with_path(params.pieces)
-            shapes = params.shapes
-        else:
-            items, _ = tree_util.flatten_with_path(params)
-            shapes = [tuple(x.shape) for _, x in items]
-            n = n if self.stage else 1
-        for path, x in items:
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-                raise ValueError(f"cfx.zero: params leaf {path or '<root>'!r} is not a floating-point tensor; "
-                                 "ZeRO shards floating-point params only.")
-        paths = tuple(p for p, _ in items)
-        extra = self._extra_axes(len(paths))
-        own = (self.axis,) if self.stage else ()
-        groups = make_groups(paths, shapes, [x.dtype for _, x in items], n, max_numel=self.bucket_numel)
-        owners = (list(self.owner_axes) if self.owner_axes is not None else [()] * len(paths))
-        axes = tuple(own + e for e in extra)
-        treedef = tree_util.structure(params.pieces if self.stage == 3 else params)
-        return ZeroLayout(n, paths, axes, tuple((tuple(idx), lay, items[idx[0]][1].dtype) for idx, lay in groups),
-                    treedef, tuple(a + tuple(o) for a, o in zip(axes, owners)))
-
-    def _extra_axes(self, n_leaves: int) -> list[tuple[str, ...]]:
-        if self.param_specs is None:
-            return [()] * n_leaves
-        specs = tree_util.leaves(self.param_specs, is_leaf=is_spec)
-        if len(specs) != n_leaves:
-            raise ValueError(f"cfx.zero: param_specs has {len(specs)} specs for {n_leaves} params; give "
-                             "one P per params leaf (e.g. rules.specs(model.axes())).")
-        return [tuple(sorted(a for a in set(s.all_axes()) if a != self.axis)) for s in specs]
+        """The groups for ``params`` (pieces when ``stage == 3``) on this rank's mesh (``layout.layout_of``)."""
+        return layout_of(self, params)
 
     @staticmethod
     def _param_leaves(params: Any) -> list[torch.Tensor]:
@@ -170,7 +125,7 @@ class ZeroTransformation:
         layout = self.layout(params)
         with torch.no_grad():
             masters = self._masters(self._param_leaves(params), layout)
-            inner = self.tx.init(_piece_tree(masters, layout))
+            inner = self.tx.init(piece_tree(masters, layout))
         keep = tuple(m if dt != torch.float32 else None for m, (_, _, dt) in zip(masters, layout.groups))
         state = ZeroState(keep, inner)
         _watch(params.pieces if isinstance(params, ZeroParams) else params, "param", self.tier)
@@ -193,8 +148,8 @@ class ZeroTransformation:
             masters = [m if m is not None else derived[g] for g, m in enumerate(state.master)]
             # per-leaf pieces; norms and inf/nan checks over every rank's pieces of each leaf
             with donation.donated(shards), self._sharded(layout):  # our flat copies: the update may reuse them
-                u_tree, inner = self.tx.update(_piece_tree(shards, layout), state.inner, _piece_tree(masters, layout))
-            us = _group_shards(u_tree, layout)
+                u_tree, inner = self.tx.update(piece_tree(shards, layout), state.inner, piece_tree(masters, layout))
+            us = group_shards(u_tree, layout)
             new_master = tuple(None if m is None else masters[g] + us[g] for g, m in enumerate(state.master))
             updates = self._expand(us, new_master, layout, leaves, params)
         new_state = ZeroState(new_master, inner)
@@ -281,38 +236,9 @@ class ZeroTransformation:
 
     def state_specs(self, params: Any, *, mesh) -> ZeroState:
         """Specs of the ``ZeroState`` that ``init`` makes from ``params`` (the global, unsharded
-        params, even at stage 3) on ``mesh``, for ``shard_map`` in/out specs across steps: a state
-        leaf shaped like a param's piece is split as that piece (the leaf's own axes, then
-        ``axis``; at stage 0 the own axes only), fp32 master shards over every axis they vary over,
-        0-d leaves (counts, scales) replicated."""
-        from cfx._src.mesh.spec import P
-        from cfx._src.zero.params import param_specs as zero_param_specs
-        if self.axis not in mesh.shape:
-            raise ValueError(f"cfx.zero: axis {self.axis!r} is not an axis of {mesh!r}.")
-        n = mesh.shape[self.axis] if self.stage else 1
-        zp = zero_param_specs(self.param_specs, params, axis=self.axis, mesh=mesh)  # local shapes
-        items = tree_util.leaves(params)
-        paths = tuple(tree_util.leaf_paths(params))
-        extra = self._extra_axes(len(items))
-        own = (self.axis,) if self.stage else ()
-        groups = make_groups(paths, zp.shapes, [x.dtype for x in items], n, max_numel=self.bucket_numel)
-        sizes = [piece_size(math.prod(s), n) for s in zp.shapes]
-        piece_specs = {p: (sizes[i], P(tuple(extra[i]) + own) if extra[i] or own else P())
-                       for i, p in enumerate(paths)}
-        with torch.device("meta"):
-            tree = tree_util.unflatten(tree_util.structure(params), [torch.empty(k) for k in sizes])
-            inner = self.tx.init(tree)
-
-        def spec(path: str, x) -> P:
-            parts = path.split(".")
-            for i in range(len(parts)):
-                hit = piece_specs.get(".".join(parts[i:]))
-                if hit is not None and tuple(x.shape) == (hit[0],):
-                    return hit[1]
-            return P()
-        union = tuple(sorted({a for e in extra for a in e})) + own
-        keep = tuple(P(union) if items[idx[0]].dtype != torch.float32 else None for idx, _ in groups)
-        return ZeroState(keep, tree_util.map_with_path(spec, inner))
+        params, even at stage 3) on ``mesh``, for ``shard_map`` in/out specs across steps
+        (``layout.state_specs_of``)."""
+        return ZeroState(*state_specs_of(self, params, mesh=mesh))
 
     def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
         """``cfx.value_and_grad(fun)`` w.r.t. the first argument (the params), stage-aware:
@@ -346,18 +272,3 @@ def _own_copies(fun: Callable[..., Any], axis: str) -> Callable[..., Any]:
             vma.declare_varying(x, (axis,))
         return fun(params, *args, **kwargs)
     return on_copies
-
-
-def _piece_tree(shards: list[torch.Tensor], layout: ZeroLayout) -> Any:
-    """The params' tree whose leaves are this rank's pieces: views into the group shards."""
-    out: list = [None] * len(layout.paths)
-    for (idx, lay, _), shard in zip(layout.groups, shards):
-        for i, piece in zip(idx, shard.split(lay.pieces if layout.n > 1 else lay.numels)):
-            out[i] = piece
-    return tree_util.unflatten(layout.treedef, out)
-
-
-def _group_shards(tree: Any, layout: ZeroLayout) -> list[torch.Tensor]:
-    """The inverse of ``_piece_tree``: one flat shard per group."""
-    leaves = tree_util.leaves(tree)
-    return [concat_flat([leaves[i] for i in idx]) for idx, _, _ in layout.groups]

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from cfx._src.core import context
-from cfx._src.lax import comm
+from cfx._src.lax import comm, groups
 from cfx._src.zero.flat import concat_flat
 
 WHERE = "cfx.zero.gathered"
@@ -32,7 +32,7 @@ WHERE = "cfx.zero.gathered"
 def start(shard: torch.Tensor, axis: str) -> tuple:
     """The all-gather of ``shard`` over ``axis``, issued: ``(rows, done, order)``, see
     ``comm.all_gather_rows_start``."""
-    ax = comm.axes((axis,), WHERE)
+    ax = groups.axes((axis,), WHERE)
     rows, done = comm.all_gather_rows_start(shard, ax)
     return rows, done, ax.order
 

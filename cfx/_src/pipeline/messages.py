@@ -1,0 +1,66 @@
+"""The messages one rank's pipeline step exchanges with its neighbours: activations forward
+(``SEND_F`` / ``RECV_F``) and their gradients backward (``SEND_B`` / ``RECV_B``), for ``run.Run``.
+
+Each message has a tag of its own (family, stage, microbatch) and one spec, the activations'
+shape, dtype and device. Sends never wait (their handles are reaped as they complete, and waited
+for at the end). Receives are posted one ahead: while this rank computes, the next message it
+will read can already move (gloo moves a message only once its receive is posted), so a RECV
+action mostly finds its bytes arrived instead of starting the transfer. One message buffer more.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Iterable
+
+import torch
+
+from cfx._src.lax import collectives as lax
+
+RECVS = ("RECV_F", "RECV_B")  # indexed by message family (the tag's first part)
+
+
+class Messages:
+    """One step's messages on one rank; ``spec``: every message's ``shape``, ``dtype``, ``device``."""
+
+    def __init__(self, step: Any, spec: dict):
+        self.step, self.spec = step, spec
+        self.sends: list = []
+        self.posted: collections.deque = collections.deque()    # (RECV action, buffer, done), in order
+        self.unposted: collections.deque = collections.deque()  # RECV actions not posted yet
+
+    def start(self, actions: Iterable) -> None:
+        """Before the first of ``actions``: their receives, the first one posted."""
+        self.unposted = collections.deque(a for a in actions if a.kind in RECVS)
+        self._post_next()
+
+    def tag(self, family: int, stage: int, mb: int) -> int:
+        sched = self.step.schedule
+        return 1 + (family * sched.n_stages + stage) * sched.n_microbatches + mb
+
+    def send(self, t: torch.Tensor, family: int, s: int, mb: int, peer: int) -> None:
+        self.sends.append(lax.send(t, self.step.axis, dst=peer, tag=self.tag(family, s, mb)))
+
+    def received(self, kind: str, s: int, mb: int) -> torch.Tensor:
+        """The message of this RECV action, once arrived (the next receive posted first)."""
+        a, out, done = self.posted.popleft()
+        assert (a.kind, a.stage, a.microbatch) == (kind, s, mb), "receives are posted in action order"
+        self._post_next()
+        done()
+        return out
+
+    def _post_next(self) -> None:
+        if self.unposted:
+            a = self.unposted.popleft()
+            tag = self.tag(RECVS.index(a.kind), a.stage, a.microbatch)
+            self.posted.append((a, *lax.recv_start(self.step.axis, src=a.peer, tag=tag, **self.spec)))
+
+    def reap(self) -> None:
+        """Forget the sends that completed (never blocks)."""
+        self.sends = [s for s in self.sends if not s.done()]
+
+    def finish(self) -> None:
+        """After the last action: every send waited for; every receive was read."""
+        for s in self.sends:
+            s.wait()
+        self.sends = []
+        assert not self.posted, "a validated schedule reads every message it receives"
