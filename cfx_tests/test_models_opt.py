@@ -211,7 +211,7 @@ def test_bad_inputs_raise_value_errors(hf_model):
         models.from_hf(hf_opt(n_layer=3).state_dict(), model=model)
     with pytest.raises(ValueError, match="no 'lm_head.weight'"):
         models.from_hf(hf_model.model.state_dict(), model=small(tie_embeddings=False))
-    split = dataclasses.replace(model, seq=cfx.parallel.SequenceSplit("seq", "ring", "zigzag"))
+    split = model.with_layers(sequence=cfx.parallel.SequenceSplit("seq", "ring", "zigzag"))
     with pytest.raises(ValueError, match="padding mask under sequence parallelism.*Right-pad"):
         split.apply(params, tok, mask=torch.ones(3, 16, dtype=torch.bool))
 

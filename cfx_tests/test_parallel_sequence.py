@@ -203,7 +203,7 @@ def test_hybrid_ulysses_by_ring_equals_single_device(name, shape):
     ref_loss, ref = reference(model, params, tokens, targets, mask, [slice(0, B)])
     sp = sequence_parallel(model, ("ring", "seq"), method="hybrid")
     sp = tensor_parallel(sp, "model") if "model" in shape else sp
-    order = sp.seq.order(T, shape["ring"])
+    order = sp.sublayers()["sequence"].order(T, shape["ring"])
     m = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
 
     def body(p, t, y, mm):

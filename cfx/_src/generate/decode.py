@@ -33,7 +33,7 @@ import torch
 
 from cfx._src.generate.pick import Sampling
 from cfx._src.nn.kv_cache import KVCache
-from cfx._src.models.parts import hook
+from cfx._src.models.parts import hook, sequence_part
 
 
 EOS_POLL = 8  # steps between the host's looks at whether every row has emitted eos
@@ -133,7 +133,7 @@ def _check(model, prompt, mask, max_new_tokens, sampling: Sampling) -> tuple[int
         raise ValueError(f"{where}: {T} prompt + {max_new_tokens} new tokens exceed the model's {name}={limit}; "
                          f"generate at most {limit - T} tokens or shorten the prompt.")
     sampling.check(where)
-    if hook(model, "seq") is not None:
+    if getattr(sequence_part(model), "axis", None) is not None:
         raise ValueError(f"{where}: the model splits its sequence over a mesh axis; generate with the unsplit "
                          "(or tensor-parallel) model.")
     return B, T

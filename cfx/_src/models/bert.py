@@ -25,6 +25,7 @@ from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.mlp import activation
 from cfx._src.nn.norm import LayerNorm
+from cfx._src.nn.sequence import WholeSequence
 from cfx._src.nn.vocab import TokenLoss
 from cfx._src.transforms.shapes import is_abstract
 
@@ -87,7 +88,6 @@ class Bert(DecoderLM):
     config: BertConfig
     blocks: tuple = None
     layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
-    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
     max_len_name = "max_position_embeddings"
 
     def __post_init__(self):
@@ -105,6 +105,7 @@ class Bert(DecoderLM):
             "wpe": Embedding(c.max_position_embeddings, C, axes_names=("positions", "embed"), init_std=std),
             "wtt": Embedding(c.type_vocab_size, C, axes_names=("token_types", "embed"), init_std=std),
             "ln_e": LayerNorm(C, eps=c.layer_norm_eps),
+            "sequence": WholeSequence(),
         }
         if c.head == "mlm":
             layers["mlm_dense"] = Linear(C, C, axes_names=("embed", "embed_out"), init_std=std)
@@ -156,8 +157,8 @@ class Bert(DecoderLM):
         x = self.encode(params, tokens, mask=mask, token_types=token_types, key=key)
         k_head = None if key is None or self.config.dropout == 0.0 else random.fold_in(key, 1 << 20)
         logits = self._head(params, x, k_head)
-        if self.seq is not None and self.config.head == "classify":  # every rank: the [CLS] token's
-            logits = self.seq.from_first(logits)
+        if self.config.head == "classify":  # every rank: the [CLS] token's (a split sequence's rank 0)
+            logits = self._layers()["sequence"].from_first(logits)
         return logits
 
     def loss(self, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
@@ -194,7 +195,7 @@ class Bert(DecoderLM):
         loss = cross_entropy(logits[:, None, :], targets[:, None])  # (B, 1, L) against (B, 1)
         # sequence split: rank 0 holds the [CLS] token; its loss counts once (the others add 0),
         # so each rank's gradient is its share, as for the MLM's tokens
-        return loss if self.seq is None else self.seq.from_first(loss)
+        return self._layers()["sequence"].from_first(loss)
 
     # -- checks --------------------------------------------------------------------------------
     def _check_token_types(self, tokens: torch.Tensor, token_types: Any) -> None:

@@ -14,7 +14,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.lora_weight import is_weight_node, weight_nodes_as_leaves
 from cfx._src.nn.sublayers import keep_sublayers
-from cfx._src.nn.loss import IGNORE_INDEX, mean_over_sequence
+from cfx._src.nn.loss import IGNORE_INDEX
 from cfx._src.remat.chained import chain_runner, take_chain_runner
 from cfx._src.transforms.regional import block_apply
 from cfx._src.transforms.shapes import is_abstract
@@ -199,7 +199,6 @@ class DecoderLM:
 
     blocks: tuple
     layers: tuple   # (name, layer) pairs replacing sublayers of _build_layers
-    seq: Any        # a cfx.parallel SequenceSplit when the sequence is split over a mesh axis, else None
     max_len_name: str  # the config field bounding the sequence length
 
     def _init_blocks(self, default_block: Callable[[], Any], n_layer: int) -> None:
@@ -289,7 +288,7 @@ class DecoderLM:
         if fused is None:
             fused = h.is_cuda
         plain = getattr(self._layers().get("loss"), "fusable", False)
-        if not fused or not plain or self.seq is not None or not isinstance(w, torch.Tensor):
+        if not fused or not plain or not isinstance(w, torch.Tensor):
             return self.logits_loss(_head_logits(head, p, h), targets)
         from cfx_kernels.linear_cross_entropy import linear_cross_entropy
 
@@ -298,17 +297,13 @@ class DecoderLM:
 
     def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The model's loss layer on logits (B, T, V) -- this rank's (B, T, V/n) under a vocabulary split."""
-        loss = self._layers()["loss"](logits, targets)
-        if self.seq is not None:  # the sequence split over an axis: every rank's tokens
-            count = (targets != IGNORE_INDEX).sum()
-            loss = mean_over_sequence(torch.where(count > 0, loss, 0.0), count, self.seq.axis)
-        return loss
+        return self._layers()["loss"](logits, targets)
 
     def position_rows(self, table: torch.Tensor, T: int) -> torch.Tensor:
         """The rows of a learned position table (P, C) for the ``T`` tokens a call sees: the first
         ``T``, or those of this rank's share of the sequence when it is split over a mesh axis
-        (``sequence_parallel``)."""
-        return table[:T] if self.seq is None else table[self.seq.positions(T, table.device)]
+        (its ``"sequence"`` sublayer's: ``sequence_parallel`` swaps in the split)."""
+        return self._layers()["sequence"].rows(table, T)
 
     def check_call(self, where: str, params: Any, tokens: Any, mask: Any, cache: Any = None) -> None:
         """``apply``'s checks of its tokens, mask and params -- skipped for the calls with a KV cache

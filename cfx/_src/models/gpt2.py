@@ -20,6 +20,7 @@ from cfx._src.nn.dropout import dropout
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import split_keys
 from cfx._src.nn.norm import LayerNorm
+from cfx._src.nn.sequence import WholeSequence
 from cfx._src.nn.vocab import TokenLoss
 
 GPT2_PRESETS: dict[str, dict[str, int]] = {
@@ -67,7 +68,6 @@ class GPT2(DecoderLM):
     config: GPT2Config
     blocks: tuple = None
     layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
-    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
     max_len_name = "n_positions"
 
     def __post_init__(self):
@@ -86,6 +86,7 @@ class GPT2(DecoderLM):
                              init_std=c.init_std),
             "ln_f": LayerNorm(c.n_embd, eps=c.layer_norm_eps),
             "loss": TokenLoss(),
+            "sequence": WholeSequence(),
         }
 
     def init(self, key: torch.Tensor) -> dict:

@@ -17,6 +17,7 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.norm import RMSNorm
+from cfx._src.nn.sequence import WholeSequence
 from cfx._src.nn.vocab import TokenLoss
 
 # Real sizes use default RoPE only: Llama 3.x's "llama3" frequency scaling is not implemented, so
@@ -84,7 +85,6 @@ class Llama(DecoderLM):
     config: LlamaConfig
     blocks: tuple = None
     layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
-    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
     max_len_name = "max_position_embeddings"
 
     def __post_init__(self):
@@ -103,7 +103,7 @@ class Llama(DecoderLM):
         if not c.tie_embeddings:
             layers["lm_head"] = Linear(c.hidden_size, c.vocab_size, bias=False,
                                        axes_names=("embed", "vocab"), init_std=c.init_std)
-        layers["loss"] = TokenLoss()
+        layers["loss"], layers["sequence"] = TokenLoss(), WholeSequence()
         return layers
 
     def init(self, key: torch.Tensor) -> dict:

@@ -115,7 +115,7 @@ class Mixtral(Llama):
         (transformers without an attention mask)."""
         del key
         c = self.config
-        if take_chain_runner() is not None or self.seq is not None:
+        if take_chain_runner() is not None or self._layers()["sequence"].axis is not None:
             raise ValueError("Mixtral.loss: remat=auto schedules and sequence parallelism do not carry the routers' "
                              "statistics yet; train Mixtral with data / expert / tensor parallelism, ZeRO and "
                              "remat=blocks.")

@@ -36,6 +36,7 @@ from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, split_keys
 from cfx._src.nn.norm import LayerNorm
+from cfx._src.nn.sequence import WholeSequence
 from cfx._src.nn.vocab import TokenLoss
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of wpe (HF OPTLearnedPositionalEmbedding)
@@ -116,7 +117,6 @@ class OPT(DecoderLM):
     config: OPTConfig
     blocks: tuple = None
     layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
-    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``)
     max_len_name = "max_position_embeddings"
 
     def __post_init__(self):
@@ -141,12 +141,12 @@ class OPT(DecoderLM):
             layers["project_out"] = Linear(C, E, bias=False, axes_names=("embed", "embed_proj"), init_std=std)
         if not c.tie_embeddings:
             layers["lm_head"] = Linear(E, c.vocab_size, bias=False, axes_names=(e_axis, "vocab"), init_std=std)
-        layers["loss"] = TokenLoss()
+        layers["loss"], layers["sequence"] = TokenLoss(), WholeSequence()
         return layers
 
     def _param_layers(self) -> dict:
-        """The sublayers with params, in init's order (the loss has none)."""
-        return {n: layer for n, layer in self._layers().items() if n != "loss"}
+        """The sublayers with params, in init's order (the loss and the sequence have none)."""
+        return {n: layer for n, layer in self._layers().items() if n not in ("loss", "sequence")}
 
     def _tree(self, blocks: Any, leaf: Any) -> dict:
         """``{name: leaf(name, layer)}`` in init's / axes' order: the embedding side, ``blocks``, the rest."""
@@ -183,7 +183,7 @@ class OPT(DecoderLM):
         """``apply`` up to the last block's output ``(B, T, C)``, before the head."""
         c = self.config
         self.check_call("OPT.apply", params, tokens, mask, cache)
-        if mask is not None and self.seq is not None:
+        if mask is not None and self._layers()["sequence"].axis is not None:
             raise ValueError("OPT.apply: a padding mask under sequence parallelism: OPT numbers positions by the "
                              "real tokens over the whole sequence, which one rank's share cannot count. Right-pad "
                              "and pass mask=None (causal attention keeps trailing padding out of the real tokens), "

@@ -77,17 +77,19 @@ class Hooks(Protocol):
     config: Any                # a config with ``vocab_size`` and the field ``max_len_name`` names
     max_len_name: str          # the config field bounding the sequence length (``cfx.generate``'s check)
     logits_axis: str | None    # the mesh axis its logits' last dim is split over (a vocabulary-parallel head)
-    seq: Any                   # a SequenceSplit when its sequence is split over a mesh axis; having the
-                               # field at all says the model can split its sequence (sequence_parallel)
     batch_axes: tuple          # the logical axes of its batch's leading leaves (default ("batch", "length"))
     param_specs: Any           # its params' specs over the plan's mesh (a P or a pytree prefix), instead of
                                # those its logical axes get from the plan's rules (a LossModel's ``specs=``)
 
+    def sublayers(self) -> dict: ...  # its named layers around the blocks, which with_layers(**) replaces: a
+                                      # "sequence" (WholeSequence) says it can split its sequence, a "loss" its
+                                      # token loss; tensor and sequence parallelism swap in their split forms
+    def with_layers(self, **layers: Any) -> Any: ...
     def check_train_batch(self, batch: tuple, where: str) -> None: ...  # a batch of its own (not tokens)
     def tensor_parallel(self, axis: str) -> Any: ...  # its own split over a model axis (not TransformerBlocks)
 
 
-HOOKS = frozenset(Hooks.__annotations__) | {"check_train_batch", "tensor_parallel"}
+HOOKS = frozenset(Hooks.__annotations__) | {"check_train_batch", "tensor_parallel", "sublayers", "with_layers"}
 
 
 def hook(model: Any, name: str, default: Any = None) -> Any:
@@ -99,6 +101,13 @@ def hook(model: Any, name: str, default: Any = None) -> Any:
 def has_hook(model: Any, name: str) -> bool:
     assert name in HOOKS, f"{name!r} is not a member of the model protocol's Hooks (cfx/_src/models/parts.py)"
     return hasattr(model, name)
+
+
+def sequence_part(model: Any) -> Any:
+    """The model's ``"sequence"`` sublayer -- ``WholeSequence``, or the split sequence parallelism
+    swapped in -- or None where it cannot split its sequence."""
+    sublayers = hook(model, "sublayers")
+    return sublayers().get("sequence") if callable(sublayers) else None
 
 
 def parts_of(model: Any, where: str) -> ModelParts:

@@ -9,7 +9,7 @@ A batch is ``(images (B, channels, H, W) float, labels (B,) int)``: its rows spl
 (``batch_axes``), and the blocks are ``TransformerBlock`` s, so a ``cfx.parallel.Plan`` runs it over
 data, ZeRO, Megatron's model axis and pipe stages (the parts protocol) as it runs the language models.
 
-Sequence parallelism (``seq``: ``sequence_parallel`` 's ring or Ulysses over a ``seq`` axis, or
+Sequence parallelism (its ``"sequence"`` sublayer swapped for a split: ``sequence_parallel`` 's ring or Ulysses over a ``seq`` axis, or
 Megatron-SP's ``tensor_parallel(model, "model", sequence=True)``): the images stay whole on every
 rank (replicated over the sequence axis), each rank embeds them all (one strided convolution) and
 keeps its share of the ``1 + N`` tokens in the split's order (the ring's zigzag). ``1 + N`` seldom
@@ -34,6 +34,7 @@ from cfx._src.nn.dropout import dropout
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.linear import Linear, init_normal, split_keys
 from cfx._src.nn.norm import LayerNorm
+from cfx._src.nn.sequence import WholeSequence
 from cfx._src.transforms.shapes import is_abstract
 
 VIT_PRESETS: dict[str, dict[str, int]] = {
@@ -97,7 +98,6 @@ class ViT(DecoderLM):
 
     config: ViTConfig
     blocks: tuple = None
-    seq: Any = None          # a cfx.parallel SequenceSplit (``sequence_parallel``, ``tensor_parallel(sequence=True)``)
     layers: tuple = ()       # (name, layer) pairs replacing sublayers (``DecoderLM.with_layers``)
     batch_axes = ("batch",)  # images (B, channels, H, W) and labels (B,): rows split over data, nothing else
 
@@ -116,6 +116,7 @@ class ViT(DecoderLM):
             "wpe": Embedding(1 + c.n_patches, C, axes_names=("positions", "embed"), init_std=std),
             "ln_f": LayerNorm(C, eps=c.layer_norm_eps),
             "classifier": Linear(C, c.num_labels, axes_names=("embed", "labels"), init_std=std),
+            "sequence": WholeSequence(),
         }
 
     def init(self, key: torch.Tensor) -> dict:
@@ -135,7 +136,7 @@ class ViT(DecoderLM):
         check_params(f"{type(self).__name__}.apply", self, params)
         keys = dropout_keys(key, c.dropout, 1 + len(self.blocks))
         x = dropout(self._embed(params, images), c.dropout, keys[0])  # (B, 1 + N, C): every rank the same
-        x, mask = (x, None) if self.seq is None else self.seq.share(x)  # this rank's (B, T/n, C), padding masked
+        x, mask = self._layers()["sequence"].share(x)  # this rank's (B, T/n, C), padding masked (a split sequence)
         x = self.run_blocks(params["blocks"], x, mask=mask, keys=keys[1:])
         return self._layers()["ln_f"].apply(params["ln_f"], x)
 
@@ -143,7 +144,7 @@ class ViT(DecoderLM):
         """Class logits ``(B, num_labels)`` for images ``(B, num_channels, image_size, image_size)``
         (cast to the params' dtype); ``key=None`` means no dropout."""
         logits = self._classify(params, self.encode(params, images, key=key))
-        return logits if self.seq is None else self.seq.from_first(logits)  # every rank: the [CLS] token's
+        return self._layers()["sequence"].from_first(logits)  # every rank: the [CLS] token's
 
     def loss(self, params: dict, images: torch.Tensor, labels: torch.Tensor, *,
              key: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,7 +166,7 @@ class ViT(DecoderLM):
         loss = cross_entropy(logits[:, None, :], labels[:, None])  # (B, 1, L) against (B, 1)
         # sequence split: rank 0 holds the [CLS] token; its loss counts once (the others add 0),
         # so each rank's gradient is its share (summed over the axis, as every split model's)
-        return loss if self.seq is None else self.seq.from_first(loss)
+        return self._layers()["sequence"].from_first(loss)
 
     # -- checks --------------------------------------------------------------------------------
     def check_images(self, where: str, images: Any) -> None:
@@ -207,8 +208,9 @@ class ViT(DecoderLM):
     def parts(self) -> ModelParts:
         """Patch embedding + [CLS] + positions | blocks | final norm + classifier + loss (dropout off)."""
         c = self.config
-        if self.seq is not None:
-            raise ValueError(f"ViT.parts(): pipeline stages of a ViT whose sequence is split over {self.seq.axis!r} "
+        seq = self._layers()["sequence"]
+        if seq.axis is not None:
+            raise ValueError(f"ViT.parts(): pipeline stages of a ViT whose sequence is split over {seq.axis!r} "
                              "(their padded [CLS] + patches need a key mask the stages do not carry); drop pipe= "
                              "or the sequence split (seq=, sp=megatron).")
 

@@ -116,8 +116,20 @@ def vocab_parallel_layers(layers: dict, axis: str, *, where: str = "tensor_paral
             out[name] = VocabParallelHead(layer, axis)
     if not out:
         return {}
-    if not isinstance(layers.get("loss"), TokenLoss):
+    loss = layers.get("loss")
+    token = loss.inner if isinstance(loss, SequenceMeanLoss) else loss  # (a split sequence's mean around it)
+    if not isinstance(token, TokenLoss):
         raise ValueError(f"{where}: the vocabulary tables {sorted(out)} have no token loss over them (a "
                          "classifier's head, e.g. Bert with head='classify', has no vocabulary to split; an MLM "
                          "head='mlm' has); split the blocks alone: tensor_parallel(model, vocab=False).")
-    return {**out, "loss": VocabParallelLoss(axis)}
+    split = VocabParallelLoss(axis)
+    return {**out, "loss": SequenceMeanLoss(split, loss.axis) if isinstance(loss, SequenceMeanLoss) else split}
+
+
+def split_sequence_layers(layers: dict, split: Any) -> dict:
+    """The replacements that split a model's sequence as ``split`` (a ``cfx.parallel.SequenceSplit``):
+    its ``"sequence"``, and its token loss made the mean over every rank's tokens."""
+    out: dict[str, Any] = {"sequence": split}
+    if layers.get("loss") is not None:
+        out["loss"] = SequenceMeanLoss(layers["loss"], split.axis)
+    return out

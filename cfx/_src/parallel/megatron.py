@@ -28,9 +28,9 @@ from cfx._src.core import random
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.dropout import dropout
 from cfx._src.nn.linear import split_keys
-from cfx._src.nn.vocab import vocab_parallel_layers
+from cfx._src.nn.vocab import split_sequence_layers, vocab_parallel_layers
 from cfx._src.precision.quant import QuantizedWeight
-from cfx._src.models.parts import has_hook, hook
+from cfx._src.models.parts import hook, sequence_part
 from cfx_kernels.int8_matmul import int8_matmul
 
 MEGATRON_RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
@@ -165,14 +165,14 @@ def tensor_parallel(model: Any, axis: str = "model", *, vocab: bool | None = Non
     if vocab and not has_vocab:
         raise ValueError(f"tensor_parallel(vocab=True): {name} has no vocabulary to split; leave vocab= at its "
                          "default (its blocks alone are split).")
-    if sequence and not has_hook(model, "seq"):
-        raise ValueError(f"tensor_parallel(sequence=True): {name} cannot split its sequence (it has no `seq` "
-                         "field); use sequence=False.")
+    if sequence and sequence_part(model) is None:
+        raise ValueError(f"tensor_parallel(sequence=True): {name} cannot split its sequence (it has no \"sequence\" "
+                         "sublayer); use sequence=False.")
     if sequence and vocab:
         raise ValueError("tensor_parallel(sequence=True): the head runs on each rank's share of the positions with "
                          "the whole vocabulary; pass vocab=False (and no 'vocab' rule).")
     tp = model.map_blocks(lambda b: TensorParallelBlock(b, axis, sequence))
     if sequence:
         from cfx._src.parallel.sequence import SequenceSplit
-        return dataclasses.replace(tp, seq=SequenceSplit(axis, "megatron", "contiguous"))
+        return tp.with_layers(**split_sequence_layers(layers, SequenceSplit(axis, "megatron", "contiguous")))
     return tp.with_layers(**vocab_layers) if vocab else tp

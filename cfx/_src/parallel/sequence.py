@@ -34,7 +34,8 @@ import torch
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.attention import attention
 from cfx._src.parallel.ring import ring_attention, zigzag_indices
-from cfx._src.models.parts import has_hook
+from cfx._src.models.parts import sequence_part
+from cfx._src.nn.vocab import split_sequence_layers
 
 METHODS = ("ring", "ulysses", "hybrid")  # sequence_parallel's; "megatron" comes from tensor_parallel(sequence=True)
 
@@ -75,6 +76,10 @@ class SequenceSplit:
             return mine.view(u, local)[lax.axis_index(uly)].to(device)
         n, r = lax.axis_size(self.axis), lax.axis_index(self.axis)
         return self.order(local * n, n).view(n, local)[r].to(device)
+
+    def rows(self, table: torch.Tensor, T: int) -> torch.Tensor:
+        """The rows of a learned position table ``(P, C)`` for this rank's ``T`` positions."""
+        return table[self.positions(T, table.device)]
 
     def share(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's share ``(B, T'/N, ...)`` of a whole sequence ``x (B, T, ...)`` every rank holds
@@ -164,9 +169,12 @@ def sequence_parallel(model: Any, axis: str = "seq", *, method: str = "ring", la
                          "cfx.parallel.tensor_parallel(model, axis, sequence=True)).")
     split = SequenceSplit(tuple(axis) if isinstance(axis, list) else axis, method,
                           layout or ("contiguous" if method == "ulysses" else "zigzag"))
-    if not has_hook(model, "seq") or not isinstance(getattr(model, "blocks", None), tuple):
-        raise ValueError(f"sequence_parallel: {type(model).__name__} is not a cfx model with blocks and a `seq` "
-                         "field (GPT2, Llama, Bert, ViT).")
+    if sequence_part(model) is None or not isinstance(getattr(model, "blocks", None), tuple):
+        raise ValueError(f"sequence_parallel: {type(model).__name__} is not a cfx model with blocks and a "
+                         "\"sequence\" sublayer (GPT2, Llama, OPT, Bert, ViT).")
+    if sequence_part(model).axis is not None:
+        raise ValueError(f"sequence_parallel: {type(model).__name__}'s sequence is split already (over "
+                         f"{sequence_part(model).axis!r}); apply it to the plain model.")
 
     def split_block(block):
         if not hasattr(block, "seq") or not dataclasses.is_dataclass(block):
@@ -174,4 +182,4 @@ def sequence_parallel(model: Any, axis: str = "seq", *, method: str = "ring", la
                              "sequence_parallel to the model first, then tensor_parallel / cfx.zero.gathered / "
                              "cfx.remat, which wrap its blocks.")
         return dataclasses.replace(block, seq=split)
-    return dataclasses.replace(model.map_blocks(split_block), seq=split)
+    return model.map_blocks(split_block).with_layers(**split_sequence_layers(model.sublayers(), split))

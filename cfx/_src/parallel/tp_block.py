@@ -27,7 +27,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.mesh.layout import check_spec
 from cfx._src.mesh.spec import P, is_spec
-from cfx._src.models.parts import hook
+from cfx._src.models.parts import hook, sequence_part
 from cfx._src.nn.attention import attention
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.linear import split_keys
@@ -207,7 +207,7 @@ def tensor_parallel_grid(model: Any, mode: str = "2d", *, axes: tuple[str, ...] 
     if not isinstance(blocks, tuple) or not blocks:
         raise ValueError(f"tensor_parallel_grid: {name} has no blocks tuple to split; pass a model speaking the "
                          "parts protocol (GPT-2, Llama, ViT, ...) or a TransformerBlock.")
-    if hook(model, "logits_axis") is not None or hook(model, "seq") is not None:
+    if hook(model, "logits_axis") is not None or getattr(sequence_part(model), "axis", None) is not None:
         raise ValueError(f"tensor_parallel_grid: {name} already splits its vocabulary or sequence over a mesh axis; "
                          "apply the grid to the plain model.")
     for i, b in enumerate(blocks):

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from cfx._src.mesh.spec import P
-from cfx._src.models.parts import has_hook
+from cfx._src.models.parts import sequence_part
 from cfx._src.parallel.sequence import SequenceSplit, sequence_grads, sequence_parallel
 from cfx._src.plan.strategy import Built, Strategy, on_pieces
 
@@ -29,9 +29,9 @@ class Sequence(Strategy):
     def check(self, plan, model, where: str) -> None:
         if not plan.has("seq"):
             return
-        if not has_hook(model, "seq"):
-            raise ValueError(f"{where}: {type(model).__name__} cannot split its sequence (it has no `seq` field, "
-                             "as GPT2, Llama and Bert do); drop seq= from the mesh.")
+        if sequence_part(model) is None:
+            raise ValueError(f"{where}: {type(model).__name__} cannot split its sequence (it has no \"sequence\" "
+                             "sublayer, as GPT2, Llama and Bert do); drop seq= from the mesh.")
         if plan.sp == "ulysses":  # each rank's heads (after the model axis's split) divide over seq
             n = plan.size("seq")
             for i, block in enumerate(model.blocks):
