@@ -21,6 +21,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # default pools, 75 s with one thread each, 134 s serially)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+if os.environ.get("CFX_TEST_THREADS"):  # a comparison's tolerance must hold under 1, 2 and 4 threads
+    os.environ["OMP_NUM_THREADS"] = os.environ["CFX_TEST_THREADS"]
+    torch.set_num_threads(int(os.environ["CFX_TEST_THREADS"]))
+if os.environ.get("CFX_TOLERANCE_AUDIT"):  # each assert_close's margin, per call site (tolerance_audit.py)
+    from cfx_tests.tolerance_audit import install
+
+    install(os.environ["CFX_TOLERANCE_AUDIT"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,3 +19,18 @@ def random_tokens(B, T, V, seed=0):
 def shifted_targets(tok):
     """Next-token targets with the last position ignored (-100)."""
     return torch.cat([tok[:, 1:], torch.full_like(tok[:, :1], -100)], dim=1)
+
+
+# Bounds of the fp64 parity tests where a side rounds to fp32 by design: each at least 10x the worst measured
+# over intra-op threads 1, 2 and 4 and both xdist layouts (-n auto, -p no:xdist), and above that rounding.
+# transformers' eager attention takes its softmax in fp32 even in an fp64 model (``softmax(...,
+# dtype=torch.float32)``: CLIP, Llama, OPT, Mixtral), probabilities rounded by 2**-24: measured 1.4e-6 on
+# Llama's logits (of order 10, 2 layers); x15
+FP32_SOFTMAX = dict(rtol=0, atol=2e-5)
+# cfx's cross-entropy takes its softmax in fp32 (cfx_kernels' reference: ``logits.float()``), as transformers'
+# causal-LM loss does (loss_utils: ``logits.float()``): an fp64 model's loss is an fp32 number, 2**-24 (6e-8)
+# apart from fp64's: measured 9.6e-8 relative (BERT's, against its fp64 loss); x10
+FP32_LOSS = dict(rtol=1e-6, atol=0)
+# ... and d loss / d logits carries that rounding into every gradient (against transformers' BERT heads, whose
+# losses are fp64, and Mixtral's): measured 4.6e-8 (BERT's, gradients of order 0.1-1); x11
+FP32_LOSS_GRADS = dict(rtol=0, atol=5e-7)

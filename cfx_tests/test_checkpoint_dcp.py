@@ -20,6 +20,10 @@ from cfx_tests import dcp_script as S
 
 pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# FSDP2's fp32 losses (GPT2LMHeadModel, torch.optim.AdamW) against cfx's over the same steps, other sums in
+# another order (losses of order 4, 2 + 5 steps): measured 2.3e-7 relative worst over threads 1/2/4 and both
+# xdist layouts; x13
+FP32_LOSSES = dict(rtol=3e-6, atol=0)
 
 
 def tx():
@@ -51,7 +55,7 @@ def train(program, state, start: int) -> tuple:
 def test_fsdp2_and_cfx_continue_each_others_runs_with_equal_losses(tmp_path):
     runs = fsdp2("save", tmp_path / "fsdp2")  # FSDP2 trains, saves, continues: the reference
     theirs = runs["fsdp2"]
-    torch.testing.assert_close(runs["cfx"], theirs, rtol=1e-6, atol=0)  # cfx in those processes: dist, ZeRO-3
+    torch.testing.assert_close(runs["cfx"], theirs, **FP32_LOSSES)  # cfx in those processes: dist, ZeRO-3
     model = S.model()
     plan = Plan.parse("data=2,model=2")
     with plan.make_mesh() as mesh:
@@ -61,12 +65,12 @@ def test_fsdp2_and_cfx_continue_each_others_runs_with_equal_losses(tmp_path):
             state, meta = program.load(stored, fresh)
         assert meta == {"step": S.TRAINED}
         state, ours = train(program, state, S.TRAINED)
-        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+        torch.testing.assert_close(ours, theirs, **FP32_LOSSES)
         # and back: cfx saves where it stands, continues; FSDP2 loads it and continues alike
         cfx.checkpoint.to_dcp(tmp_path / "cfx", program, state, adamw=dict(lr=S.LR, weight_decay=S.WEIGHT_DECAY))
         _, ours = train(program, state, S.TRAINED + S.CONTINUED)
     theirs = fsdp2("load", tmp_path / "cfx", S.TRAINED + S.CONTINUED)["fsdp2"]
-    torch.testing.assert_close(theirs, ours, rtol=1e-6, atol=0)
+    torch.testing.assert_close(theirs, ours, **FP32_LOSSES)
 
 
 def state_of(program, state, path) -> dict[str, torch.Tensor]:

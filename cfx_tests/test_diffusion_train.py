@@ -18,6 +18,9 @@ TINY = dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16, attention_head_dim=4,
             norm_num_groups=8)
+# the fp32 run's losses, diffusers' against cfx's over 5 AdamW steps (of order 1): measured 2.6e-7 relative
+# worst over threads 1/2/4 and both xdist layouts; x12. The fp64 run: assert_close's fp64 defaults
+FP32_LOSSES = dict(rtol=3e-6, atol=0)
 
 
 @pytest.mark.timeout(120)
@@ -48,7 +51,7 @@ def test_five_adamw_steps_equal_diffusers_with_torch_adamw(prediction, dtype):
         loss, grads = cfx.value_and_grad(lambda p: T.denoising_loss(unet, schedule, p, latents, text, t, noise))(params)
         updates, state = tx.update(grads, state, params)
         params = cfx.optim.apply_updates(params, updates)
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss, ref_loss.detach(), **(FP32_LOSSES if dtype == torch.float32 else {}))
     if dtype == torch.float64:
         _, now = U.from_diffusers(ref)
         cfx.tree.assert_tree_close(params, now)

@@ -1,5 +1,6 @@
 """The VAE and its 2-D layers equal ``diffusers``: each layer (ResnetBlock2D with and without a time
-embedding and a channel change, Down/Upsample2D, the mid-block attention) on random weights; a tiny
+embedding and a channel change, Down/Upsample2D, the mid-block attention) on random weights, in fp64
+(``in_float64``); a tiny
 random ``AutoencoderKL`` converted by ``from_diffusers`` encodes and decodes to diffusers' numbers,
 its gradients equal autograd's through diffusers, and ``to_diffusers_state_dict`` loads back; the
 ``sd`` preset has SD's VAE layout; bad inputs and configs raise ValueErrors naming the shape and the fix."""
@@ -67,7 +68,8 @@ def check_axes(layer, params):
 # -- layers ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cin,cout,temb", [(16, 16, None), (16, 32, None), (16, 32, 12), (32, 32, 12)])
 def test_resnet_block_equals_diffusers(cin, cout, temb):
-    ref = randomize(DResnetBlock2D(in_channels=cin, out_channels=cout, temb_channels=temb, groups=4, eps=1e-6), 0)
+    ref = randomize(DResnetBlock2D(in_channels=cin, out_channels=cout, temb_channels=temb, groups=4, eps=1e-6),
+                    0).double()
     layer = L.ResnetBlock2D(cin, cout, groups=4, temb_channels=temb)
     p = {"norm1": norm(ref.norm1), "conv1": conv(ref.conv1), "norm2": norm(ref.norm2), "conv2": conv(ref.conv2)}
     if temb:
@@ -77,7 +79,7 @@ def test_resnet_block_equals_diffusers(cin, cout, temb):
     check_axes(layer, layer.init(random.key(0)))
     tree_util.check_same_structure("init vs converted", tree_util.map(lambda t: 0, layer.init(random.key(0))),
                                    tree_util.map(lambda t: 0, p))
-    x, t = randn(1, 2, cin, 8, 6), (randn(2, 2, temb) if temb else None)
+    x, t = randn(1, 2, cin, 8, 6).double(), (randn(2, 2, temb).double() if temb else None)
     torch.testing.assert_close(layer.apply(p, x, t), ref(x, t))
 
 
@@ -92,10 +94,10 @@ def test_resnet_block_refuses_a_missing_or_stray_temb():
 
 @pytest.mark.parametrize("padding,hw", [(1, (8, 8)), (1, (9, 7)), (0, (8, 8)), (0, (9, 7))])
 def test_downsample_equals_diffusers(padding, hw):
-    ref = randomize(DDownsample2D(16, use_conv=True, padding=padding), 1)
+    ref = randomize(DDownsample2D(16, use_conv=True, padding=padding), 1).double()
     layer = L.Downsample2D(16, padding=padding)
     check_axes(layer, layer.init(random.key(0)))
-    x = randn(3, 2, 16, *hw)
+    x = randn(3, 2, 16, *hw).double()
     out = layer.apply({"conv": conv(ref.conv)}, x)
     torch.testing.assert_close(out, ref(x))
     half = ((hw[0] + 1) // 2, (hw[1] + 1) // 2) if padding else (hw[0] // 2, hw[1] // 2)
@@ -104,10 +106,10 @@ def test_downsample_equals_diffusers(padding, hw):
 
 @pytest.mark.parametrize("output_size", [None, (9, 11)])
 def test_upsample_equals_diffusers(output_size):
-    ref = randomize(DUpsample2D(16, use_conv=True), 2)
+    ref = randomize(DUpsample2D(16, use_conv=True), 2).double()
     layer = L.Upsample2D(16)
     check_axes(layer, layer.init(random.key(0)))
-    x = randn(4, 2, 16, 5, 6)
+    x = randn(4, 2, 16, 5, 6).double()
     torch.testing.assert_close(layer.apply({"conv": conv(ref.conv)}, x, output_size=output_size),
                                ref(x, output_size=output_size))
 
@@ -118,12 +120,12 @@ def test_spatial_attention_equals_diffusers(heads):
     # as diffusers' UNetMidBlock2D builds it for the VAE
     ref = randomize(Attention(C, heads=heads, dim_head=C // heads, rescale_output_factor=1.0, eps=1e-6,
                               norm_num_groups=8, residual_connection=True, bias=True, upcast_softmax=True,
-                              _from_deprecated_attn_block=True), 3)
+                              _from_deprecated_attn_block=True), 3).double()
     layer = L.SpatialAttention(C, groups=8, heads=heads)
     p = {"group_norm": norm(ref.group_norm), "to_q": linear(ref.to_q), "to_k": linear(ref.to_k),
          "to_v": linear(ref.to_v), "to_out": linear(ref.to_out[0])}
     check_axes(layer, layer.init(random.key(0)))
-    x = randn(5, 2, C, 6, 5)
+    x = randn(5, 2, C, 6, 5).double()
     torch.testing.assert_close(layer.apply(p, x), ref(x))
     with pytest.raises(ValueError, match=r"x must be \(B, 32, H, W\), got \(2, 16, 6, 5\)"):
         layer.apply(p, x[:, :16])
@@ -205,12 +207,14 @@ def test_to_diffusers_state_dict_round_trips(tiny):
     x, z = randn(14, 1, 3, 32, 32), randn(15, 1, 4, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(fresh(x).sample, ref(x).sample, rtol=0, atol=0)
-        torch.testing.assert_close(fresh.decode(z).sample, model.decode(params, z))
+        fresh.double()  # then the two functions, in fp64 (in_float64)
+        to64 = lambda tree: tree_util.map(lambda t: t.double(), tree)  # noqa: E731
+        torch.testing.assert_close(fresh.decode(z.double()).sample, model.decode(to64(params), z.double()))
     # and a cfx-initialised VAE (fresh weights of its own) drives diffusers to the same numbers
-    own = model.init(random.key(1))
+    own = to64(model.init(random.key(1)))
     fresh.load_state_dict(to_diffusers_state_dict(model, own), strict=True)
     with torch.no_grad():
-        torch.testing.assert_close(fresh.decode(z).sample, model.decode(own, z))
+        torch.testing.assert_close(fresh.decode(z.double()).sample, model.decode(own, z.double()))
 
 
 def test_gradients_equal_diffusers_autograd(tiny):

@@ -32,6 +32,9 @@ DOCS = pathlib.Path(ROOT) / "docs" / "lightning.md"
 CFG = TrainConfig(steps=6, batch=4, seq=32, eval_every=3, eval_batches=2, sample_bytes=0, progress=False)
 # resuming in the directory a run saved into is what Lightning's docs show; it warns all the same
 RESUME_WARNING = "ignore:Checkpoint directory .* exists and is not empty:UserWarning"
+# two half batches' gradients summed against the whole batch's, then 2 AdamW steps in fp32 (params of order
+# 0.02-1): measured 6.2e-6 worst over threads 1/2/4 and both xdist layouts; x11
+ACCUMULATED_FP32 = dict(rtol=0, atol=7e-5)
 
 
 def fit(log_dir, cfg=CFG, plan="", *, module=None, data=None, ckpt_path=None, **flags):
@@ -139,7 +142,7 @@ def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
                    accumulate_grad_batches=2)
     big, b = fit(tmp_path / "b", module=module(), data=(Fixed(wholes), Fixed(wholes)), max_steps=2)
     assert small.global_step == big.global_step == 2
-    cfx.tree.assert_tree_close(a.params(), b.params())
+    cfx.tree.assert_tree_close(a.params(), b.params(), **ACCUMULATED_FP32)
     assert [s for s, _ in logged(tmp_path / "a")] == [0, 1]  # a row per optimizer step
 
 

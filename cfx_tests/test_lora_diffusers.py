@@ -23,7 +23,9 @@ from cfx._src.diffusion.sampling import sample, text_states  # noqa: E402
 from cfx._src.diffusion.train import denoising_loss, frozen_base  # noqa: E402
 from cfx.diffusion.dreambooth import main  # noqa: E402
 from cfx_tests import test_diffusion_finetune  # noqa: E402
-from cfx_tests.test_diffusion_dreambooth import INSTANCE, encoded, flags, printed_losses, subject  # noqa: E402
+from cfx_tests.test_diffusion_dreambooth import (INSTANCE, assert_losses, encoded, flags, run_losses,  # noqa: E402
+                                                 subject)
+from cfx_tests.test_diffusion_pipeline import in_float64  # noqa: E402
 
 pipe_dir = test_diffusion_finetune.pipe_dir  # the tiny pipeline, saved with a char-level tokenizer
 UNET = cfx.lora.LoraConfig(r=4, alpha=8, targets=("unet-attn",))          # alpha != r: the metadata carries it
@@ -56,7 +58,11 @@ def trained(model, config, seed):
 
 def inputs(seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 99, (2, 7), generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    return torch.randint(0, 99, (2, 7), generator=g), torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64)
+
+
+def to64(tree):
+    return cfx.tree.map(lambda x: x.double(), tree)
 
 
 def outputs_cfx(p, unet=None, text=None, *, seed=1):
@@ -77,15 +83,17 @@ def outputs_diffusers(pipe, *, seed=1):
 
 
 def test_save_diffusers_loads_in_diffusers_with_equal_outputs(base, pipe_dir, tmp_path):
-    """fp32 throughout; assert_close's fp32 defaults (rtol 1.3e-6, atol 1e-5): the same sums, peft's
-    order of operations; the adapters move both outputs by far more (> 0.1)."""
+    """The fp32 file, then both sides in fp64 at assert_close's fp64 defaults: the same sums in peft's
+    order of operations (in fp32 each CPU's kernels decide the last bits); the adapters move both
+    outputs by far more (> 0.1)."""
     ua, ta = trained(base.unet, UNET, 0), trained(base.text_encoder, TEXT, 2)
     cfx.lora.save_diffusers(tmp_path, base, unet=(ua, UNET), text_encoder=(ta, TEXT))
     pipe = reference_pipeline(pipe_dir)
     pipe.load_lora_weights(tmp_path)
-    want = outputs_diffusers(pipe)
-    got = outputs_cfx(base, (ua, UNET), (ta, TEXT))
-    plain = outputs_cfx(base)
+    want = outputs_diffusers(pipe.to(torch.float64))
+    base64 = in_float64(base)
+    got = outputs_cfx(base64, (to64(ua), UNET), (to64(ta), TEXT))
+    plain = outputs_cfx(base64)
     for g, w, p in zip(got, want, plain):
         assert (g - p).abs().max() > 0.1
         torch.testing.assert_close(g, w)
@@ -113,7 +121,7 @@ def peft_pipeline(pipe_dir, *, r=4, alpha=8):
 def test_a_diffusers_saved_lora_loads_into_cfx_with_equal_outputs(base, pipe_dir, tmp_path, layout):
     """``save_lora_weights`` of peft's state dicts with their configs as metadata, or renamed by
     ``convert_state_dict_to_diffusers`` (``lora.down`` / ``lora_linear_layer.up``) with none (then
-    alpha = r, diffusers' rule, so that case trains with alpha = r). Equal at assert_close's fp32
+    alpha = r, diffusers' rule, so that case trains with alpha = r). Equal in fp64 at assert_close's
     defaults; the keys cfx writes for the same adapters are diffusers' (up to ``text_model.``)."""
     from peft.utils import get_peft_model_state_dict
 
@@ -131,8 +139,8 @@ def test_a_diffusers_saved_lora_loads_into_cfx_with_equal_outputs(base, pipe_dir
     (uc, ua), (tc, ta) = loaded["unet"], loaded["text_encoder"]
     assert (uc.r, uc.alpha, uc.targets, tc.r, tc.alpha, tc.targets) == (4, 8 if metadata else 4, ("unet-attn",),
                                                                          2, 2, ("attn",))
-    want = outputs_diffusers(pipe)
-    for g, w in zip(outputs_cfx(base, (ua, uc), (ta, tc)), want):
+    want = outputs_diffusers(pipe.to(torch.float64))
+    for g, w in zip(outputs_cfx(in_float64(base), (to64(ua), uc), (to64(ta), tc)), want):
         torch.testing.assert_close(g, w)
     if metadata:
         cfx.lora.save_diffusers(tmp_path / "ours", base, unet=(ua, uc), text_encoder=(ta, tc))
@@ -210,8 +218,10 @@ def assert_adapters_close(got, want, steps):
 
 
 @pytest.mark.timeout(300)
-def test_the_lora_cli_trains_the_adapters_alone_and_diffusers_samples_the_same(pipe_dir, base, tmp_path, capsys):
+def test_the_lora_cli_trains_the_adapters_alone_and_diffusers_samples_the_same(pipe_dir, base, tmp_path, capsys,
+                                                                              monkeypatch):
     instance_dir, out = subject(tmp_path / "instance"), tmp_path / "out"
+    runs = run_losses(monkeypatch)
     assert main(flags(pipe_dir, instance_dir, out, "--steps", "3", "--prior-loss-weight", "0.5", "--mesh", "data=2",
                       "--lora", "r=4,alpha=8")) == 0
     printed = capsys.readouterr().out.strip()
@@ -226,39 +236,45 @@ def test_the_lora_cli_trains_the_adapters_alone_and_diffusers_samples_the_same(p
     assert n == 3 * (56 * 16 + 128) + (56 * 32 + 128)
     assert printed.endswith(f"LoRA adapters ({n:,} params) in {out / 'pytorch_lora_weights.safetensors'}"), printed
     want, losses = reference_lora(base, instance_dir, out / "class_images", 3, config=UNET, w=0.5)
-    torch.testing.assert_close(printed_losses(printed), [losses[0], losses[-1]], atol=6e-5, rtol=0)
+    assert_losses(printed, runs[-1], losses)
     assert_adapters_close(got, want, 3)
-    # diffusers with the file on the same base weights: the same DDIM latents (4 steps, guidance 7.5,
-    # fp32) as cfx's sampler with the adapters attached, at assert_close's fp32 defaults
+    # diffusers with the file on the same base weights: the same DDIM latents (4 steps, guidance 7.5) as
+    # cfx's sampler with the adapters attached, both in fp64 at assert_close's fp64 defaults (in fp32 the
+    # CPU's kernels decide the last bits: 2e-5 apart on one machine, bitwise on another)
     pipe = reference_pipeline(pipe_dir)
     pipe.load_lora_weights(out)
     pipe.set_progress_bar_config(disable=True)
+    pipe.to(torch.float64)
+    base64 = in_float64(base)
     tokens, _ = inputs(2)
-    cond, uncond = text_states(base, tokens), text_states(base, torch.zeros_like(tokens))
-    latents = cfx.random.normal(cfx.random.key(5), (2, 4, 8, 8))
-    tuned = dataclasses.replace(base, unet_params=cfx.lora.attach(base.unet_params, got, config))
+    cond, uncond = text_states(base64, tokens), text_states(base64, torch.zeros_like(tokens))
+    latents = cfx.random.normal(cfx.random.key(5), (2, 4, 8, 8)).double()
+    tuned = dataclasses.replace(base64, unet_params=cfx.lora.attach(base64.unet_params, to64(got), config))
     ours = sample(tuned, cond, uncond, steps=4, guidance_scale=7.5, latents=latents, decode=False)
     theirs = pipe(prompt_embeds=cond, negative_prompt_embeds=uncond, latents=latents, num_inference_steps=4,
                   guidance_scale=7.5, output_type="latent", height=16, width=16).images
+    assert ours.dtype == theirs.dtype == torch.float64
     torch.testing.assert_close(ours, theirs)
-    assert (ours - sample(base, cond, uncond, steps=4, guidance_scale=7.5, latents=latents, decode=False)).abs().max() > 1e-3
+    plain = sample(base64, cond, uncond, steps=4, guidance_scale=7.5, latents=latents, decode=False)
+    assert (ours - plain).abs().max() > 1e-3
     meta = json.loads(__import__("safetensors").safe_open(str(out / "pytorch_lora_weights.safetensors"), "pt")
                       .metadata()["lora_adapter_metadata"])
     assert (meta["unet.r"], meta["unet.lora_alpha"], len(meta["unet.target_modules"])) == (4, 8, 4 * 8)
 
 
 @pytest.mark.timeout(300)
-def test_the_lora_cli_over_an_int8_base_trains_what_one_device_trains(pipe_dir, base, tmp_path, capsys):
+def test_the_lora_cli_over_an_int8_base_trains_what_one_device_trains(pipe_dir, base, tmp_path, capsys, monkeypatch):
     """Every Linear and conv weight of the frozen UNet int8 (the adapted ones too); the adapters as a
     one-device loop over ``cfx.quant.quantize``'s weights trains them."""
     instance_dir, out = subject(tmp_path / "instance"), tmp_path / "out"
+    runs = run_losses(monkeypatch)
     config = cfx.lora.LoraConfig(r=2, alpha=2, targets=("unet-attn", "*.ff.proj"))
     assert main(flags(pipe_dir, instance_dir, out, "--steps", "2", "--prior-loss-weight", "0", "--lora",
                       "r=2,alpha=2,targets=unet-attn+*.ff.proj", "--lora-base", "int8")) == 0
     got_config, got = cfx.lora.load_diffusers(out, base)["unet"]
     assert got_config.targets == tuple(sorted(p[:-2] + ".w" for p in cfx.tree.leaf_paths(got) if p.endswith(".A")))
     want, losses = reference_lora(base, instance_dir, None, 2, config=config, w=0, base="int8")
-    torch.testing.assert_close(printed_losses(capsys.readouterr().out), [losses[0], losses[-1]], atol=6e-5, rtol=0)
+    assert_losses(capsys.readouterr().out, runs[-1], losses)
     assert_adapters_close(got, want, 2)
     int8 = frozen_base(base.unet, base.unet_params, "int8")  # what the CLI froze: the adapted weights too
     chosen = [x for p, x in cfx.tree.flatten_with_path(int8, is_leaf=cfx.quant.is_quantized)[0]
