@@ -10,7 +10,8 @@ adapters alone::
     loss, grads = cfx.value_and_grad(
         lambda ad: model.loss(cfx.lora.attach(params, ad, config), tokens, targets))(adapters)
 
-``merge`` / ``unmerge`` fold them into the weights and back; ``save_peft`` / ``load_peft`` write and read
+``frozen_base(params, model.axes(), "int8" | "bf16" | ...)`` makes the frozen base one recipe for every
+model. ``merge`` / ``unmerge`` fold them into the weights and back; ``save_peft`` / ``load_peft`` write and read
 peft's ``adapter_config.json`` + ``adapter_model.safetensors`` (GPT-2, Llama, OPT). ``save_diffusers`` /
 ``load_diffusers`` write and read the adapters of a Stable Diffusion pipeline's UNet (preset
 ``"unet-attn"``) and text encoder (``"attn"``) as diffusers' ``pytorch_lora_weights.safetensors``, which
@@ -26,12 +27,13 @@ under ZeRO-3, each pipe stage holding only the blocks it runs, in host memory or
 from cfx._src.diffusion.lora import load_diffusers, save_diffusers
 from cfx._src.lora.adapters import attach, axes, init, merge, unmerge
 from cfx._src.lora.config import ALL_LINEAR, PRESETS, LoraConfig
+from cfx._src.lora.frozen import frozen_base
 from cfx._src.lora.model import LoraModel
 from cfx._src.lora.peft import load_peft, save_peft
 from cfx._src.nn.lora_weight import LoraWeight
 from cfx._src.plan.lora_base import place_base
 from cfx._src.train.model import lora_model
 
-__all__ = ["ALL_LINEAR", "LoraConfig", "LoraModel", "LoraWeight", "PRESETS", "attach", "axes", "init",
+__all__ = ["ALL_LINEAR", "LoraConfig", "LoraModel", "LoraWeight", "PRESETS", "attach", "axes", "frozen_base", "init",
            "load_diffusers", "load_peft", "lora_model", "merge", "place_base", "save_diffusers", "save_peft",
            "unmerge"]

@@ -17,7 +17,8 @@ never modifies grads, params or the old state. ``sgd``, ``adam`` and ``adamw`` m
 differentiate ``scale_loss(loss, state)``. Inside a sharded step, ``with cfx.optim.sharded(...)``
 makes global norms (clipping, LAMB / LARS trust ratios) and inf/nan checks span every rank's part.
 ``accumulate(tx, every)`` steps ``tx`` once per ``every`` micro-batches with their mean gradient
-(a batch larger than memory).
+(a batch larger than memory). Freezing is a transform too, optax's: ``masked``, ``multi_transform``,
+``set_to_zero`` and ``freeze`` split one tree into trained and frozen leaves by a mask.
 """
 from cfx._src.optim.accumulate import AccumulateState, accumulate
 from cfx._src.optim.alias import adam, adamw, lamb, lars, sgd
@@ -32,6 +33,7 @@ from cfx._src.optim.base import (
     identity,
 )
 from cfx._src.optim.clipping import clip_by_global_norm
+from cfx._src.optim.freezing import MaskedState, MultiTransformState, freeze, masked, multi_transform, set_to_zero
 from cfx._src.optim.loss_scale import (
     LossScaleState,
     all_finite,
@@ -62,7 +64,8 @@ from cfx._src.optim.transforms import (
 )
 
 __all__ = [
-    "AccumulateState", "EmptyState", "GradientTransformation", "LossScaleState", "ScaleByAdamState",
+    "AccumulateState", "EmptyState", "GradientTransformation", "LossScaleState", "MaskedState", "MultiTransformState",
+    "ScaleByAdamState", "freeze", "masked", "multi_transform", "set_to_zero",
     "ScaleByScheduleState", "TraceState", "accumulate", "adam", "adamw", "add_decayed_weights", "all_finite",
     "apply_gradients", "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "cosine_decay_schedule",
     "dynamic_loss_scale", "global_norm", "identity", "join_schedules", "lamb", "lars",

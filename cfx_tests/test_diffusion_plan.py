@@ -131,3 +131,26 @@ def test_describe_gives_the_unets_state_per_rank():
     assert 4 * largest <= d.bytes["gathered block"] <= 4 * (largest + 2 * 16)
     with pytest.raises(ValueError, match="takes a batch of its own"):
         cfx.parallel.Plan.parse("data=2").describe(model, batch=(4, 8))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text", ["data=2 zero=3", "data=2 zero=3 offload=host"])
+def test_lora_adapters_of_a_frozen_unet_train_under_zero3_and_offload_as_one_device(text):
+    """``lora_denoiser``: the adapters (ZeRO-3 pieces, with offload in host memory) over a frozen fp32 UNet
+    train as the single-device plan trains them (the same program protocol, ``Plan().step``)."""
+    from cfx._src.diffusion.train import lora_denoiser, unet_base
+    unet, schedule = cfx.diffusion.UNet2DCondition(CONFIG), cfx.diffusion.Schedule()
+    config = cfx.lora.LoraConfig(r=2, alpha=4, targets=("unet-attn",))
+    base = unet_base(unet, unet.init(cfx.random.key(3)), "fp32")
+    adapters = cfx.tree.map(lambda x: x + 0.01, cfx.lora.init(unet, config, cfx.random.key(4)))  # B != 0: every factor learns
+    model = lora_denoiser(unet, schedule, base, config, adapters)
+    tx, batches = cfx.optim.adamw(1e-2), _batches(Denoiser(unet, schedule))
+    one = cfx.parallel.Plan().step(model, tx)
+    state, want_losses = one.init_from(adapters), []
+    for b in batches:
+        state, metrics = one(state, b)
+        want_losses.append(float(metrics["loss"]))
+    got, losses = _planned(text, model, tx, adapters, batches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses))
+    cfx.tree.assert_tree_close(got, one.params(state))
+    assert not cfx.tree.allclose(got, adapters)  # the adapters moved

@@ -20,7 +20,7 @@ PIL = pytest.importorskip("PIL")
 import cfx  # noqa: E402
 from cfx._src.diffusion.finetune import batch_at, rows_of  # noqa: E402
 from cfx._src.diffusion.sampling import sample, text_states  # noqa: E402
-from cfx._src.diffusion.train import denoising_loss, frozen_base  # noqa: E402
+from cfx._src.diffusion.train import denoising_loss, unet_base  # noqa: E402
 from cfx.diffusion.dreambooth import main  # noqa: E402
 from cfx_tests import test_diffusion_finetune  # noqa: E402
 from cfx_tests.test_diffusion_dreambooth import (INSTANCE, assert_losses, encoded, flags, run_losses,  # noqa: E402
@@ -276,7 +276,7 @@ def test_the_lora_cli_over_an_int8_base_trains_what_one_device_trains(pipe_dir, 
     want, losses = reference_lora(base, instance_dir, None, 2, config=config, w=0, base="int8")
     assert_losses(capsys.readouterr().out, runs[-1], losses)
     assert_adapters_close(got, want, 2)
-    int8 = frozen_base(base.unet, base.unet_params, "int8")  # what the CLI froze: the adapted weights too
+    int8 = unet_base(base.unet, base.unet_params, "int8")  # what the CLI froze: the adapted weights too
     chosen = [x for p, x in cfx.tree.flatten_with_path(int8, is_leaf=cfx.quant.is_quantized)[0]
               if p.endswith((".to_q.w", "conv_in.w"))]
     assert len(chosen) == 8 + 1 and all(isinstance(x, cfx.quant.QuantizedWeight) for x in chosen)  # 4 x attn1, attn2
@@ -289,9 +289,9 @@ def test_a_bf16_base_computes_the_fp32_loss_within_bf16_rounding(base):
              torch.randn(2, 4, 8, 8, generator=g))
     adapters = trained(base.unet, UNET, 0)
     from cfx._src.diffusion.train import lora_denoiser
-    losses = {b: lora_denoiser(base.unet, base.schedule, frozen_base(base.unet, base.unet_params, b), UNET, adapters)
+    losses = {b: lora_denoiser(base.unet, base.schedule, unet_base(base.unet, base.unet_params, b), UNET, adapters)
               .loss(adapters, *batch) for b in ("fp32", "bf16")}
-    bf16 = frozen_base(base.unet, base.unet_params, "bf16")
+    bf16 = unet_base(base.unet, base.unet_params, "bf16")
     assert {x.dtype for x in cfx.tree.leaves(bf16) if x.is_floating_point()} == {torch.bfloat16}
     assert losses["fp32"].dtype == losses["bf16"].dtype == torch.float32
     torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=2e-2, atol=0)

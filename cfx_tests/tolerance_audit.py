@@ -61,7 +61,9 @@ def margin(actual: Any, expected: Any, rtol: float | None, atol: float | None) -
         allowed = (t + r * e64.abs())[finite]
         if not err.numel():
             continue
-        m = float((err / allowed.clamp_min(1e-300)).max()) if (allowed > 0).all() else float("inf") * float(err.max() > 0)
+        exact = allowed == 0  # an exact comparison (rtol = atol = 0): 0 where equal, inf where not
+        ratio = torch.where(exact, torch.where(err == 0, 0.0, float("inf")), err / allowed.clamp_min(1e-300))
+        m = float(ratio.max())
         if m >= worst:
             worst, dtype = m, str(d).removeprefix("torch.")
     return (worst, dtype) if dtype is not None else None

@@ -32,7 +32,7 @@ from cfx._src.diffusion.finetune import encode, fine_tune, write_lora
 from cfx._src.diffusion.lora import WEIGHTS
 from cfx._src.diffusion.pipeline import load_pipeline, tokenizer
 from cfx._src.diffusion.sampling import latent_shape
-from cfx._src.diffusion.train import BASES, frozen_base, lora_denoiser
+from cfx._src.diffusion.train import BASES, lora_denoiser, unet_base
 from cfx._src.core.cli import parse, run_command
 from cfx._src.lora.adapters import init as lora_init
 from cfx._src.lora.config import LoraConfig
@@ -120,7 +120,7 @@ def lora_run(a: argparse.Namespace, pipe: Any, config: LoraConfig, key: Any) -> 
     """``fine_tune``'s arguments training ``config``'s adapters of ``pipe``'s UNet (``--lora-base``
     frozen), drawn from ``fold_in(key, 1)`` (dropout from ``fold_in(key, 2)``), saved as diffusers' file."""
     adapters = lora_init(pipe.unet, config, random.fold_in(key, 1))
-    model = lora_denoiser(pipe.unet, pipe.schedule, frozen_base(pipe.unet, pipe.unet_params, a.lora_base), config,
+    model = lora_denoiser(pipe.unet, pipe.schedule, unet_base(pipe.unet, pipe.unet_params, a.lora_base), config,
                           adapters)
     return {"model": model, "params": adapters, "write": write_lora(pipe, config),
             "key": random.fold_in(key, 2) if config.dropout else None}

@@ -15,7 +15,7 @@ over a model axis.
 
 ``lora_denoiser(unet, schedule, base, config, adapters)`` is the same objective over LoRA adapters
 (``cfx.lora``) of a frozen UNet: a loss function of the adapters alone, whose params, gradients and optimizer
-state are the adapters'. ``frozen_base`` makes that UNet's params fp32, bf16 or int8 (QLoRA's recipe).
+state are the adapters'. ``frozen_base`` makes that UNet's params fp32, bf16 or int8 (QLoRA's recipe; ``unet_base``).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from cfx._src.lora.adapters import attach
 from cfx._src.lora.config import LoraConfig
 from cfx._src.models.function import LossModel
 from cfx._src.nn.sublayers import keep_sublayers
-from cfx._src.precision.quant import quantize
+from cfx._src.lora.frozen import frozen_base
 
 BASES = ("fp32", "bf16", "int8")  # the frozen UNet's weights under LoRA
 
@@ -110,14 +110,12 @@ class Denoiser(Composite):
                              "(cfx.diffusion.draw makes t and noise).")
 
 
-def frozen_base(unet: Any, params: Any, base: str) -> Any:
-    """``params`` of ``unet`` as LoRA's frozen base: fp32, bf16, or int8 (every Linear and conv weight
-    weight-only int8, per output channel; the norms and biases fp32), detached."""
+def unet_base(unet: Any, params: Any, base: str) -> Any:
+    """``params`` of ``unet`` as LoRA's frozen base (``cfx.lora.frozen_base``): fp32, bf16, or int8 (every
+    Linear and conv weight, however small, weight-only int8 per output channel; the norms and biases fp32)."""
     if base not in BASES:
         raise ValueError(f"frozen_base: base must be one of {BASES}, got {base!r}.")
-    dtype = torch.bfloat16 if base == "bf16" else torch.float32
-    params = tree_util.map(lambda x: x.detach().to(dtype) if x.is_floating_point() else x.detach(), params)
-    return quantize(params, "int8", axes=unet.axes(), min_size=0) if base == "int8" else params
+    return frozen_base(params, unet.axes(), base, min_size=0)
 
 
 class _OnDevice:

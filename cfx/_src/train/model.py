@@ -2,7 +2,7 @@
 ``--preset`` decoder, and AdamW with warmup and cosine decay (weight decay on matrices only).
 
 Under ``--lora`` the model the job trains is a ``cfx.lora`` ``LoraModel``: the adapters over a frozen
-base (``lora_model``), stored as ``--lora-base`` says (``frozen_base``), split over a model axis by
+base (``lora_model``), stored as ``--lora-base`` says (``job_base``), split over a model axis by
 Megatron's rules (``megatron_split``)."""
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 from cfx._src.core import tree as tree_util
 from cfx._src.core.tree import is_axes_leaf
 from cfx._src.lora.config import LoraConfig
+from cfx._src.lora.frozen import frozen_base
 from cfx._src.lora.model import LoraModel
 from cfx._src.models.gpt2 import gpt2
 from cfx._src.models.llama import llama
 from cfx._src.models.mixtral import mixtral
 from cfx._src.models.opt import opt
-from cfx._src.nn.lora_weight import is_weight_node
 from cfx._src.optim.alias import adamw
 from cfx._src.optim.base import GradientTransformation, chain, identity
 from cfx._src.optim.clipping import clip_by_global_norm
@@ -27,7 +27,6 @@ from cfx._src.optim.schedules import warmup_cosine_decay_schedule
 from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
 from cfx._src.parallel.rules import Rules
 from cfx._src.precision.amp import policy
-from cfx._src.precision.quant import quantize
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.data import VOCAB_SIZE
 
@@ -61,15 +60,12 @@ def lora_model(model: Any, config: LoraConfig, base: Any) -> LoraModel:
     return LoraModel(model, config, base, split=megatron_split)
 
 
-def frozen_base(cfg: TrainConfig, model: Any, params: Any) -> Any:
-    """``params`` as ``--lora-base`` stores the frozen base: ``int8`` Linear weights
-    (``cfx.quant.quantize``), every other floating leaf in ``--precision``'s compute dtype (the
-    adapters compute in it beside them)."""
-    if cfg.lora_base == "int8":
-        params = quantize(params, "int8", axes=model.axes())
-    dtype = policy(cfg.precision).compute_dtype
-    return tree_util.map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-                         params, is_leaf=is_weight_node)
+def job_base(cfg: TrainConfig, model: Any, params: Any) -> Any:
+    """``params`` as ``--lora-base`` stores the frozen base (``cfx.lora.frozen_base``): ``int8`` Linear
+    weights, every other floating leaf in ``--precision``'s compute dtype (the adapters compute in it
+    beside them)."""
+    return frozen_base(params, model.axes(), "int8" if cfg.lora_base == "int8" else cfg.precision,
+                       dtype=policy(cfg.precision).compute_dtype)
 
 
 def decay_mask(model) -> Any:

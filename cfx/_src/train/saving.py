@@ -44,7 +44,7 @@ from cfx._src.precision.quant import dequantize
 from cfx._src.spmd.arrays import device_get
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.data import VOCAB_SIZE, run_keys
-from cfx._src.train.model import build_model, build_optimizer, check_context, frozen_base, lora_model
+from cfx._src.train.model import build_model, build_optimizer, check_context, job_base, lora_model
 from cfx._src.transforms.shapes import eval_shape
 
 # the flags that decide the state's leaves (the others -- learning rate, clip, mesh, ... -- do not)
@@ -262,4 +262,4 @@ def trained_model(cfg: TrainConfig) -> Any:
     if not cfg.lora:
         return build_model(cfg)
     model, params = base_params(cfg)
-    return lora_model(model, LoraConfig.parse(cfg.lora), frozen_base(cfg, model, params))
+    return lora_model(model, LoraConfig.parse(cfg.lora), job_base(cfg, model, params))
