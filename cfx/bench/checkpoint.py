@@ -1,7 +1,7 @@
 """Sharded checkpoints, measured: what a save writes and what a load holds.
 
-GPT-2 params (the ``small`` widths, the vocabulary padded to 50304, 2 layers under ``--quick``;
-toy widths under ``--smoke``),
+GPT-2 params (the ``small`` widths, the vocabulary padded to 50304; under ``--quick`` 2 layers and a
+vocabulary of 8192; toy widths under ``--smoke``),
 fp32, saved from ``{"data": 4}`` with every matrix split by rows, loaded onto ``{"model": 4}`` by
 Megatron's rules (column- and row-parallel blocks, the vocabulary split): most stored blocks
 overlap several loaded ones, so the load reads slices. ``cfx.memory`` books the load's buffers
@@ -41,7 +41,9 @@ from cfx.parallel import Plan
 def _model(size: str, n_layer: int):
     if size == "smoke":  # every dimension the meshes split still divisible by 4
         return cfx.models.gpt2("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
-    return cfx.models.gpt2("small", n_layer=2 if size == "quick" else n_layer, vocab_size=50304)  # vocab split 4 ways
+    if size == "quick":  # the small widths, 2 layers, a vocabulary of 8192 (the table then weighs as 8 blocks)
+        return cfx.models.gpt2("small", n_layer=2, vocab_size=8192)
+    return cfx.models.gpt2("small", n_layer=n_layer, vocab_size=50304)  # vocab split 4 ways
 
 
 def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
