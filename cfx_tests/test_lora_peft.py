@@ -123,5 +123,6 @@ def test_peft_interop_errors(tmp_path):
     with pytest.raises(ValueError, match=r"use_dora=True.*which cfx\.lora does not implement"):
         cfx.lora.load_peft(tmp_path, model)
     bert = models.bert("tiny", n_layer=1, hidden_size=32, n_head=2, intermediate_size=64, vocab_size=50)
-    with pytest.raises(ValueError, match=r"peft's layout is mapped for cfx\.models GPT2, Llama and OPT, got Bert"):
+    with pytest.raises(ValueError, match=r"peft's layout is mapped for cfx\.models GPT2, Llama, Mixtral and OPT, "
+                                         r"got Bert"):
         cfx.lora.save_peft(tmp_path, bert, cfx.lora.init(bert, attn, cfx.random.key(0)), attn)

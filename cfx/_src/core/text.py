@@ -1,10 +1,10 @@
 """Text for people: plain-text tables for CLI summaries and benchmarks, byte counts both ways
 (``format_bytes`` / ``parse_bytes``) for budgets, reports and flags, and model output made safe to
-print to a terminal (``printable``)."""
+print to a terminal (``printable``), lists in words for messages (``join_words``)."""
 from __future__ import annotations
 
 import unicodedata
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 _BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
@@ -66,3 +66,9 @@ def printable(text: str) -> str:
     """``text`` with control characters other than newline and tab shown as U+FFFD: a model's raw bytes
     (escape sequences, bells, backspaces) cannot move the cursor, recolour or clear the terminal."""
     return "".join("\ufffd" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
+
+
+def join_words(words: Iterable[Any], last: str = "and") -> str:
+    """``"a, b and c"`` (``last="or"``: ``"a, b or c"``), for messages that list what is possible."""
+    words = [str(w) for w in words]
+    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)

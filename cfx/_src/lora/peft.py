@@ -4,9 +4,10 @@ the ``transformers`` model of ``cfx.models.to_hf``; ``load_peft`` reads one (pef
 A directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` with, per adapted HF
 module, ``base_model.model.<module>.lora_A.weight`` ``(r, in)`` and ``...lora_B.weight`` ``(out, r)``:
 cfx's ``A.T`` and ``B.T`` (HF's ``Conv1D`` and ``nn.Linear`` alike: peft's adapters are ``nn.Linear`` s).
-GPT-2's q, k and v are one ``c_attn`` module in HF, so they map to one cfx adapter with a shared ``A``
-(``shared_a=(("q", "k", "v"),)``) whose ``B`` s are the column blocks of peft's ``lora_B.T``.
-GPT-2, Llama and OPT are mapped (``_modules``).
+Where HF fuses Linears into one module (GPT-2's q, k and v are ``c_attn``), they map to one cfx adapter with
+a shared ``A`` (``shared_a=(("q", "k", "v"),)``) whose ``B`` s are the column blocks of peft's ``lora_B.T``.
+The families whose record has peft names (``Family.peft``, read from ``families.FAMILIES``) are mapped
+(``_modules``).
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ import torch
 
 from cfx._src.checkpoint.io import write_atomic
 from cfx._src.core import random
+from cfx._src.core.text import join_words
 from cfx._src.lora.adapters import adapter_at, place, units_of
 from cfx._src.lora.config import LoraConfig, Unit, linear_weights, resolve
-from cfx._src.models.gpt2 import GPT2
-from cfx._src.models.llama import Llama
-from cfx._src.models.opt import OPT
+from cfx._src.models import families
+from cfx._src.models.family import PeftNames
 from cfx._src.transforms.shapes import eval_shape
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -31,27 +32,34 @@ PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
-# per family: HF's block prefix, {cfx adapter under a block: HF module under it}, {top-level adapter: HF module}
-_GPT2 = ("transformer.h.{i}.", {"attn.q+k+v": "attn.c_attn", "attn.o": "attn.c_proj", "mlp.fc": "mlp.c_fc",
-                                "mlp.proj": "mlp.c_proj"}, {})
-_LLAMA = ("model.layers.{i}.", {**{f"attn.{c}": f"self_attn.{c}_proj" for c in "qkvo"},
-                                **{f"mlp.{c}": f"mlp.{c}_proj" for c in ("gate", "up", "down")}},
-          {"lm_head": "lm_head"})
-_OPT = ("model.decoder.layers.{i}.", {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
-                                      "attn.v": "self_attn.v_proj", "attn.o": "self_attn.out_proj",
-                                      "mlp.fc": "fc1", "mlp.proj": "fc2"},
-        {"lm_head": "lm_head", "project_in": "model.decoder.project_in",
-         "project_out": "model.decoder.project_out"})
+def _names(model: Any, where: str) -> PeftNames:
+    """The peft names of ``model``'s family, or a ValueError naming the families that have them."""
+    family = families.find(model)
+    if family is None or family.peft is None:
+        mapped = [f.model.__name__ for f in families.FAMILIES if f.peft is not None]
+        raise ValueError(f"{where}: peft's layout is mapped for cfx.models {join_words(mapped)}, got "
+                         f"{type(model).__name__}.")
+    return family.peft
 
 
 def _modules(model: Any, where: str) -> dict[str, str]:
     """``{cfx adapter path: HF module name}`` for every adapter the family's peft layout can hold."""
-    for cls, (block, table, top) in ((GPT2, _GPT2), (Llama, _LLAMA), (OPT, _OPT)):
-        if isinstance(model, cls):
-            return {**{f"blocks.{i}.{k}": block.format(i=i) + v for i in range(len(model.blocks))
-                       for k, v in table.items()}, **top}
-    raise ValueError(f"{where}: peft's layout is mapped for cfx.models GPT2, Llama and OPT, got "
-                     f"{type(model).__name__}.")
+    names = _names(model, where)
+    return {**{f"blocks.{i}.{k}": names.block.format(i=i) + v for i in range(len(model.blocks))
+               for k, v in names.linears.items()}, **names.top}
+
+
+def _fused_hint(model: Any, unit: Unit, where: str) -> str:
+    """How to adapt ``unit``'s Linears where peft's layout fuses them into one HF module (GPT-2's c_attn)."""
+    for key, module in _names(model, where).linears.items():
+        parent, _, name = key.rpartition(".")
+        members = name.split("+")
+        in_parent = unit.parent == parent or unit.parent.endswith("." + parent)
+        if len(members) > 1 and in_parent and set(unit.members) & set(members):
+            return (f" {type(model).__name__}'s {join_words(members)} are one module ({module.rpartition('.')[2]}) "
+                    f"in Hugging Face: give them one A with shared_a=({tuple(members)},) (on the command line: "
+                    f"--lora ...,shared_a={name}).")
+    return ""
 
 
 def _present(model: Any, where: str) -> dict[str, str]:
@@ -68,11 +76,9 @@ def check_peft(model: Any, config: LoraConfig, where: str) -> dict[str, str]:
     present = _present(model, where)
     for u in resolve(model, config, where):
         if u.path not in present:
-            hint = (" GPT-2's q, k and v are one module (c_attn) in Hugging Face: give them one A with "
-                    "shared_a=(('q', 'k', 'v'),) (on the command line: --lora ...,shared_a=q+k+v)."
-                    if isinstance(model, GPT2) and u.parent.endswith("attn") else "")
             raise ValueError(f"{where}: the adapter {u.path!r} has no module in peft's layout of "
-                             f"{type(model).__name__} (it maps {sorted(present)[:4]} ...).{hint}")
+                             f"{type(model).__name__} (it maps {sorted(present)[:4]} ...)."
+                             + _fused_hint(model, u, where))
     return present
 
 
@@ -108,7 +114,7 @@ def _peft_config(model: Any, config: LoraConfig, chosen: set[str], every: set[st
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
         "r": config.r, "lora_alpha": config.alpha, "lora_dropout": config.dropout, "use_rslora": config.rslora,
         "target_modules": targets,
-        "fan_in_fan_out": isinstance(model, GPT2),  # HF GPT-2's Conv1D holds (in, out) weights
+        "fan_in_fan_out": _names(model, "cfx.lora.save_peft").fan_in_fan_out,  # HF holds (in, out) weights
         "bias": "none", "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
         "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "layers_to_transform": None,
         "layers_pattern": None,

@@ -13,6 +13,7 @@ import torch
 
 from cfx._src.models.bert import Bert, BertConfig
 from cfx._src.models.common import check_params
+from cfx._src.models.family import Family
 from cfx._src.models.hf_state import StateDictReader, copy
 
 _ATTN = (("q", "attention.self.query"), ("k", "attention.self.key"), ("v", "attention.self.value"),
@@ -39,17 +40,6 @@ def config_from_hf(hf: Any, head: str) -> BertConfig:
                       dropout=float(hf.hidden_dropout_prob), layer_norm_eps=float(hf.layer_norm_eps),
                       init_std=float(hf.initializer_range), head=head,
                       num_labels=int(hf.num_labels) if head == "classify" else 2)
-
-
-def head_of(hf_model: Any) -> str:
-    """``"mlm"`` or ``"classify"`` for an HF BERT model, from its class."""
-    name = type(hf_model).__name__
-    if name == "BertForMaskedLM":
-        return "mlm"
-    if name == "BertForSequenceClassification":
-        return "classify"
-    raise ValueError(f"cfx.models.from_hf: {name} is not supported; cfx converts BertForMaskedLM and "
-                     "BertForSequenceClassification.")
 
 
 def _linear(p: dict) -> dict:
@@ -126,3 +116,9 @@ def from_hf_state_dict(model: Bert, state_dict: Mapping[str, torch.Tensor]) -> d
     r.finish(ignore=lambda k: k in tied or k.endswith("position_ids")
              or (c.head == "mlm" and k.startswith("bert.pooler.")))
     return params
+
+
+FAMILY = Family(
+    name="bert", model=Bert, hf_model_types=("bert",), config_from_hf=config_from_hf, hf_config=Bert.hf_config,
+    to_hf=to_hf, from_hf=from_hf_state_dict, hf_classes=("BertForMaskedLM", "BertForSequenceClassification"),
+    heads=("mlm", "classify"))

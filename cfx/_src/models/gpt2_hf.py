@@ -10,7 +10,8 @@ from typing import Any, Mapping
 import torch
 
 from cfx._src.models.common import check_params
-from cfx._src.models.gpt2 import GPT2, GPT2Config
+from cfx._src.models.family import Family, PeftNames
+from cfx._src.models.gpt2 import GPT2, GPT2Config, gpt2
 from cfx._src.models.hf_state import StateDictReader, copy
 
 _HF_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
@@ -90,3 +91,12 @@ def from_hf_state_dict(model: GPT2, state_dict: Mapping[str, torch.Tensor]) -> d
     # The tied head, and the causal-mask buffers older checkpoints carry.
     r.finish(ignore=lambda k: k == "lm_head.weight" or k.endswith((".attn.bias", ".attn.masked_bias")))
     return params
+
+
+FAMILY = Family(
+    name="gpt2", model=GPT2, hf_model_types=("gpt2",), config_from_hf=config_from_hf, hf_config=GPT2.hf_config,
+    to_hf=to_hf, from_hf=from_hf_state_dict, hf_classes=("GPT2LMHeadModel", "GPT2Model"), preset=gpt2,
+    peft=PeftNames(block="transformer.h.{i}.",
+                   linears={"attn.q+k+v": "attn.c_attn", "attn.o": "attn.c_proj", "mlp.fc": "mlp.c_fc",
+                            "mlp.proj": "mlp.c_proj"},
+                   fan_in_fan_out=True))  # HF's Conv1D holds (in, out) weights

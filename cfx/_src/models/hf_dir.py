@@ -19,11 +19,9 @@ from cfx._src.core import tree as tree_util
 from cfx._src.spmd.arrays import device_get
 from cfx._src.checkpoint.io import write_atomic
 from cfx._src.mesh.spec import P
-from cfx._src.models import hf
+from cfx._src.models import families, hf
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "opt": "OPTForCausalLM", "vit": "ViTForImageClassification"}
 
 
 def save_pretrained(directory: str | os.PathLike, model: Any, params: Any, *,
@@ -35,8 +33,9 @@ def save_pretrained(directory: str | os.PathLike, model: Any, params: Any, *,
 
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    config = hf.hf_config(model)
-    config.architectures = [_architecture(model, config)]
+    family = families.of_model(model, "cfx.models.save_pretrained")
+    config = family.hf_config(model)
+    config.architectures = [family.hf_class(model)]
     config.torch_dtype = str(tree_util.leaves(params)[0].dtype).removeprefix("torch.")
     state = {k: v.contiguous() for k, v in hf.to_hf(model, device_get(params)).items()}
     shards = _pack(state, max_shard_bytes)
@@ -62,8 +61,8 @@ def from_pretrained(directory: str | os.PathLike, *, mesh=None, specs: Any = P()
         raise ValueError(f"cfx.models.from_pretrained: {directory!r} has no config.json; point at a Hugging Face "
                          "model directory (save_pretrained's output).")
     config = transformers.AutoConfig.from_pretrained(directory)
-    head = "classify" if "BertForSequenceClassification" in (config.architectures or []) else "mlm"
-    model = hf.model_from_hf_config(config, head=head)
+    family = families.of_model_type(getattr(config, "model_type", None), "cfx.models.from_pretrained")
+    model = family.build(config, family.head_of(config.architectures or []))
     _, params = hf.from_hf(LazyStateDict(directory), model)
     if mesh is None:
         return model, params
@@ -105,13 +104,6 @@ class LazyStateDict(Mapping):
 
     def __len__(self) -> int:
         return len(self.where)
-
-
-def _architecture(model: Any, config: Any) -> str:
-    kind = config.model_type
-    if kind == "bert":
-        return "BertForSequenceClassification" if model.config.head == "classify" else "BertForMaskedLM"
-    return _ARCHITECTURES[kind]
 
 
 def _pack(state: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

@@ -10,11 +10,13 @@ from typing import Any, Callable, Mapping
 import torch
 
 from cfx._src.models.common import check_params
+from cfx._src.models.family import Family, PeftNames
 from cfx._src.models.hf_state import StateDictReader, copy
-from cfx._src.models.llama import Llama, LlamaConfig
+from cfx._src.models.llama import Llama, LlamaConfig, llama
 
 _ATTN = (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj"))
 _MLP = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
+BLOCK = "model.layers.{i}."
 
 
 def _rope_theta(hf: Any) -> float:
@@ -67,7 +69,7 @@ def to_hf(model: Llama, params: dict, *, mlp: Callable[[dict, str, dict], None] 
     check_params("cfx.models.to_hf", type(model)(model.config), params)
     sd = {"model.embed_tokens.weight": copy(params["embed"]["w"])}
     for i, p in enumerate(params["blocks"]):
-        pre = f"model.layers.{i}."
+        pre = BLOCK.format(i=i)
         for name, hf_name in _ATTN:
             sd[pre + f"self_attn.{hf_name}.weight"] = copy(p["attn"][name]["w"].T)  # (out, in)
         mlp(sd, pre, p["mlp"])
@@ -114,3 +116,12 @@ def from_hf_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *,
         params["lm_head"] = {"w": copy(state_dict[key].T)}  # (C, V)
     r.finish(ignore=lambda k: k == "lm_head.weight" or k.endswith("rotary_emb.inv_freq"))
     return params
+
+
+# peft's Linears, Mixtral's too (its experts are no Linears: peft adapts its attention and head)
+PEFT = PeftNames(block=BLOCK, linears={**{f"attn.{n}": f"self_attn.{h}" for n, h in _ATTN},
+                                       **{f"mlp.{n}": f"mlp.{h}" for n, h in _MLP}},
+                 top={"lm_head": "lm_head"})
+FAMILY = Family(
+    name="llama", model=Llama, hf_model_types=("llama",), config_from_hf=config_from_hf, hf_config=Llama.hf_config,
+    to_hf=to_hf, from_hf=from_hf_state_dict, hf_classes=("LlamaForCausalLM", "LlamaModel"), preset=llama, peft=PEFT)

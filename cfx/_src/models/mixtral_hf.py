@@ -14,8 +14,9 @@ from typing import Any, Mapping
 import torch
 
 from cfx._src.models import llama_hf
+from cfx._src.models.family import Family
 from cfx._src.models.hf_state import StateDictReader, copy
-from cfx._src.models.mixtral import CFX_ONLY_FIELDS, Mixtral, MixtralConfig
+from cfx._src.models.mixtral import CFX_ONLY_FIELDS, Mixtral, MixtralConfig, mixtral
 
 
 def config_from_hf(hf: Any) -> MixtralConfig:
@@ -58,3 +59,9 @@ def to_hf(model: Mixtral, params: dict) -> dict[str, torch.Tensor]:
 def from_hf_state_dict(model: Mixtral, state_dict: Mapping[str, torch.Tensor]) -> dict:
     """cfx params for ``model`` from a ``MixtralForCausalLM`` (or ``MixtralModel``) state dict."""
     return llama_hf.from_hf_state_dict(model, state_dict, mlp=_experts_from_hf)
+
+
+FAMILY = Family(
+    name="mixtral", model=Mixtral, hf_model_types=("mixtral",), config_from_hf=config_from_hf,
+    hf_config=Mixtral.hf_config, to_hf=to_hf, from_hf=from_hf_state_dict,
+    hf_classes=("MixtralForCausalLM", "MixtralModel"), preset=mixtral, peft=llama_hf.PEFT)

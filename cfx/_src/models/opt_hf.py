@@ -12,12 +12,14 @@ from typing import Any, Mapping
 import torch
 
 from cfx._src.models.common import check_params
+from cfx._src.models.family import Family, PeftNames
 from cfx._src.models.hf_state import StateDictReader, copy
-from cfx._src.models.opt import OPT, POSITION_OFFSET, OPTConfig
+from cfx._src.models.opt import OPT, POSITION_OFFSET, OPTConfig, opt
 
 _ATTN = (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj"))
 _MLP = (("fc", "fc1"), ("proj", "fc2"))
 _NORMS = (("norm1", "self_attn_layer_norm"), ("norm2", "final_layer_norm"))
+_DECODER = "model.decoder."
 _FROM_HF_ACT = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -61,7 +63,7 @@ def _norm(p: dict) -> dict:
 def to_hf(model: OPT, params: dict) -> dict[str, torch.Tensor]:
     """An ``OPTForCausalLM`` state dict (with tied embeddings ``lm_head.weight`` equals ``wte``)."""
     check_params("cfx.models.to_hf", OPT(model.config), params)
-    pre = "model.decoder."
+    pre = _DECODER
     items: dict[str, dict] = {pre + "embed_tokens": {"weight": copy(params["wte"]["w"])},
                               pre + "embed_positions": {"weight": copy(params["wpe"]["w"])}}
     for name in ("project_in", "project_out"):
@@ -131,3 +133,11 @@ def from_hf_state_dict(model: OPT, state_dict: Mapping[str, torch.Tensor]) -> di
         params["lm_head"] = {"w": copy(state_dict[key].T)}  # (E, V)
     r.finish(ignore=lambda k: k == "lm_head.weight")
     return params
+
+
+FAMILY = Family(
+    name="opt", model=OPT, hf_model_types=("opt",), config_from_hf=config_from_hf, hf_config=OPT.hf_config,
+    to_hf=to_hf, from_hf=from_hf_state_dict, hf_classes=("OPTForCausalLM", "OPTModel"), preset=opt,
+    peft=PeftNames(block=_DECODER + "layers.{i}.",
+                   linears={**{f"attn.{n}": f"self_attn.{h}" for n, h in _ATTN}, **{f"mlp.{n}": h for n, h in _MLP}},
+                   top={"lm_head": "lm_head", **{n: _DECODER + n for n in ("project_in", "project_out")}}))

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from cfx._src.models.common import check_params
+from cfx._src.models.family import Family
 from cfx._src.models.hf_state import StateDictReader, copy
 from cfx._src.models.vit import ViT, ViTConfig
 
@@ -56,14 +57,6 @@ def config_from_hf(hf: Any) -> ViTConfig:
                      n_head=hf.num_attention_heads, intermediate_size=hf.intermediate_size,
                      num_labels=int(hf.num_labels), dropout=float(hf.hidden_dropout_prob),
                      layer_norm_eps=float(hf.layer_norm_eps), init_std=float(hf.initializer_range))
-
-
-def check_hf_model(hf_model: Any) -> None:
-    """ValueError unless ``hf_model`` is a ``ViTForImageClassification`` (the head cfx has)."""
-    name = type(hf_model).__name__
-    if name != "ViTForImageClassification":
-        raise ValueError(f"cfx.models.from_hf: {name} is not supported; cfx converts ViTForImageClassification "
-                         "(pass a ViTModel's state dict with model= and a classifier of your own instead).")
 
 
 def _linear(p: dict) -> dict:
@@ -128,3 +121,9 @@ def from_hf_state_dict(model: ViT, state_dict: Mapping[str, torch.Tensor]) -> di
     # the pooler a checkpoint saved from a ViTModel may still hold (the classifier reads [CLS] directly)
     r.finish(ignore=lambda k: k.startswith("vit.pooler."))
     return params
+
+
+# a ViTModel has no classifier: pass its state dict with one of your own and model=
+FAMILY = Family(
+    name="vit", model=ViT, hf_model_types=("vit",), config_from_hf=config_from_hf, hf_config=ViT.hf_config,
+    to_hf=to_hf, from_hf=from_hf_state_dict, hf_classes=("ViTForImageClassification",))

@@ -16,15 +16,15 @@ from typing import Any, Sequence
 
 from cfx._src.core.runtime import keep_host_memory
 from cfx._src.core.cli import command_parser, parse, run_command
+from cfx._src.models.families import trained
 from cfx._src.train.config import TrainConfig, check_flags
 from cfx._src.train.loop import train
-from cfx._src.train.model import FAMILIES
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     d = TrainConfig()
     p = command_parser("python -m cfx.train", "Train a cfx language model on byte-level text (CPU-friendly defaults).")
-    p.add_argument("--model", choices=list(FAMILIES), default=d.model)
+    p.add_argument("--model", choices=trained(), default=d.model)
     p.add_argument("--preset", default=d.preset, help="model size preset, e.g. tiny, small; fields after commas "
                    "override it, e.g. tiny,n_layer=4 (mixtral under --mesh pipe=N: tiny,router_aux_group_size=128)")
     p.add_argument("--steps", type=int, default=d.steps)

@@ -13,7 +13,7 @@ MESH_FIX = ", e.g. --mesh pipe=2,data=2,model=2; the strategy has its own flags 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: str = "gpt2"            # gpt2 | llama | mixtral | opt
+    model: str = "gpt2"            # a family the job trains (cfx._src.models.families.trained())
     preset: str = "tiny"
     steps: int = 300
     batch: int = 16

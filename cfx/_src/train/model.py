@@ -8,17 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from cfx._src.core import tree as tree_util
 from cfx._src.core.tree import is_axes_leaf
 from cfx._src.lora.config import LoraConfig
 from cfx._src.lora.frozen import frozen_base
 from cfx._src.lora.model import LoraModel
-from cfx._src.models.gpt2 import gpt2
-from cfx._src.models.llama import llama
-from cfx._src.models.mixtral import mixtral
-from cfx._src.models.opt import opt
+from cfx._src.models import families
 from cfx._src.optim.alias import adamw
 from cfx._src.optim.base import GradientTransformation, chain, identity
 from cfx._src.optim.clipping import clip_by_global_norm
@@ -30,12 +26,12 @@ from cfx._src.precision.amp import policy
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.data import VOCAB_SIZE
 
-FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, "opt": opt}
-
 
 def build_model(cfg: TrainConfig) -> Any:
-    """``--model`` at ``--preset`` over bytes; ValueError unless ``--seq`` fits its context."""
-    return check_context(cfg, FAMILIES[cfg.model](cfg.preset, vocab_size=VOCAB_SIZE), f"{cfg.model} {cfg.preset!r}")
+    """``--model`` (a family's name: ``families.trained()``) at ``--preset`` over bytes; ValueError
+    unless ``--seq`` fits its context."""
+    model = families.named(cfg.model, "--model").preset(cfg.preset, vocab_size=VOCAB_SIZE)
+    return check_context(cfg, model, f"{cfg.model} {cfg.preset!r}")
 
 
 def check_context(cfg: TrainConfig, model: Any, what: str) -> Any:
