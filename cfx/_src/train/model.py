@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from cfx._src.core import tree as tree_util
 from cfx._src.core.tree import is_axes_leaf
 from cfx._src.lora.config import LoraConfig
