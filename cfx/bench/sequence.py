@@ -37,7 +37,7 @@ def measured_and_formula(method: str, n: int, *, n_layer: int = 2, B: int = 2, T
     tokens = cfx.random.randint(cfx.random.key(1), (B, T + 1), 0, 256)
     hybrid = method == "hybrid"
     sp = cfx.parallel.sequence_parallel(model, ("ring", "seq") if hybrid else "seq", method=method)
-    order = sp.seq.order(T, n)
+    order = sp.sublayers()["sequence"].order(T, n)
     shape, spec = ({"ring": n, "seq": 2}, P(None, ("ring", "seq"))) if hybrid else ({"seq": n}, P(None, "seq"))
     with cfx.Mesh(shape) as mesh, cfx.comm_stats() as stats:
         cfx.shard_map(lambda p, x, y: cfx.value_and_grad(sp.loss)(p, x, y)[0], mesh=mesh,

@@ -55,7 +55,7 @@ def activation_peak(method: str, T: int, *, B: int = 1, impl: str = "auto") -> i
     tokens = cfx.random.randint(cfx.random.key(1), (B, T + 1), 0, VOCAB)
     x, y = tokens[:, :-1], tokens[:, 1:]
     if method in ("ring", "hybrid"):  # zigzag order over the ring's ranks
-        order = net.seq.order(T, MESHES[method].get("ring", N) if method == "hybrid" else N)
+        order = net.sublayers()["sequence"].order(T, MESHES[method].get("ring", N) if method == "hybrid" else N)
         x, y = x[:, order], y[:, order]
     shape = MESHES[method]
     with cfx.Mesh(shape) as mesh:
