@@ -21,6 +21,9 @@ def test_kv_cache_bytes_are_the_formula_for_grouped_query_attention():
 @pytest.mark.timeout(300)
 def test_quick_rows(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "NEW", 8)  # the rows' mechanics, on fewer tokens
+    # inductor's compile of cfx.generate is test_generate_compiled's (a cold C++ compile costs ~15 s); here
+    # the compiled rows' mechanics (same tokens, no recompiles) on the graph-capturing backend
+    monkeypatch.setattr(bench, "COMPILE_BACKEND", "aot_eager")
     out = bench.run(quick=True, json_path=str(tmp_path / "g.json"))["rows"]
     rows = {r["metric"].split(" ")[0]: r for r in out}
     assert rows["kv_cache_bytes_vs_formula"]["ok"]

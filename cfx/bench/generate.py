@@ -34,6 +34,7 @@ import cfx
 from cfx.bench.common import Row, interleaved_medians, report, size_of
 
 PROMPT, NEW = 64, 64
+COMPILE_BACKEND = "inductor"  # compile=True's backend in the quick and full runs
 SIZES = {  # size -> (GPT-2 small's overrides, rounds)
     "smoke": (dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32), 1),
     "quick": (dict(n_layer=4, n_embd=256, n_head=4), 2),
@@ -70,7 +71,7 @@ def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = Non
     B, c = 8, model.config
     prompt = cfx.random.randint(cfx.random.key(B), (B, prompt_len), 0, c.vocab_size)
     rows += _dispatch_rows(model, params, hf, prompt, new)
-    rows += _compiled_rows(model, params, prompt, new, "aot_eager" if size == "smoke" else "inductor", rounds)
+    rows += _compiled_rows(model, params, prompt, new, "aot_eager" if size == "smoke" else COMPILE_BACKEND, rounds)
     cache = cfx.nn.KVCache(B, prompt_len + new, len(model.blocks))
     prompt = cfx.random.randint(cfx.random.key(0), (B, prompt_len), 0, c.vocab_size)
     with torch.no_grad():
