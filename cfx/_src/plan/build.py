@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -244,15 +243,12 @@ def account(plan, model: Any, tx: Any, mesh: Any) -> Account:
         leaves, treedef = tree_util.flatten(layout.shapes)
         local = tree_util.unflatten(treedef, [ShapeDtype(block_shape(x.shape, s, mesh), x.dtype)
                                               for x, s in zip(leaves, specs)])
-    params = _nbytes(tree_util.leaves(local))
+    params = tree_util.nbytes(local)
     acc = Account()
     acc.add("params", params, plan.home)
     acc.add("grads", params, "device" if plan.home == "device" else "host")
-    acc.add("optimizer", _nbytes(tree_util.leaves(eval_on_rank(mesh, built.opt.init, local))), plan.home)
+    acc.add("optimizer", tree_util.nbytes(eval_on_rank(mesh, built.opt.init, local)), plan.home)
     for s in strategies():
         s.account(plan, acc, built)
     return acc
 
-
-def _nbytes(leaves: list) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if hasattr(x, "dtype"))

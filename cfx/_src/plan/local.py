@@ -13,16 +13,15 @@ import torch
 
 from cfx._src.checkpoint import file as checkpoint_file, sharded as checkpoint_sharded
 from cfx._src.core import random as jr
-from cfx._src.core import tree as tree_util
 from cfx._src.generate.sample import sample_bytes
 from cfx._src.models.parts import hook
 from cfx._src.optim.base import apply_gradients, chain
 from cfx._src.optim.clipping import clip_by_global_norm
 from cfx._src.optim.loss_scale import loss_scale
-from cfx._src.plan.build import check_clip_outside_scaling, check_model, rank_model
+from cfx._src.plan.build import check_clip_outside_scaling, check_model, rank_model, scheduled
 from cfx._src.plan.protocol import TrainState
+from cfx._src.plan.strategy import Built
 from cfx._src.precision.amp import Policy, policy as amp_policy
-from cfx._src.remat.plan import solve as solve_chain
 from cfx._src.transforms.autodiff import value_and_grad
 from cfx._src.transforms.shapes import eval_shape
 
@@ -107,12 +106,9 @@ class LocalProgram:
         """``remat=auto``: the fastest schedule whose activations fit the budget (Rotor) for this batch
         shape, solved on shapes the first time it comes, and its step."""
         shape = tuple(tuple(x.shape) for x in batch)
-        if shape not in self._steps:
-            meta = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"),
-                                 eval_shape(self.model.init, jr.key(0)))
-            _, schedule = solve_chain(self.model, meta, batch[0], budget=self.plan.remat_budget, key=key)
-            self._steps[shape] = schedule, train_step(rank_model(self.plan, self.model, schedule=schedule), self.tx,
-                                                      self.policy)
+        if shape not in self._steps:  # the Remat strategy's solve, as a Plan's program asks it
+            built = scheduled(self.plan, Built(self.plan, self.model, None, None), batch[0], key)
+            self._steps[shape] = built.schedule, train_step(built.local, self.tx, self.policy)
         self._remat_plan, step = self._steps[shape]
         return step
 

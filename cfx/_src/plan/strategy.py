@@ -4,8 +4,8 @@ A Plan names its strategy as data (``config.PlanConfig``); the parts that act on
 stages, expert, sequence and tensor parallelism, the tensor grid, data parallelism with ZeRO,
 activation checkpointing, offload -- are each one ``Strategy`` in ``cfx/_src/plan/strategies/``,
 listed once, in the order they apply, in ``strategies.STRATEGIES``. A ``Program`` knows no strategy
-by name: it asks every strategy the plan makes active (``active``) the same questions, in that order,
-phase by phase:
+by name: it asks every strategy the same questions, in that order, phase by phase (a strategy the
+plan does not use answers each as a no-op):
 
 1. **checks** -- ``check_plan`` (the plan's own fields, no model), ``check`` (against a model; the
    compatibility matrix lives here, with the strategy it concerns), ``jit_refusal``;
@@ -95,10 +95,6 @@ class Strategy:
 
     name: str = ""
     axes: tuple[str, ...] = ()  # the mesh axes this strategy owns
-
-    def active(self, plan) -> bool:
-        """Whether ``plan`` uses this strategy (default: it has one of its axes)."""
-        return any(plan.has(a) for a in self.axes)
 
     def prepare(self, plan, built: "Built") -> None:
         """Before anything is laid out: set up what the program will need (offload=nvme's directory)."""

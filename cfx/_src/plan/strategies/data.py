@@ -56,7 +56,7 @@ class Data(Strategy):
     def account(self, plan, acc: Account, built: Built) -> None:
         """ZeRO-3: the largest block one rank gathers at once (its tensor-parallel leaves, padded)."""
         if plan.zero == 3:
-            acc.add("gathered block", max(_nbytes(g) for g in _gathered_groups(built)))
+            acc.add("gathered block", max(tree_util.nbytes(g) for g in _gathered_groups(built)))
 
 
 def _gathered_groups(built: Built) -> list[list[ShapeDtype]]:
@@ -71,8 +71,5 @@ def _gathered_groups(built: Built) -> list[list[ShapeDtype]]:
     return [[ShapeDtype((piece_size(math.prod(block_shape(shapes[i].shape, specs[i], layout.mesh)), n) * n,),
                         shapes[i].dtype) for i in idx] for idx in (groups[1:] or groups)]
 
-
-def _nbytes(leaves: list) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if hasattr(x, "dtype"))
 
 

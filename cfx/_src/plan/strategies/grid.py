@@ -15,9 +15,6 @@ GRID_AXES = {"2d": ("row", "col"), "2.5d": ("row", "col", "dep"), "3d": ("row", 
 class Grid(Strategy):
     name, axes = "grid", ("row", "col", "dep")
 
-    def active(self, plan) -> bool:
-        return plan.tp is not None
-
     def check_plan(self, plan) -> None:
         """``tp`` names exactly the grid axes the mesh has, its shape, and only the axes it is wired with."""
         grid = [a for a in self.axes if plan.has(a)]

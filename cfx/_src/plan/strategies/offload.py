@@ -64,9 +64,6 @@ def _remove_dir(directory: str) -> None:
 class Offload(Strategy):
     name = "offload"
 
-    def active(self, plan) -> bool:
-        return plan.offload != "none"
-
     def check_plan(self, plan) -> None:
         if plan.offload != "none" and plan.zero != 3:
             raise ValueError(f"Plan: offload={plan.offload} places ZeRO-3 chunks (Gemini); it needs "

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cfx._src.core import tree as tree_util
+from cfx._src.core import random, tree as tree_util
 from cfx._src.models.function import LossModel
 from cfx._src.models.parts import hook, parts_of
 from cfx._src.plan.strategy import Built, Strategy
@@ -18,6 +18,7 @@ from cfx._src.remat import policies as cp
 from cfx._src.remat.chained import Chained
 from cfx._src.remat.engine import remat
 from cfx._src.remat.plan import solve as solve_remat
+from cfx._src.transforms.shapes import eval_shape
 
 POLICIES = {"blocks": cp.nothing_saveable, "dots": cp.dots_saveable}
 
@@ -35,9 +36,6 @@ def remat_blocks(model: Any, mode: str) -> Any:
 
 class Remat(Strategy):
     name = "remat"
-
-    def active(self, plan) -> bool:
-        return plan.remat != "none"
 
     def check_plan(self, plan) -> None:
         if (plan.remat == "auto") != (plan.remat_budget is not None):
@@ -78,7 +76,8 @@ class Remat(Strategy):
         hold less); with a pipe axis one stage's blocks on one microbatch, the chain every stage runs."""
         if plan.remat != "auto":
             return None
-        meta = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), built.layout.model_shapes)
+        meta = tree_util.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"),
+                             eval_shape(built.model.init, random.key(0)))
         axis = plan.sequence_axis  # one rank's rows and positions
         rows = tokens[:tokens.shape[0] // plan.size("data"), :tokens.shape[1] // (plan.size(axis) if axis else 1)]
         model = built.model
