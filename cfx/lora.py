@@ -22,7 +22,8 @@ For tensor and pipeline parallelism the adapters over a frozen base are a model 
 like its base weight's input dim and ``B`` like its output under a ``model`` axis, each block attaching
 its own frozen block, so any Plan trains it (``python -m cfx.train --lora`` does).
 ``place_base(lm, plan, mesh)`` keeps its frozen base as the Plan keeps its state: sharded over ``data``
-under ZeRO-3, each pipe stage holding only the blocks it runs, in host memory or files with ``offload``.
+under ZeRO-3, each pipe stage holding only the blocks it runs, in host memory or files with ``offload``
+(``plan.step`` does it itself; the placed base is the program's ``TrainState.frozen``).
 """
 from cfx._src.diffusion.lora import load_diffusers, save_diffusers
 from cfx._src.lora.adapters import attach, axes, init, merge, unmerge

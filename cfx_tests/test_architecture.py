@@ -102,6 +102,19 @@ def test_layers_import_only_downward():
                        f"{LAYERS_HEADING!r} (fix the import, or the table's order if it is wrong):\n" + "\n".join(wrong))
 
 
+# What a model is made of knows nothing of where a Plan keeps its state: ZeRO's pieces, Gemini's tiers,
+# the Plan itself. A model with frozen weights meets the Plan through models/frozen.py's two hooks.
+PLACEMENT = ("zero", "gemini", "plan")
+MODEL_SIDE = ("nn", "models", "lora")
+
+
+def test_models_and_lora_know_nothing_of_placement():
+    wrong = sorted(f"{a} imports {b}" for a, targets in EDGES.items() if layer(a) in MODEL_SIDE
+                   for b in targets if layer(b) in PLACEMENT)
+    assert not wrong, ("the model side imports where a Plan keeps state (move the placement into plan/, "
+                       "behind models.frozen's hooks):\n" + "\n".join(wrong))
+
+
 def test_no_import_circles_between_files():
     index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
 

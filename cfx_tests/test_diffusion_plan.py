@@ -41,7 +41,10 @@ def _single_device(model, tx, params, batches):
     return params, losses
 
 
-def _planned(text: str, model, tx, params, batches):
+def _planned(text: str, model, tx, params, batches, *, held: dict | None = None):
+    """The params and losses of ``batches`` under ``text``; ``held``: filled with the frozen bytes each
+    rank keeps (``TrainState.frozen``)."""
+    from cfx._src.plan.frozen import frozen_bytes
     plan = cfx.parallel.Plan.parse(text)
     with plan.make_mesh() as mesh:
         step = plan.step(model, tx, mesh=mesh)
@@ -50,6 +53,8 @@ def _planned(text: str, model, tx, params, batches):
         for b in batches:
             state, metrics = step(state, b)
             losses.append(float(metrics["loss"]))
+        if held is not None:
+            held["bytes"] = [frozen_bytes(state.frozen, r) for r in mesh.local_ranks]
         return step.params(state), losses
 
 
@@ -137,7 +142,9 @@ def test_describe_gives_the_unets_state_per_rank():
 @pytest.mark.parametrize("text", ["data=2 zero=3", "data=2 zero=3 offload=host"])
 def test_lora_adapters_of_a_frozen_unet_train_under_zero3_and_offload_as_one_device(text):
     """``lora_denoiser``: the adapters (ZeRO-3 pieces, with offload in host memory) over a frozen fp32 UNet
-    train as the single-device plan trains them (the same program protocol, ``Plan().step``)."""
+    train as the single-device plan trains them (the same program protocol, ``Plan().step``); the frozen
+    UNet is the state's ``frozen``, kept as the adapters are: half of it on each rank (ZeRO-3's pieces,
+    up to their padding)."""
     from cfx._src.diffusion.train import lora_denoiser, unet_base
     unet, schedule = cfx.diffusion.UNet2DCondition(CONFIG), cfx.diffusion.Schedule()
     config = cfx.lora.LoraConfig(r=2, alpha=4, targets=("unet-attn",))
@@ -150,7 +157,11 @@ def test_lora_adapters_of_a_frozen_unet_train_under_zero3_and_offload_as_one_dev
     for b in batches:
         state, metrics = one(state, b)
         want_losses.append(float(metrics["loss"]))
-    got, losses = _planned(text, model, tx, adapters, batches)
+    held = {}
+    got, losses = _planned(text, model, tx, adapters, batches, held=held)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses))
     cfx.tree.assert_tree_close(got, one.params(state))
     assert not cfx.tree.allclose(got, adapters)  # the adapters moved
+    whole = cfx.tree.nbytes(base)
+    assert state.frozen is base  # one device: the whole UNet, as given
+    assert all(whole / 2 <= b <= whole / 2 * 1.01 for b in held["bytes"]), (held, whole)

@@ -1,4 +1,5 @@
-"""``LoraModel.shard_base`` (``cfx._src.lora.sharded``) as a Plan places it (``place_base``): the frozen base
+"""A ``LoraModel``'s frozen base placed as a Plan keeps its state (``cfx._src.plan.frozen``, ``place_base``; the
+program's ``TrainState.frozen``): the frozen base
 sharded like ZeRO-3's params, each rank holding ``1/n`` of it (one shard per dtype: an int8 base's ``q`` s and
 its fp32 scales and norms), every block's gathered just before it runs, freed after and re-gathered in
 backward through ZeRO-3's own mechanism, without gradients. Over an int8 base, three AdamW steps under
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import cfx
+from cfx._src.plan.frozen import Placer, frozen_bytes, shard_base
 from cfx.lora import lora_model, place_base
 from cfx_tests.test_lora_model import V, _run, batches, int8_base, llama
 from cfx_tests.test_plan_own_model import one_device
@@ -85,6 +87,9 @@ def test_under_pipe_each_stage_keeps_only_its_own_blocks_base(text, share, expli
         for b in batches():
             state, _ = step(state, b)
         got = step.params(state)
+        assert state.frozen["top"] is placed.base  # the state holds the placed trees the blocks gather from
+        assert [frozen_bytes(state.frozen, r) for r in mesh.local_ranks] == [placed.base_bytes(r)
+                                                                            for r in mesh.local_ranks]
         every_rank = cfx.shard_map(lambda ad: placed.apply(ad, x), mesh=mesh, in_specs=(cfx.P(),), out_specs=cfx.P())
         logits = every_rank(got).gather()
         stage = {r: mesh.coords(r)["pipe"] for r in mesh.local_ranks}
@@ -105,7 +110,7 @@ def _gathered_peak(n_layer: int) -> tuple[int, int]:
                              intermediate_size=48, max_position_embeddings=16)
     plan = cfx.parallel.Plan.parse("data=2 zero=3")
     with plan.make_mesh() as mesh:
-        lm = lora_model(model, CONFIG, int8_base(model)).shard_base(mesh)
+        lm = shard_base(lora_model(model, CONFIG, int8_base(model)), mesh)
         step = plan.step(lm, cfx.optim.adamw(1e-2), mesh=mesh)
         state = step.init_from(_adapters(model))
         with cfx.memory.track() as mem:
@@ -121,19 +126,20 @@ def test_a_step_gathers_one_block_of_the_base_at_a_time():
     assert peak4 == peak2       # ... but gathered one at a time, in forward and in backward
 
 
-def test_what_shard_base_refuses():
+def test_what_placing_the_base_refuses():
     model = llama()
     lm = lora_model(model, CONFIG, model.init(cfx.random.key(0)))
     with cfx.Mesh({"data": 2, "model": 2}) as mesh:
         with pytest.raises(ValueError, match="no such axis"):
-            lm.shard_base(mesh, axis="seq")
-        with pytest.raises(ValueError, match=r"stages=.*for each of the 0 ranks of the mesh's 'pipe' axis"):
-            lm.shard_base(mesh, stages=[[0, 1]])
-        with pytest.raises(ValueError, match="offload=nvme keeps the frozen base in files"):
+            shard_base(lm, mesh, axis="seq")
+        with pytest.raises(ValueError, match=r"stages must list, for each of the 0 ranks of the mesh's 'pipe' axis"):
+            shard_base(lm, mesh, stages=[[0, 1]])
+        with pytest.raises(ValueError, match="offload=nvme keeps the frozen weights in files"):
             place_base(lm, cfx.parallel.Plan.parse("data=2,model=2 zero=3 offload=nvme"), mesh)
-        sharded = lm.shard_base(mesh)
-        with pytest.raises(ValueError, match="shard the base once"):
-            sharded.shard_base(mesh)
+        sharded = shard_base(lm, mesh)
+        assert shard_base(sharded, mesh) is sharded  # placed already: as it is
+        with pytest.raises(ValueError, match="place the frozen base once"):
+            sharded.place_frozen(Placer(mesh, axis="data"))
         x, y = batches()[0]
         with pytest.raises(ValueError, match="model axis"):  # split by the Plan only
             sharded.loss(sharded.init(cfx.random.key(1)), x, y)

@@ -129,9 +129,9 @@ def test_an_init_from_that_is_no_model_is_refused(tmp_path, corpus):
 
 
 def test_under_zero3_the_frozen_base_is_sharded_and_the_run_is_one_devices(tmp_path, corpus, pretrained, full):
-    """``--mesh data=2 --zero 3``: each rank keeps half of the int8 base (``LoraModel.shard_base``),
+    """``--mesh data=2 --zero 3``: each rank keeps half of the int8 base (``plan.frozen``),
     and the losses and adapters are one device's within the rounding of the split batch."""
-    from cfx._src.lora.sharded import ShardedBase
+    from cfx._src.plan.frozen import ShardedTree
     from cfx._src.train import loop
     made = []
     real = loop.program_of
@@ -144,7 +144,7 @@ def test_under_zero3_the_frozen_base_is_sharded_and_the_run_is_one_devices(tmp_p
         got = train(config(corpus, pretrained, mesh="data=2", zero=3))
     finally:
         loop.program_of = real
-    assert isinstance(made[0].base, ShardedBase)
+    assert isinstance(made[0].base, ShardedTree)
     whole = _whole_base_bytes(pretrained)
     assert 0.5 * whole <= made[0].base_bytes(0) <= 0.51 * whole  # half of it, up to ZeRO's padding
     torch.testing.assert_close([loss for _, loss in got["history"]["train"]],

@@ -118,28 +118,18 @@ def unet_base(unet: Any, params: Any, base: str) -> Any:
     return frozen_base(params, unet.axes(), base, min_size=0)
 
 
-class _OnDevice:
-    """A frozen params tree, copied once to each device a step runs on."""
-
-    def __init__(self, params: Any):
-        self.params, self.copies = params, {}
-
-    def on(self, device: torch.device) -> Any:
-        if device not in self.copies:  # x.to(its own device) is x: no copy where the params already are
-            self.copies[device] = tree_util.map(lambda x: x.to(device), self.params)
-        return self.copies[device]
-
-
 def lora_denoiser(unet: Any, schedule: Schedule, base: Any, config: LoraConfig, adapters: Any) -> LossModel:
     """``denoising_loss`` over LoRA adapters of ``unet`` with the frozen params ``base`` (module doc):
     ``loss(adapters, latents, text_states, t, noise[, weights], key=)``, ``key`` drawing the adapters'
     dropout; it starts from ``adapters`` (``cfx.lora.init(unet, config, key)``). A ``cfx.parallel.Plan``
-    trains it over ``data`` (ZeRO, offload, the whole step recomputed under remat)."""
-    frozen = _OnDevice(base)
+    trains it over ``data`` (ZeRO, offload, the whole step recomputed under remat), keeping ``base`` as
+    it keeps the adapters (``LossModel(frozen=)``): under ZeRO-3 each rank holds ``1/n`` of it, gathered
+    around the loss, in host memory or files under offload."""
 
     def lora_loss(adapters: Any, latents: torch.Tensor, text_states: torch.Tensor, t: torch.Tensor,
-                  noise: torch.Tensor, weights: torch.Tensor | None = None, *, key: Any = None) -> torch.Tensor:
-        params = attach(frozen.on(latents.device), adapters, config, key=key)
+                  noise: torch.Tensor, weights: torch.Tensor | None = None, *, frozen: Any,
+                  key: Any = None) -> torch.Tensor:
+        params = attach(frozen, adapters, config, key=key)
         return denoising_loss(unet, schedule, params, latents, text_states, t, noise, weights)
 
-    return LossModel(lora_loss, params=adapters)
+    return LossModel(lora_loss, params=adapters, frozen=base)

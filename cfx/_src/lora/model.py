@@ -11,12 +11,14 @@ alone. Block ``i`` is a ``LoraBlock`` holding block ``i`` of the frozen base: it
 to it and runs the base block, so what wraps a block -- ZeRO-3's gathering, remat, a pipeline stage --
 wraps the adapters' block and gathers, recomputes or stages the adapters while the base stays as given
 (each process keeps the whole base). The embedding and the head run on the base's top-level params.
-``shard_base`` keeps the base as a Plan keeps its state instead (``sharded.py``; a Plan's placement is
-``cfx._src.plan.lora_base.place_base``, which ``Plan.step`` applies): under ZeRO-3 each rank keeps ``1/n`` of it, every block's gathered
-just before it runs and freed after, without gradients; under a pipe axis (``stages=``) only the ranks of
-the stage that runs a block keep its base (the embedding's on the first stage, the head's on the last),
-and ``apply`` / ``loss`` (the whole model on every rank, e.g. ``Program.sample``) share each stage's over
-``pipe`` as they run; with offload in host memory or in files (``host``, ``nvme_dir``).
+The model is a function of (adapters, base) and knows nothing of where the base is: a Plan keeps it
+as it keeps its state instead (``models.frozen``'s hooks ``frozen`` / ``place_frozen``; the Plan's
+``plan/frozen.py``, which ``Plan.step`` applies and which is the program's ``TrainState.frozen``):
+under ZeRO-3 each rank keeps ``1/n`` of it, every block's gathered just before it runs and freed
+after, without gradients; under a pipe axis only the ranks of the stage that runs a block keep its
+base (the embedding's on the first stage, the head's on the last), and ``apply`` / ``loss`` (the
+whole model on every rank, e.g. ``Program.sample``) share each stage's over ``pipe`` as they run;
+with offload in host memory or in files.
 
 Under a model axis (``tensor_parallel(axis)``, the hook a Plan calls) the base model is split by
 ``split(model, axis) -> (split model, the base params' specs)`` and every rank runs on its block of the
@@ -44,10 +46,10 @@ from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.lora.adapters import attach, axes as adapter_axes, init as adapter_init
 from cfx._src.lora.config import LoraConfig, resolve
-from cfx._src.lora.sharded import PIPE, ShardedBase, block_at, shard_tree, whole
 from cfx._src.mesh.context import current
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.models.common import check_params
+from cfx._src.models.frozen import block_at, frozen_view, is_placed, whole
 from cfx._src.nn.lora_weight import LoraWeight, is_weight_node
 from cfx._src.transforms.shapes import eval_shape
 
@@ -65,9 +67,9 @@ def rank_block(tree: Any, specs: Any) -> Any:
 
 
 def _frozen(base: Any, specs: Any, device: torch.device) -> Any:
-    """A context giving this rank's block of the frozen ``base``: gathered for its body if it is a
-    ``ShardedBase`` (``shard_base``), else its block under ``specs`` (views)."""
-    if isinstance(base, ShardedBase):
+    """A context giving this rank's block of the frozen ``base``: gathered for its body if a plan
+    placed it (``place_frozen``), else its block under ``specs`` (views)."""
+    if is_placed(base):
         return base.gathered(device)
     return contextlib.nullcontext(rank_block(base, specs))
 
@@ -157,7 +159,7 @@ class LoraModel:
     specs: Any = None
     split: Callable[[Any, str], tuple[Any, Any]] | None = None
     blocks: tuple = None
-    presplit: tuple | None = None  # shard_base on a mesh with a model axis: (split model, its specs)
+    presplit: tuple | None = None  # placed on a mesh with a model axis: (split model, its specs)
 
     def __post_init__(self):
         if self.blocks is None:
@@ -220,11 +222,11 @@ class LoraModel:
         rank's block of them (gathered for its body when the base is sharded); ``part``: ``first`` (what
         the embedding reads) or ``last`` (the head's) suffice where the base is staged over ``pipe``."""
         if self.presplit is not None:
-            raise ValueError(f"{WHERE}: the base was sharded for a mesh with a model axis (shard_base); run it "
-                             "under that Plan, which splits it, or shard it on a mesh without a model axis.")
+            raise ValueError(f"{WHERE}: the base was placed for a mesh with a model axis (place_frozen); run it "
+                             "under that Plan, which splits it, or place it on a mesh without a model axis.")
         if isinstance(self.base, StagedTop):
             return self.base.gathered(device, part)
-        if isinstance(self.base, ShardedBase):
+        if is_placed(self.base):
             return self.base.gathered(device)
         top = {k: v for k, v in self.base.items() if k != "blocks"}
         return contextlib.nullcontext(
@@ -254,68 +256,54 @@ class LoraModel:
                 return inner.head_loss(top, x, targets)
         return dataclasses.replace(inner, first=(), last=(), embed=embed, head_loss=head_loss)
 
-    def shard_base(self, mesh: Any, *, axis: str | None = "data", host: bool = False, nvme_dir: str | None = None,
-                   stages: Sequence[Sequence[int]] | None = None) -> "LoraModel":
-        """The same adapters over the frozen base placed as a Plan on ``mesh`` keeps its state
-        (``cfx._src.lora.sharded``): sharded like ZeRO-3's params over ``axis`` (None: not sharded),
-        each rank keeping ``1/n`` of it (of its block of it, when ``mesh`` has a model axis: the base is
-        split over it first, as the Plan will), every block's gathered just before it runs and freed
-        after, without gradients; the embedding and head likewise around their use. ``stages[c]``: the
-        blocks the ranks at ``pipe`` coordinate ``c`` run (a pipe Plan's stages), which alone keep their
-        base (the embedding's with block 0's stage, the head's with the last block's). ``host``: the
-        shards live in host memory, ``nvme_dir``: in files there, each copied to the device for its
-        gather. Drop the whole base afterwards: the result holds only the shards."""
-        if axis is not None and axis not in mesh.axis_names:
-            raise ValueError(f"{WHERE}: shard_base(axis={axis!r}) but the mesh {mesh!r} has no such axis; shard over "
-                             "the plan's data axis (zero=3), e.g. shard_base(mesh, axis='data').")
+    @property
+    def frozen(self) -> Any:
+        """The frozen base as held now (``models.frozen``): ``{"top": ..., "blocks": [...]}``, each a tree
+        or, once a plan placed it (``place_frozen``), a placed tree; what a program's ``TrainState.frozen`` is."""
+        if not self.base_placed:
+            return self.base
+        return {"top": self.base, "blocks": [_inner_base(b) for b in self.blocks]}
+
+    def place_frozen(self, placer: Any) -> "LoraModel":
+        """The same adapters over the frozen base as ``placer`` keeps it (``models.frozen``; a Plan's:
+        ``plan.frozen.Placer``): each block's base placed on its own, gathered just before the block
+        runs and freed after, without gradients; the embedding and head likewise around their use.
+        Under a pipe axis (``placer.stages``) only the stage that runs a block holds its base (the
+        embedding's with block 0's stage, the head's with the last block's). On a mesh with a model
+        axis the base is split over it first (``split``), as the Plan will split the model."""
         if self.base_placed or any(not isinstance(b, LoraBlock) for b in self.blocks):
-            raise ValueError(f"{WHERE}: shard the base once, before the Plan wraps the blocks.")
-        stage_of = self._stage_of(mesh, stages)
+            raise ValueError(f"{WHERE}: place the frozen base once, before the Plan wraps the blocks.")
+        n = len(self.blocks)
+        stage_of = placer.stage_of(n)
         model, specs, presplit = self.model, self.specs, None
-        if specs is None and mesh.shape.get("model", 1) > 1:
+        if specs is None and placer.mesh.shape.get("model", 1) > 1:
             if self.split is None:
                 raise ValueError(f"{WHERE}: the mesh has a model axis but no split was given (split=); build it with "
                                  "cfx._src.train.model.lora_model, which passes Megatron's.")
             model, specs = presplit = self.split(self.model, "model")
-        kw = dict(home="nvme" if nvme_dir is not None else "host" if host else "device", nvme_dir=nvme_dir)
-        n = len(self.blocks)
         block_specs = specs["blocks"] if specs is not None else [None] * n
-        blocks = tuple(dataclasses.replace(b, base=shard_tree(b.base, s, mesh, axis, stage=c, **kw))
+        blocks = tuple(dataclasses.replace(b, base=placer.place(b.base, s, c))
                        for b, s, c in zip(self.blocks, block_specs, stage_of))
         top_specs = None if specs is None else {k: v for k, v in specs.items() if k != "blocks"}
-        if stages is None:
+        if placer.stages is None:
             top = {k: v for k, v in self.base.items() if k != "blocks"}
-            return dataclasses.replace(self, base=shard_tree(top, top_specs, mesh, axis, **kw), blocks=blocks,
-                                       presplit=presplit)
+            return dataclasses.replace(self, base=placer.place(top, top_specs), blocks=blocks, presplit=presplit)
         parts = self.model.parts()
 
-        def held(keys: tuple[str, ...], stage: int) -> ShardedBase:  # the top-level params one part reads
+        def held(keys: tuple[str, ...], stage: int) -> Any:  # the top-level params one part reads
             sub = lambda t: None if t is None else {k: t[k] for k in keys}  # noqa: E731
-            return shard_tree(sub(self.base), sub(top_specs), mesh, axis, stage=stage, **kw)
+            return placer.place(sub(self.base), sub(top_specs), stage)
         top = StagedTop(held(parts.first, stage_of[0]), held(parts.last, stage_of[n - 1]))
         return dataclasses.replace(self, base=top, blocks=blocks, presplit=presplit)
 
     @property
     def base_placed(self) -> bool:
-        """Whether ``shard_base`` placed the frozen base already (it places it once)."""
-        return isinstance(self.base, (ShardedBase, StagedTop))
-
-    def _stage_of(self, mesh: Any, stages: Sequence[Sequence[int]] | None) -> list[int | None]:
-        """The pipe coordinate holding each block's base (None: every rank), after checking ``stages``."""
-        n = len(self.blocks)
-        if stages is None:
-            return [None] * n
-        p = mesh.shape.get(PIPE, 0)
-        got = sorted(i for s in stages for i in s)
-        if len(stages) != p or got != list(range(n)):
-            raise ValueError(f"{WHERE}: shard_base(stages=...) must list, for each of the {p} ranks of the mesh's "
-                             f"{PIPE!r} axis, the blocks it runs, every one of the {n} blocks once; got "
-                             f"{[list(s) for s in stages]}.")
-        return [c for i in range(n) for c, s in enumerate(stages) if i in s]
+        """Whether ``place_frozen`` placed the frozen base already (it places it once)."""
+        return isinstance(self.base, StagedTop) or is_placed(self.base)
 
     def base_bytes(self, rank: int, *, blocks_only: bool = False) -> int:
         """Bytes of the frozen base rank ``rank`` keeps (``blocks_only``: of its blocks' bases): its shards
-        once ``shard_base`` ran, else the whole base."""
+        once a plan placed it, else the whole base."""
         if isinstance(self.base, dict):
             tree = self.base["blocks"] if blocks_only else self.base
             return sum(x.numel() * x.element_size() for x in tree_util.leaves(tree))
@@ -330,9 +318,9 @@ class LoraModel:
                              "cfx._src.train.model.lora_model, which passes Megatron's.")
         if self.specs is not None or any(not isinstance(b, LoraBlock) for b in self.blocks):
             raise ValueError(f"{WHERE}: split the model over {axis!r} once, before wrapping its blocks.")
-        if isinstance(self.base, (ShardedBase, StagedTop)):  # sharded for this split already (shard_base)
+        if self.base_placed:  # placed for this split already (place_frozen on the plan's mesh)
             if self.presplit is None or axis != "model":
-                raise ValueError(f"{WHERE}: the base was sharded on a mesh without a model axis; call shard_base "
+                raise ValueError(f"{WHERE}: the base was placed on a mesh without a model axis; place it "
                                  f"with the Plan's mesh (model axis {axis!r}).")
             model, specs = self.presplit
             blocks = tuple(dataclasses.replace(b, block=sb, specs=s)
@@ -343,11 +331,11 @@ class LoraModel:
 
 
 class StagedTop(NamedTuple):
-    """The base's params outside the blocks staged over ``pipe`` (``shard_base(stages=)``): those the
+    """The base's params outside the blocks staged over ``pipe`` (``place_frozen`` with stages): those the
     embedding reads on block 0's stage, those the head reads on the last block's (a tied embedding on both)."""
 
-    first: ShardedBase
-    last: ShardedBase
+    first: Any  # placed trees (models.frozen)
+    last: Any
 
     @contextlib.contextmanager
     def gathered(self, device: torch.device, part: str):
@@ -358,8 +346,8 @@ class StagedTop(NamedTuple):
             yield {k: v for tree in got for k, v in tree.items()}
 
 
-def _inner_base(block: Any) -> ShardedBase:
-    """The sharded base of a ``LoraBlock`` (or of one a Plan wrapped: remat, ZeRO-3's gathering)."""
+def _inner_base(block: Any) -> Any:
+    """The placed base of a ``LoraBlock`` (or of one a Plan wrapped: remat, ZeRO-3's gathering)."""
     while not isinstance(block, LoraBlock):
         block = getattr(block, "layer", None) or getattr(block, "block")
     return block.base

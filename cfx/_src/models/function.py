@@ -15,6 +15,11 @@ need nothing more of it. ``specs`` (a ``P`` or a pytree of them, a prefix of the
 out over ``model`` too: the function then gets each rank's blocks and does its own collectives
 (``cfx.lax``), as inside ``shard_map``. What needs structure (``pipe``, remat and ZeRO-3 gathering
 per block) asks for the parts protocol (``cfx.models.ChainModel``).
+
+``frozen=`` gives it weights it reads and never trains (a LoRA base: ``cfx.diffusion``'s
+``lora_denoiser``), which the function receives as ``frozen=`` and the plan keeps as it keeps the
+params (``models.frozen``): ZeRO-3's pieces gathered whole around the loss, offload's host memory or
+files; they get no gradients and no optimizer state.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
+from cfx._src.models.frozen import HeldWhole, is_placed
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 
 WHERE = "Plan over a loss function"
@@ -40,6 +46,7 @@ class LossModel:
     init_fn: Callable[[torch.Tensor], Any] | None = None
     param_specs: Any = None                 # specs over the mesh (a P, or a pytree prefix of the params)
     batch_axes: tuple = ("batch",)          # every batch tensor's rows split over data
+    frozen: Any = None                      # weights read, never trained (module doc): a tree, or placed
 
     def __post_init__(self):
         if not callable(self.loss_fn):
@@ -47,11 +54,12 @@ class LossModel:
         if (self.params is None) == (self.init_fn is None):
             raise ValueError(f"{WHERE}: pass the starting params (params=) or a function making them (init=), "
                              "exactly one of the two.")
-        try:
-            takes_key = "key" in inspect.signature(self.loss_fn).parameters
-        except (TypeError, ValueError):  # a builtin or C callable: no key
-            takes_key = False
-        object.__setattr__(self, "_takes_key", takes_key)
+        object.__setattr__(self, "_takes_key", _takes(self.loss_fn, "key"))
+        if self.frozen is not None:
+            if not _takes(self.loss_fn, "frozen"):
+                raise ValueError(f"{WHERE}: frozen= weights reach the loss function as its keyword argument frozen; "
+                                 f"{self.name!r} takes none (def loss_fn(params, *batch, frozen): ...).")
+            object.__setattr__(self, "_held", self.frozen if is_placed(self.frozen) else HeldWhole(self.frozen))
 
     @property
     def name(self) -> str:
@@ -79,7 +87,16 @@ class LossModel:
         return self.loss(params, *batch, key=key)
 
     def loss(self, params: Any, *batch: Any, key: torch.Tensor | None = None) -> torch.Tensor:
-        return self.loss_fn(params, *batch, key=key) if self._takes_key else self.loss_fn(params, *batch)
+        kw = {"key": key} if self._takes_key else {}
+        if self.frozen is None:
+            return self.loss_fn(params, *batch, **kw)
+        device = next(x.device for x in tree_util.leaves((batch, params)) if isinstance(x, torch.Tensor))
+        with self._held.gathered(device) as frozen:
+            return self.loss_fn(params, *batch, frozen=frozen, **kw)
+
+    def place_frozen(self, placer: Any) -> "LossModel":
+        """The same function over its frozen weights as a plan's ``placer`` keeps them (``models.frozen``)."""
+        return dataclasses.replace(self, frozen=placer.place(self.frozen))
 
     def check_train_batch(self, batch: Any, where: str) -> None:
         """A tuple of tensors sharing their number of rows (what splits over ``data``)."""
@@ -95,6 +112,14 @@ class LossModel:
         """Its own split over ``axis``: ``param_specs`` lays the params out, the function does the rest."""
         del axis
         return self
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` (a builtin or C callable: no)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def as_model(model: Any, *, params: Any = None, init: Callable | None = None, specs: Any = None,

@@ -80,6 +80,7 @@ class Hooks(Protocol):
     batch_axes: tuple          # the logical axes of its batch's leading leaves (default ("batch", "length"))
     param_specs: Any           # its params' specs over the plan's mesh (a P or a pytree prefix), instead of
                                # those its logical axes get from the plan's rules (a LossModel's ``specs=``)
+    frozen: Any                # weights it reads and never trains, as held now (``models.frozen``)
 
     def sublayers(self) -> dict: ...  # its named layers around the blocks, which with_layers(**) replaces: a
                                       # "sequence" (WholeSequence) says it can split its sequence, a "loss" its
@@ -87,9 +88,11 @@ class Hooks(Protocol):
     def with_layers(self, **layers: Any) -> Any: ...
     def check_train_batch(self, batch: tuple, where: str) -> None: ...  # a batch of its own (not tokens)
     def tensor_parallel(self, axis: str) -> Any: ...  # its own split over a model axis (not TransformerBlocks)
+    def place_frozen(self, placer: Any) -> Any: ...  # itself over its frozen weights placed by a Plan's placer
 
 
-HOOKS = frozenset(Hooks.__annotations__) | {"check_train_batch", "tensor_parallel", "sublayers", "with_layers"}
+HOOKS = frozenset(Hooks.__annotations__) | {"check_train_batch", "tensor_parallel", "sublayers", "with_layers",
+                                            "place_frozen"}
 
 
 def hook(model: Any, name: str, default: Any = None) -> Any:

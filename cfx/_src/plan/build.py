@@ -26,7 +26,7 @@ from cfx._src.optim.reduction import sharded
 from cfx._src.parallel.state import state_specs
 from cfx._src.plan import strategies as strategies_lib
 from cfx._src.plan.layout import Layout
-from cfx._src.plan.lora_base import place_base
+from cfx._src.plan.frozen import Placer, place
 from cfx._src.plan.on_rank import eval_on_rank, per_rank_specs
 from cfx._src.plan.strategy import Account, Built
 from cfx._src.spmd.shard_map import shard_map
@@ -67,13 +67,21 @@ def check_mesh(plan, mesh) -> None:
 
 def prepare(plan, model: Any, mesh: Any, *, nvme_dir: str | None = None) -> Built:
     """What a program starts from: each strategy's preparation (offload=nvme's directory, made and
-    checked now), then a ``LoraModel``'s frozen base kept as the state will be (sharded, staged,
-    offloaded: ``lora_base.place_base``)."""
+    checked now), then the model's frozen weights kept as the state will be (sharded, staged,
+    offloaded: ``frozen_placer``)."""
     built = Built(plan, model, None, mesh, nvme_dir=nvme_dir)
     for s in strategies():
         s.prepare(plan, built)
-    built.model = place_base(model, plan, mesh, nvme_dir=built.nvme_dir)
+    built.model = place(model, frozen_placer(plan, model, mesh, built.nvme_dir))
     return built
+
+
+def frozen_placer(plan, model: Any, mesh: Any, nvme_dir: str | None) -> Placer:
+    """Where ``plan`` keeps ``model``'s frozen weights on ``mesh``: each strategy's ``place_frozen`` in turn."""
+    placer = Placer(mesh, nvme_dir=nvme_dir)
+    for s in strategies():
+        placer = s.place_frozen(plan, placer, model)
+    return placer
 
 
 def scheduled(plan, built: Built, tokens: torch.Tensor, key: Any) -> Built:

@@ -1,7 +1,7 @@
 """The single-device plan's program: one device and no mesh (``Plan.step(model, tx)`` without a
 mesh), a ``TrainProgram`` (``protocol.py``) like a Plan's ``Program``.
 
-Its state is ``TrainState(params, opt_state)`` of plain tensors. Activation checkpointing is per
+Its state is ``TrainState(params, opt_state, frozen)`` of plain tensors. Activation checkpointing is per
 block (``remat=blocks`` / ``dots``) or, under ``remat=auto``, one Rotor schedule over the blocks
 within the plan's budget, solved for each batch shape the first time the step sees it.
 """
@@ -76,15 +76,15 @@ class LocalProgram:
 
     def init(self, key: torch.Tensor) -> TrainState:
         params = self.model.init(key)
-        return TrainState(params, self.tx.init(params))
+        return TrainState(params, self.tx.init(params), hook(self.model, "frozen"))
 
     def init_from(self, params: Any) -> TrainState:
         """A state starting from ``params`` (pretrained weights), the optimizer's state fresh."""
-        return TrainState(params, self.tx.init(params))
+        return TrainState(params, self.tx.init(params), hook(self.model, "frozen"))
 
     def put(self, params: Any, opt_state: Any) -> TrainState:
         """A state from the trees of a checkpoint."""
-        return TrainState(params, opt_state)
+        return TrainState(params, opt_state, hook(self.model, "frozen"))
 
     def __call__(self, state: TrainState, batch: tuple, key: torch.Tensor | None = None) -> tuple[TrainState, dict]:
         """``(state, batch) -> (state, {"loss"})``: ``batch`` is ``(tokens, targets)``, or a

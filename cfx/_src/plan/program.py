@@ -27,6 +27,7 @@ import torch
 
 from cfx._src.core import donation, tree as tree_util
 from cfx._src.lax import collectives as lax
+from cfx._src.models.parts import hook
 from cfx._src.optim import base as optim
 from cfx._src.optim.loss_scale import loss_scale
 from cfx._src.plan import build
@@ -76,7 +77,7 @@ class Program:
     def _placed(self, state: TrainState) -> TrainState:
         for s in build.strategies():
             state = s.place_state(self.plan, state, self._built)
-        return state
+        return state._replace(frozen=hook(self.model, "frozen"))  # placed already (build.prepare)
 
     def params(self, state: TrainState) -> Any:
         """The model's params as global tensors (``device_get``: every process calls it)."""
@@ -118,8 +119,8 @@ class Program:
         donated; ``key`` drives dropout (None: none). A model with its own batch (``check_train_batch``,
         as ``cfx.diffusion.Denoiser``) takes that tuple instead of ``(tokens, targets)``."""
         batch = build.arrange_batch(self.plan, self.model, batch)
-        new, loss = self.step_for(batch, key)(state, batch, key)
-        return new, {"loss": loss}
+        new, loss = self.step_for(batch, key)(state._replace(frozen=None), batch, key)
+        return new._replace(frozen=state.frozen), {"loss": loss}  # the model reads its frozen trees itself
 
     def step_for(self, batch: tuple, key: Any = None) -> Any:
         """The step (``shard_map(body)``, compiled with ``jit``) for ``batch`` (global, arranged)."""
@@ -169,7 +170,7 @@ class Program:
             grads = layout.stack_local(grads)
         with donation.donated(tree_util.leaves(grads)), build.norms_over_ranks(plan, layout):  # spent grads: reusable
             new, opt_state = optim.apply_gradients(self.opt, grads, state.opt_state, on)
-        return TrainState(layout.stack_local(new) if on is local else new, opt_state, state.frozen), loss
+        return TrainState(layout.stack_local(new) if on is local else new, opt_state), loss
 
     # -- eval and sampling, sharded like the step ------------------------------------------------
     def _eval_loss(self, params, batch):

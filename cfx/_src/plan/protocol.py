@@ -11,8 +11,12 @@ on nothing else of each other.
     program.loss(state, *batch), program.params(state)
 
 ``TrainState.frozen`` holds weights the step reads and never trains (a LoRA base, a frozen
-encoder), laid out like the params but without gradients or optimizer state; None where the
-model has none.
+encoder: ``models.frozen``), laid out as the plan lays out the params -- ZeRO-3's pieces over
+``data``, held by the pipe stage that runs them, in host memory or files under offload
+(``plan/frozen.py``) -- but without gradients or optimizer state; None where the model has none.
+They are the same placed trees the model's layers gather from as they run (the program built the
+model over them), so the step passes them through untouched; checkpoints hold the trained state
+alone (the frozen weights come from where the base came from).
 """
 from __future__ import annotations
 

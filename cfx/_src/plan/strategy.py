@@ -11,7 +11,8 @@ plan does not use answers each as a no-op):
    compatibility matrix lives here, with the strategy it concerns), ``jit_refusal``;
 2. **layout** -- ``axes`` (the mesh axes it owns: ``Plan.parse`` accepts exactly the strategies'),
    ``rules`` (logical axes of the params -> mesh axes, for ``Layout``) or ``param_specs`` (its own),
-   ``place_state`` (where the state's blocks live);
+   ``place_state`` (where the state's blocks live), ``place_frozen`` (where a model's frozen weights
+   live: ``TrainState.frozen``, laid out as the params are);
 3. **the model each rank runs** -- ``parallelize`` (its parallel form: attention over a split sequence,
    Megatron's split blocks, ...), ``wrap_block`` (each block, the first strategy innermost: ZeRO-3's
    gathering inside remat's recomputation), ``wrap_chain`` (how the blocks run as one chain: a remat
@@ -122,6 +123,11 @@ class Strategy:
     def place_state(self, plan, state: Any, built: "Built") -> Any:
         """The train state moved where this strategy keeps it (offload's files)."""
         return state
+
+    def place_frozen(self, plan, placer: Any, model: Any) -> Any:
+        """The ``plan.frozen.Placer`` for ``model``'s frozen weights with what this strategy changes of
+        where they live (ZeRO-3's axis, the pipe stages, offload's home), as it keeps the params."""
+        return placer
 
     # -- 3. the model each rank runs -----------------------------------------------------------------
     def parallelize(self, plan, model) -> Any:

@@ -5,6 +5,7 @@ then what is left of the model, gathered just before use and freed after (``cfx.
 gradients reduce-scattered in backward."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -28,6 +29,10 @@ class Data(Strategy):
         if plan.zero and not plan.has("data"):
             raise ValueError(f"Plan: zero={plan.zero} shards over the data axis, and the mesh "
                              f"{dict(plan.mesh)} has none; add data=N to the mesh or use zero=0.")
+
+    def place_frozen(self, plan, placer, model) -> Any:
+        """ZeRO-3: frozen weights in pieces over ``data`` as the params are."""
+        return dataclasses.replace(placer, axis="data") if plan.zero == 3 and plan.has("data") else placer
 
     def wrap_block(self, plan, block) -> Any:
         return gathered(block, axis="data") if plan.zero == 3 else block

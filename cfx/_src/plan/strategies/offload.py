@@ -5,6 +5,7 @@ its budget). Each rank keeps its placement across steps (``auto``'s warm-up reco
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import weakref
@@ -87,6 +88,16 @@ class Offload(Strategy):
             return make_placement(plan, built.local, built.layout, plan.offload_budget or free_device_bytes(built.mesh))
         new()  # on shapes now: a budget below one chunk fails before any rank runs
         return PlacedRunner(inner, new, placements, tuple(a for a in ("data", "expert", "seq", "model") if plan.has(a)))
+
+    def place_frozen(self, plan, placer, model) -> Any:
+        """Frozen weights at the state's home: host memory (``host``, and ``auto``, whose chunks' home is
+        the host too) or files in the program's directory (``nvme``)."""
+        if plan.offload == "none":
+            return placer
+        if plan.offload == "nvme" and placer.nvme_dir is None:
+            raise ValueError(f"Plan {str(plan)!r}: offload=nvme keeps the frozen weights in files; pass the directory "
+                             "(nvme_dir=) the plan's program writes its own into.")
+        return dataclasses.replace(placer, home="nvme" if plan.offload == "nvme" else "host")
 
     def place_state(self, plan, state: Any, built: Built) -> Any:
         """``offload=nvme``: every block of the state moved into a file (``gemini.mapped``); the step

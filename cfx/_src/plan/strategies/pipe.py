@@ -3,6 +3,7 @@ every stage's blocks), the batch runs as the schedule's microbatches (``cfx.pipe
 gradients accumulate over them and leave the pipeline once per step."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from cfx._src.models.function import LossModel
@@ -54,6 +55,15 @@ class Pipe(Strategy):
             raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
         stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
         make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
+
+    def place_frozen(self, plan, placer, model) -> Any:
+        """Each block's frozen weights held by the stage that runs it (the stored order's stages)."""
+        if not plan.has("pipe") or not isinstance(getattr(model, "blocks", None), tuple):
+            return placer
+        p = plan.size("pipe")
+        order = stored_order(len(model.blocks), p, plan.chunks, type(model).__name__)
+        rows = len(order) // p
+        return dataclasses.replace(placer, stages=tuple(tuple(order[c * rows:(c + 1) * rows]) for c in range(p)))
 
     def jit_refusal(self, plan) -> str | None:
         return "a pipe axis runs its schedule's sends and receives eagerly" if plan.has("pipe") else None

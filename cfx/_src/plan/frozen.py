@@ -1,11 +1,15 @@
-"""A frozen base placed as a Plan keeps its state (``LoraModel.shard_base``): sharded like ZeRO-3's
-params, held by the pipeline stage that runs it, in host memory or in files.
+"""Frozen weights kept as a Plan keeps its state (``Placer``): sharded like ZeRO-3's params, held by
+the pipeline stage that runs them, in host memory or in files. A model's frozen weights meet a plan
+through two hooks (``cfx._src.models.frozen``: ``model.frozen``, ``model.place_frozen(placer)``); the
+strategies decide the placer (``Strategy.place_frozen``: ``data`` under ZeRO-3 its axis, ``pipe`` its
+stages, ``offload`` its home) and ``place`` applies it; the placed trees are the program's
+``TrainState.frozen``.
 
 ``shard_tree(tree, specs, mesh, axis)`` cuts, for every rank this process addresses, its block of
 ``tree`` under ``specs`` (a model axis's split; None: whole) into ZeRO-3's flat pieces over ``axis``
 (``cfx._src.zero.flat``: every leaf flattened, padded to a multiple of ``n``, piece ``r`` on rank ``r``;
 ``axis=None``: ``n = 1``, the whole block), packed into one shard per dtype (an int8 base: the ``q`` s
-in one, the fp32 scales and norms in another). ``ShardedBase.gathered(device)`` all-gathers this rank's
+in one, the fp32 scales and norms in another). ``ShardedTree.gathered(device)`` all-gathers this rank's
 shards through ZeRO-3's own mechanism for groups without gradients (``cfx.zero``'s ``frozen_gathered``):
 the leaves exist while the layer runs, what autograd saves of them is re-gathered in backward, and
 nothing is reduce-scattered (``axis=None``: views of the shards, nothing to gather).
@@ -15,10 +19,10 @@ Where the shards live (``home``): ``device`` (where the leaves are), ``host`` (C
 gather copies the shard to ``device`` first, so the device holds only the layer being computed.
 
 ``stage``: the coordinate along the mesh's ``pipe`` axis whose ranks hold the shards (the pipeline
-stage that runs the layer); the other ranks keep none of it. Inside ``whole()`` (``LoraModel.apply`` /
-``loss``: every pipe rank runs the whole model, as ``Program.sample`` does) a staged base's shards are
-all-gathered over ``pipe`` and the holders' taken, so every rank can run every layer; a pipeline stage
-gathers only its own.
+stage that runs the layer); the other ranks keep none of it. Inside ``models.frozen.whole()`` (a
+model's ``apply`` / ``loss``: every pipe rank runs the whole model, as ``Program.sample`` does) a
+staged tree's shards are all-gathered over ``pipe`` and the holders' taken, so every rank can run
+every layer; a pipeline stage gathers only its own.
 """
 from __future__ import annotations
 
@@ -28,50 +32,18 @@ from typing import Any
 
 import torch
 
-from cfx._src.core import context
 from cfx._src.core import tree as tree_util
 from cfx._src.gemini.mapped import mapped_copy
 from cfx._src.mesh.context import current
-from cfx._src.mesh.layout import block_of
-from cfx._src.mesh.spec import P, is_spec
-from cfx._src.nn.lora_weight import is_weight_node
-from cfx._src.precision.quant import QuantizedWeight
+from cfx._src.models.frozen import block_at, in_whole, is_placed
+from cfx._src.models.parts import hook
 from cfx._src.zero.flat import GroupLayout
 from cfx._src.zero import prefetch
 from cfx._src.zero.gathered import ShardSource, frozen_gathered
 
-WHERE = "cfx.lora model"
+WHERE = "a frozen tree placed as a Plan keeps its state"
 PIPE = "pipe"
 HOMES = ("device", "host", "nvme")
-_whole: context.Var[bool] = context.Var("cfx_lora_whole_model", False)
-
-
-@contextlib.contextmanager
-def whole():
-    """Every pipe rank runs every layer inside (module doc): staged bases are shared over ``pipe``."""
-    token = _whole.set(True)
-    try:
-        yield
-    finally:
-        _whole.reset(token)
-
-
-def block_at(tree: Any, specs: Any, mesh: Any, coords: dict) -> Any:
-    """The block of the global ``tree`` that the rank at ``coords`` holds under ``specs`` (a pytree of
-    ``P`` shaped like it, weights as single leaves; None: the whole tree): views, no copies. An int8
-    weight's ``q`` splits as its spec says, its per-column ``scale`` with the output dim."""
-    if specs is None:
-        return tree
-    leaves, treedef = tree_util.flatten(tree, is_leaf=is_weight_node)
-    spec_leaves = tree_util.leaves(specs, is_leaf=is_spec)
-    assert len(leaves) == len(spec_leaves), (len(leaves), len(spec_leaves))
-
-    def local(x: Any, spec: P) -> Any:
-        if isinstance(x, QuantizedWeight):
-            out = P(*tuple(spec)[1:2])  # (out,) scales split with the weight's columns
-            return QuantizedWeight(block_of(x.q, spec, mesh, coords), block_of(x.scale, out, mesh, coords))
-        return block_of(x, spec, mesh, coords) if isinstance(x, torch.Tensor) else x
-    return tree_util.unflatten(treedef, [local(x, s) for x, s in zip(leaves, spec_leaves)])
 
 
 class _CopiedShard(ShardSource):
@@ -87,8 +59,8 @@ class _CopiedShard(ShardSource):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ShardedBase:
-    """A frozen params tree as each rank's shards (module doc): ``groups`` (leaf indices, layout) per
+class ShardedTree:
+    """A frozen tree as each rank's shards (module doc): ``groups`` (leaf indices, layout) per
     dtype, ``shards[rank]`` one (S,) tensor per group for the ranks that hold it, ``treedef`` the
     tree's structure, ``axis`` the axis it is sharded over (None: whole), ``stage`` the pipe
     coordinate of its holders (None: every rank)."""
@@ -109,7 +81,7 @@ class ShardedBase:
         the ``with`` body, as ``device`` tensors (module doc)."""
         ctx = current(WHERE)
         shards = self.shards.get(ctx.rank)
-        if self.stage is not None and _whole.get():
+        if self.stage is not None and in_whole():
             shards = self._from_stage(shards, device)
         assert shards is not None, f"rank {ctx.rank} runs a layer of pipe stage {self.stage} it does not hold"
         leaves: list[Any] = [None] * sum(len(g[0]) for g in self.groups)
@@ -138,8 +110,8 @@ class ShardedBase:
 
 
 def shard_tree(tree: Any, specs: Any, mesh: Any, axis: str | None, *, home: str = "device",
-               nvme_dir: str | None = None, stage: int | None = None) -> ShardedBase:
-    """``tree`` as a ``ShardedBase`` over ``axis`` of ``mesh`` (None: whole), for the ranks this process
+               nvme_dir: str | None = None, stage: int | None = None) -> ShardedTree:
+    """``tree`` as a ``ShardedTree`` over ``axis`` of ``mesh`` (None: whole), for the ranks this process
     addresses (only those of pipe coordinate ``stage``, if given), each rank's block of it under ``specs``,
     the shards at ``home`` (module doc). Fresh tensors (ranks holding the same whole block share them):
     ``tree`` may be dropped afterwards."""
@@ -162,7 +134,7 @@ def shard_tree(tree: Any, specs: Any, mesh: Any, axis: str | None, *, home: str 
             made[key] = tuple(_at_home(layout.shard_of([leaves[i] for i in idx], piece), home, nvme_dir)
                               for idx, layout, _ in groups)
         shards[rank] = made[key]
-    return ShardedBase(treedef, groups, shards, axis, stage)
+    return ShardedTree(treedef, groups, shards, axis, stage)
 
 
 def _at_home(shard: torch.Tensor, home: str, nvme_dir: str | None) -> torch.Tensor:
@@ -171,3 +143,73 @@ def _at_home(shard: torch.Tensor, home: str, nvme_dir: str | None) -> torch.Tens
     if home == "nvme":
         return mapped_copy(shard.cpu(), nvme_dir)
     return shard
+
+
+@dataclasses.dataclass(frozen=True)
+class Placer:
+    """Where a plan keeps frozen weights on ``mesh`` (module doc): sharded over ``axis`` (None: whole),
+    the shards at ``home`` (``nvme``: files under ``nvme_dir``), and with a pipe axis ``stages[c]``: the
+    blocks the ranks at ``pipe`` coordinate ``c`` run, which alone hold their frozen weights."""
+
+    mesh: Any
+    axis: str | None = None
+    home: str = "device"
+    nvme_dir: str | None = None
+    stages: tuple | None = None
+
+    @property
+    def moves(self) -> bool:
+        """Whether this placer keeps anything other than the whole tree on every rank."""
+        return self.axis is not None or self.home != "device" or self.stages is not None
+
+    def place(self, tree: Any, specs: Any = None, stage: int | None = None) -> ShardedTree:
+        """``tree`` (each rank's block of it under ``specs``) placed, held by the ranks of pipe coordinate
+        ``stage`` (None: every rank): a placed tree (``models.frozen``)."""
+        return shard_tree(tree, specs, self.mesh, self.axis, home=self.home, nvme_dir=self.nvme_dir, stage=stage)
+
+    def stage_of(self, n: int) -> list[int | None]:
+        """The pipe coordinate holding each of ``n`` blocks (None: every rank), after checking ``stages``."""
+        if self.stages is None:
+            return [None] * n
+        p = self.mesh.shape.get(PIPE, 0)
+        got = sorted(i for s in self.stages for i in s)
+        if len(self.stages) != p or got != list(range(n)):
+            raise ValueError(f"{WHERE}: stages must list, for each of the {p} ranks of the mesh's {PIPE!r} axis, "
+                             f"the blocks it runs, every one of the {n} blocks once; got "
+                             f"{[list(s) for s in self.stages]}.")
+        return [c for i in range(n) for c, s in enumerate(self.stages) if i in s]
+
+
+def shard_base(model: Any, mesh: Any, *, axis: str | None = "data", host: bool = False,
+               nvme_dir: str | None = None, stages: Any = None) -> Any:
+    """``model`` (a ``LoraModel``, or any model with frozen weights) over its frozen weights placed on
+    ``mesh`` as a Plan would (``Placer``): sharded like ZeRO-3's params over ``axis`` (None: not
+    sharded), in host memory (``host``) or in files under ``nvme_dir``, and with ``stages`` (a pipe
+    Plan's blocks per stage) held only by the stage that runs them. Drop the whole tree afterwards:
+    the result holds only the shards."""
+    if axis is not None and axis not in mesh.axis_names:
+        raise ValueError(f"{WHERE}: axis={axis!r} but the mesh {mesh!r} has no such axis; shard over the plan's "
+                         "data axis (zero=3), e.g. axis='data'.")
+    home = "nvme" if nvme_dir is not None else "host" if host else "device"
+    placer = Placer(mesh, axis, home, nvme_dir, None if stages is None else tuple(tuple(s) for s in stages))
+    return place(model, placer)
+
+
+def place(model: Any, placer: Placer) -> Any:
+    """``model`` over its frozen weights as ``placer`` keeps them (its ``place_frozen`` hook); a model
+    without frozen weights, or a placer that moves nothing, gives ``model`` back."""
+    place_frozen = hook(model, "place_frozen")
+    if not placer.moves or not callable(place_frozen) or hook(model, "frozen") is None or placed_already(model):
+        return model
+    return place_frozen(placer)
+
+
+def placed_already(model: Any) -> bool:
+    """Whether ``model``'s frozen weights were placed already (a model places them once)."""
+    return any(is_placed(x) for x in tree_util.leaves(hook(model, "frozen"), is_leaf=is_placed))
+
+
+def frozen_bytes(frozen: Any, rank: int) -> int:
+    """Bytes of the frozen weights ``frozen`` (a program's ``TrainState.frozen``) rank ``rank`` keeps."""
+    placed = tree_util.leaves(frozen, is_leaf=is_placed)
+    return sum(x.nbytes(rank) if is_placed(x) else x.numel() * x.element_size() for x in placed)
