@@ -47,7 +47,10 @@ class Side(NamedTuple):
 
 
 def sides(model, batch: int, seq: int, device: str, *, compiled: bool) -> list[Side]:
-    """The step four ways (two without ``compiled``), from the same weights and batch."""
+    """The step four ways (two without ``compiled``), from the same weights and batch; compiled with
+    inductor on the GPU, with aot_eager on the CPU smoke (the path, not the figures: a cold C++ compile
+    would cost the suite ~20 s)."""
+    backend = "inductor" if device == "cuda" else "aot_eager"
     params = cfx.tree.map(lambda x: x.to(device), model.init(cfx.random.key(0)))
     k = cfx.random.split(cfx.random.key(1), 2)
     tokens, targets = (cfx.random.randint(kk, (batch, seq), 0, model.config.vocab_size).to(device) for kk in k)
@@ -69,7 +72,7 @@ def sides(model, batch: int, seq: int, device: str, *, compiled: bool) -> list[S
 
     def module_side(name: str, compile_it: bool) -> Side:
         module = TorchGPT2(model.config).load_cfx(params).to(device)
-        forward = torch.compile(module) if compile_it else module
+        forward = torch.compile(module, backend=backend) if compile_it else module
         opt = torch.optim.AdamW(module.parameters(), fused=True, **HP)
 
         def run():
@@ -83,7 +86,7 @@ def sides(model, batch: int, seq: int, device: str, *, compiled: bool) -> list[S
 
     out = [module_side("module", False), cfx_side("cfx", cfx.jit(step, donate_argnums=0, compile=False))]
     if compiled:
-        out += [module_side("compiled", True), cfx_side("jit", cfx.jit(step, donate_argnums=0, verbose=False))]
+        out += [module_side("compiled", True), cfx_side("jit", cfx.jit(step, donate_argnums=0, verbose=False, backend=backend))]
     return out
 
 
