@@ -3,7 +3,6 @@
 ``notebooks/*.py`` (jupytext percent format) is the source of truth; regenerate the paired
 notebook with ``jupytext --to ipynb notebooks/NAME.py``.
 """
-import os
 import pathlib
 
 import pytest
@@ -40,8 +39,12 @@ def test_ipynb_matches_its_py_twin(source):
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_notebook_executes(source, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    from traitlets.config import Config
     nb = jupytext.read(source)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+    # the kernel's sockets are files under tmp_path (ipc), not TCP ports: two workers starting kernels
+    # at once cannot race for a port (a CI run lost one to "Address already in use")
+    ipc = Config({"KernelManager": {"transport": "ipc", "ip": str(tmp_path / "kernel")}})
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", config=ipc,
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError naming the cell if any cell raises
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
