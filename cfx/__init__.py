@@ -27,10 +27,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``cfx.generate`` (a callable module: the function and ``python -m cfx.generate``) and
-    ``cfx.testing`` (hypothesis strategies: a test dependency), imported on first use, so that
-    ``python -m cfx.generate`` runs it fresh and ``import cfx`` needs no hypothesis."""
-    if name in ("generate", "testing"):
+    """``cfx.generate`` (a callable module: the function and ``python -m cfx.generate``), ``cfx.serve``
+    (the serving engine) and ``cfx.testing`` (hypothesis strategies: a test dependency), imported on
+    first use, so that ``python -m cfx.generate`` runs it fresh and ``import cfx`` needs no hypothesis."""
+    if name in ("generate", "serve", "testing"):
         import importlib
         return importlib.import_module(f"cfx.{name}")
     raise AttributeError(f"module 'cfx' has no attribute {name!r}")

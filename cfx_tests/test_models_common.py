@@ -34,7 +34,7 @@ def test_fused_head_loss_equals_the_unfused_loss_and_gradients(name):
         return model.head_loss(p, model.hidden(p, tokens), targets, fused=True)
 
     def textbook(p):  # in fp64 (the unfused loss computes in fp32)
-        logits = model._logits(p, model.hidden(p, tokens))  # (B, T, V)
+        logits = model.logits(p, model.hidden(p, tokens))  # (B, T, V)
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
     want, want_grads = cfx.value_and_grad(textbook)(params)
     got, got_grads = cfx.value_and_grad(fused)(params)

@@ -269,7 +269,7 @@ class DecoderLM:
         check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
         return self.head_loss(params, self.hidden(params, tokens, mask=mask, key=key), targets)
 
-    def _logits(self, params: Any, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, params: Any, x: torch.Tensor) -> torch.Tensor:
         """The head's logits ``(B, T, V)`` (this rank's ``(B, T, V/n)`` under a vocabulary split) for the
         last block's output ``x`` (B, T, C); ``_head_parts`` says what the head is."""
         h, head, p = self._head_parts(params, x)

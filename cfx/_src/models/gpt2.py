@@ -109,7 +109,7 @@ class GPT2(DecoderLM):
         ``cache`` (a ``cfx.nn.KVCache``): decode after the cached positions (``cfx.generate``).
         """
         x = self.hidden(params, tokens, mask=mask, key=key, positions=positions, cache=cache)  # (B, T, C)
-        return self._logits(params, x)  # (B, T, V) or (B, T, V/n)
+        return self.logits(params, x)  # (B, T, V) or (B, T, V/n)
 
     def hidden(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
                key: torch.Tensor | None = None, positions: torch.Tensor | None = None,

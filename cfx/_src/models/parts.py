@@ -89,10 +89,12 @@ class Hooks(Protocol):
     def check_train_batch(self, batch: tuple, where: str) -> None: ...  # a batch of its own (not tokens)
     def tensor_parallel(self, axis: str) -> Any: ...  # its own split over a model axis (not TransformerBlocks)
     def place_frozen(self, placer: Any) -> Any: ...  # itself over its frozen weights placed by a Plan's placer
+    def hidden(self, params: Any, tokens: Any, **kw: Any) -> Any: ...  # a decoder's last block's output (B, T, C)
+    def logits(self, params: Any, x: Any) -> Any: ...  # ... and its head's logits of it: what serving reads
 
 
 HOOKS = frozenset(Hooks.__annotations__) | {"check_train_batch", "tensor_parallel", "sublayers", "with_layers",
-                                            "place_frozen"}
+                                            "place_frozen", "hidden", "logits"}
 
 
 def hook(model: Any, name: str, default: Any = None) -> Any:
