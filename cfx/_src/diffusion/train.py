@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from cfx._src.core import random
-from cfx._src.core import tree as tree_util
 from cfx._src.diffusion.composite import Composite
 from cfx._src.diffusion.schedulers import Schedule, add_noise, target
 from cfx._src.lora.adapters import attach

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -49,7 +49,7 @@ from cfx._src.lora.config import LoraConfig, resolve
 from cfx._src.mesh.context import current
 from cfx._src.mesh.spec import P, is_spec
 from cfx._src.models.common import check_params
-from cfx._src.models.frozen import block_at, frozen_view, is_placed, whole
+from cfx._src.models.frozen import block_at, is_placed, whole
 from cfx._src.nn.lora_weight import LoraWeight, is_weight_node
 from cfx._src.transforms.shapes import eval_shape
 

@@ -10,8 +10,8 @@ A ``placer`` (``plan.frozen.Placer``) keeps a tree as the plan keeps the params:
 specs=None, stage=None)`` returns a **placed tree** -- anything with ``gathered(device)``, a context
 giving the tree (this rank's block of it under ``specs``) on ``device`` for its body, and
 ``nbytes(rank)`` -- and ``placer.stages`` lists the blocks each pipe stage runs (None: no pipe axis).
-The model knows nothing of where they are: it reads them through ``gathered`` around each use
-(``frozen_view``), and they are never differentiated nor given optimizer state. A program's
+The model knows nothing of where they are: it reads them through ``gathered`` around each use, and
+they are never differentiated nor given optimizer state. A program's
 ``TrainState.frozen`` is ``model.frozen`` after the plan placed it.
 
 ``HeldWhole`` is the placed tree where nothing moves it: the whole tree, copied once to each device
@@ -70,11 +70,6 @@ class HeldWhole:
     def nbytes(self, rank: int) -> int:
         del rank
         return tree_util.nbytes(self.tree)
-
-
-def frozen_view(tree: Any, device: torch.device) -> Any:
-    """A context giving the frozen ``tree`` on ``device``: a placed tree gathered, a tree of tensors as it is."""
-    return tree.gathered(device) if is_placed(tree) else contextlib.nullcontext(tree)
 
 
 def block_at(tree: Any, specs: Any, mesh: Any, coords: dict) -> Any:

@@ -31,6 +31,7 @@ from cfx._src.core.cli import command_parser, parse, run_command
 from cfx._src.plan.config import parse_mesh
 from cfx._src.precision.quant import quantize
 from cfx._src.spmd.shard_map import shard_map
+from cfx._src.serve.tokens import ByteTokenizer, HFTokenizer
 from cfx._src.train.saving import read_params
 from cfx._src.core.text import printable
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> str:
     mesh = parse_mesh(args.mesh, axes=("model",), fix="; generation splits heads over one axis, e.g. --mesh "
                       "model=2.") if args.mesh is not None else ()
     model, params, codec = load(args.checkpoint)
-    prompt = torch.tensor([codec.encode(args.prompt)], dtype=torch.long)
+    prompt = torch.tensor([codec.encode(args.prompt) or [10]], dtype=torch.long)  # nothing: a newline
     eos = args.eos_id if args.eos_id is not None else codec.eos_id
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               key=jr.key(args.seed), eos_id=eos)
@@ -88,7 +89,7 @@ class _Stream:
     def __init__(self, codec):
         self.codec, self.ids, self.text = codec, [], ""
         # bytes: decoded as they come (a character split over tokens appears once it is whole)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if isinstance(codec, _Bytes) else None
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if isinstance(codec, ByteTokenizer) else None
 
     def __call__(self, tokens) -> None:
         token = int(tokens[0])
@@ -109,29 +110,6 @@ class _Stream:
         return self.text
 
 
-class _Bytes:
-    eos_id = None
-
-    @staticmethod
-    def encode(text: str) -> list[int]:
-        return list(text.encode("utf-8")) or [10]
-
-    @staticmethod
-    def decode(ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class _HFTokenizer:
-    def __init__(self, tok):
-        self.tok, self.eos_id = tok, tok.eos_token_id
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
-
-
 def load(path: str) -> tuple[Any, Any, Any]:
     """``(model, params, codec)`` from an HF directory or a cfx.train checkpoint (a file, or a
     sharded directory)."""
@@ -144,7 +122,7 @@ def load(path: str) -> tuple[Any, Any, Any]:
                                                                             "tokenizer.model"))
         if has_tokenizer:
             import transformers
-            return model, params, _HFTokenizer(transformers.AutoTokenizer.from_pretrained(path))
+            return model, params, HFTokenizer(transformers.AutoTokenizer.from_pretrained(path))
         return model, params, _bytes_for(model, path)
     if not os.path.isfile(path):
         raise ValueError(f"--checkpoint {path!r}: no such file or directory.")
@@ -152,8 +130,8 @@ def load(path: str) -> tuple[Any, Any, Any]:
     return model, params, _bytes_for(model, path)
 
 
-def _bytes_for(model: Any, path: str) -> _Bytes:
+def _bytes_for(model: Any, path: str) -> ByteTokenizer:
     if model.config.vocab_size < 256:
         raise ValueError(f"--checkpoint {path!r} has no tokenizer and a vocabulary of {model.config.vocab_size} "
                          "(< 256 bytes); save the tokenizer into the directory (tokenizer.save_pretrained).")
-    return _Bytes()
+    return ByteTokenizer()

@@ -1,0 +1,75 @@
+"""``python -m cfx.serve``: an OpenAI-compatible HTTP server on the serving engine.
+
+    python -m cfx.serve --model DIR [--int8] [--host 127.0.0.1] [--port 8000] [--kv-bytes 2GiB]
+                        [--max-waiting 256] [--block-size 16] [--max-batch-tokens 512] [--max-seqs 64]
+
+``DIR`` is a Hugging Face model directory (its tokenizer and chat template; bytes where it has no
+tokenizer) or a ``python -m cfx.train --save`` checkpoint (``cli_generate.load`` reads both). The
+engine steps in its own thread (``cfx._src.serve.runner``) beside uvicorn's event loop; SIGTERM or
+Ctrl-C stops taking connections, finishes the requests in flight and exits 0. Clients speak
+OpenAI's API (``cfx._src.serve.http``)::
+
+    curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
+         -d '{"model": "cfx", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from typing import Any, Sequence
+
+from cfx._src.core.cli import command_parser, parse, run_command
+from cfx._src.core.text import parse_bytes
+from cfx._src.precision.quant import quantize
+from cfx._src.serve.engine import Engine
+from cfx._src.serve.http import app as make_app
+from cfx._src.serve.runner import EngineThread
+from cfx._src.train.cli_generate import load
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = command_parser("python -m cfx.serve", __doc__)
+    p.add_argument("--model", required=True, help="a Hugging Face directory or a python -m cfx.train checkpoint")
+    p.add_argument("--name", default=None, help="the model's name in requests and /v1/models (default: the "
+                   "directory's name)")
+    p.add_argument("--int8", action="store_true", help="weight-only int8 params (cfx.quant.quantize)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--kv-bytes", default="256MiB", help="the KV cache's pool (e.g. 2GiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens computed per engine step")
+    p.add_argument("--max-seqs", type=int, default=64, help="sequences running at once")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests waiting before new ones get 429")
+    return parse(p, argv)
+
+
+def build(args: argparse.Namespace) -> tuple[Any, EngineThread, str]:
+    """The ASGI app, its engine thread and the model's name, from the command's arguments."""
+    model, params, tok = load(args.model)
+    if args.int8:
+        params = quantize(params, "int8", axes=model.axes())
+    tok.skip_special = True  # what a client reads is text
+    engine = Engine(model, params, block_size=args.block_size, kv_bytes=parse_bytes(args.kv_bytes),
+                    max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs)
+    runner = EngineThread(engine, max_waiting=args.max_waiting)
+    name = args.name or os.path.basename(os.path.normpath(args.model))
+    return make_app(runner, tok, model_name=name), runner, name
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    app, runner, name = build(args)
+    print(f"cfx.serve: {name!r} on http://{args.host}:{args.port}/v1 ({runner.engine.blocks.num_blocks} KV blocks "
+          f"of {args.block_size} tokens)", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn handles them while it serves, then raises the one it
+        signal.signal(sig, lambda s, f: None)    # stopped on again: to this no-op, so the command exits 0
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
+    finally:  # uvicorn has stopped taking connections and finished those open
+        runner.close(drain=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(parse_args, run, argv)
