@@ -127,6 +127,53 @@ def test_every_family_decodes_as_transformers_does(name):
         assert out == [want[0, len(p):].tolist()], (name, p)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_tensor_parallel_ranks_hold_their_heads_and_decode_what_one_device_does(name):
+    """``mesh=`` with a ``model`` axis of 2 (local threads): each rank computes and caches its own heads (a pool of
+    half one device's bytes, the same block tables), the logits are gathered, and every request's tokens are
+    one device's -- through chunked prefill and preemption."""
+    model, params, _ = family(name)
+    prompts = prompts_with_prefixes([5, 13, 3, 9], 4, seed=6)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(block_size=4, num_blocks=10, max_batch_tokens=8, max_seqs=3)
+    one = Engine(model, params, **kw)
+    want = one.generate(prompts, sp)
+    with cfx.Mesh({"model": 2}) as mesh:
+        engine = Engine(model, params, mesh=mesh, **kw)
+        got = engine.generate(prompts, sp)
+    assert got == want and engine.stats["preemptions"] > 0
+    assert [p.nbytes for p in engine.pools.values()] == [one.pools[0].nbytes // 2] * 2
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_requests_under_different_lora_adapters_share_a_batch(name):
+    """Two adapters (different targets, ranks and alphas) and the base model in one batch, the same prompt
+    under each too: every request decodes what ``cfx.generate`` decodes alone on ``attach(params, its
+    adapters)``; the prefix cache never hands one adapter's blocks to another."""
+    model, params, _ = family(name)
+    configs = {"a": cfx.lora.LoraConfig(r=4, alpha=8, targets=("attn",)),
+               "b": cfx.lora.LoraConfig(r=2, alpha=2, targets=("attn", "mlp"))}
+    g = torch.Generator().manual_seed(9)  # B far from 0: each adapter changes the greedy output
+    adapters = {k: cfx.tree.map(lambda t: (t + torch.randn(t.shape, generator=g)).double(),
+                                cfx.lora.init(model, c, cfx.random.key(i)))
+                for i, (k, c) in enumerate(configs.items())}
+    engine = Engine(model, params, block_size=4, num_blocks=64, max_batch_tokens=32, max_seqs=6)
+    for k in configs:
+        engine.add_adapter(k, adapters[k], configs[k])
+    shared = prompts_with_prefixes([9], 0, seed=8)[0]
+    prompts = prompts_with_prefixes([5, 12, 7], 0, seed=7) + [shared] * 3
+    loras = ["a", "b", None, "a", "b", None]
+    got = engine.generate(prompts, [SamplingParams(max_tokens=5, ignore_eos=True, lora=k) for k in loras])
+    for p, k, out in zip(prompts, loras, got):
+        p_k = params if k is None else cfx.lora.attach(params, adapters[k], configs[k])
+        assert out == [alone(model, p_k, p, 5)], (k, p)
+    assert len({tuple(o[0]) for o in got[3:]}) == 3  # the same prompt, three answers
+    with pytest.raises(ValueError, match="no adapter named 'c'"):
+        engine.add_request([1, 2], SamplingParams(lora="c"))
+
+
 @pytest.mark.timeout(120)
 def test_int8_params_decode_as_cfx_generate_does(gpt2):
     model, params, _ = gpt2

@@ -58,6 +58,20 @@ def model_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def adapter_dir(model_dir, tmp_path_factory):
+    """A peft LoRA of the directory's model (random B: it changes the output), saved by peft."""
+    import peft
+    import transformers
+    torch.manual_seed(1)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(model_dir)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
+                                                  init_lora_weights=False, fan_in_fan_out=True))
+    d = tmp_path_factory.mktemp("adapter")
+    pm.save_pretrained(d)
+    return d
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,13 +101,16 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def served(model_dir):
-    """The directory's model in fp64 behind the server, its transformers twin (fp64) and tokenizer."""
+def served(model_dir, adapter_dir):
+    """The directory's model in fp64 behind the server (with the peft adapter as the model "tiny-lora"), its
+    transformers twin (fp64) and tokenizer."""
     import transformers
     model, params = cfx.models.from_pretrained(model_dir)
     params = cfx.tree.map(lambda x: x.double(), params)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     engine = Engine(model, params, block_size=8, num_blocks=256, max_batch_tokens=64, max_seqs=8)
+    config, adapters = cfx.lora.load_peft(adapter_dir, model)
+    engine.add_adapter("tiny-lora", cfx.tree.map(lambda x: x.double(), adapters), config)
     runner = EngineThread(engine, max_waiting=64)
     live = Live(app(runner, HFTokenizer(tok, skip_special=True), model_name="tiny"), runner)
     hf = transformers.GPT2LMHeadModel.from_pretrained(model_dir).eval().double()
@@ -148,6 +165,21 @@ def test_concurrent_completions_and_chats_equal_transformers(served):
         assert got[len(PROMPTS) + i][0] == hf_text(hf, tok, chat_ids, 3 + i % 4), p
     wait_idle(live.runner, live.runner.engine)
     assert live.runner.engine.blocks.held == 0 and not live.runner.engine.seqs  # nothing kept after answering
+
+
+@pytest.mark.timeout(120)
+def test_a_lora_model_name_answers_what_peft_merged_answers(served, model_dir, adapter_dir):
+    import peft
+    import transformers
+    live, hf, tok = served
+    fresh = transformers.GPT2LMHeadModel.from_pretrained(model_dir)  # peft adapts the module it is given
+    merged = peft.PeftModel.from_pretrained(fresh, adapter_dir).merge_and_unload().eval().double()
+    assert [m.id for m in live.client.models.list().data] == ["tiny", "tiny-lora"]
+    for p in PROMPTS[:4]:
+        got = live.client.completions.create(model="tiny-lora", prompt=p, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+        assert got == hf_text(merged, tok, tok.encode(p), 6), p
+    assert hf_text(merged, tok, tok.encode(p), 6) != hf_text(hf, tok, tok.encode(p), 6)  # the adapter matters
 
 
 @pytest.mark.timeout(120)
@@ -238,7 +270,7 @@ def test_a_client_leaving_mid_stream_aborts_its_request(served):
 def test_models_health_and_metrics(served):
     import httpx2 as httpx
     live, _, _ = served
-    assert [m.id for m in live.client.models.list().data] == ["tiny"]
+    assert [m.id for m in live.client.models.list().data] == ["tiny", "tiny-lora"]
     assert httpx.get(live.url + "/health").json()["status"] == "ok"
     text = httpx.get(live.url + "/metrics").text
     for name in ("cfx_requests_running", "cfx_requests_waiting", "cfx_kv_blocks_free", "cfx_kv_blocks_total",

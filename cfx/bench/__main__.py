@@ -19,9 +19,12 @@ def main(argv=None) -> int:
                       help="every code path once at toy sizes, in seconds (the test suite's check; the "
                            "figures mean nothing)")
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    p.add_argument("--http", action="store_true", help="serve: measure the HTTP server under load instead")
     a = p.parse_args(argv)
+    if a.http and a.name != "serve":
+        p.error("--http is the serve bench's (python -m cfx.bench serve --http)")
     keep_host_memory()  # the same setting as python -m cfx.train; applies to both sides of a comparison
-    BENCHES[a.name](quick=a.quick, smoke=a.smoke, json_path=a.json)
+    BENCHES[a.name](quick=a.quick, smoke=a.smoke, json_path=a.json, **({"http": True} if a.http else {}))
     return 0
 
 

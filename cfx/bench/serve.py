@@ -20,6 +20,8 @@ batch of 8 sequences at a time.
   ``itl_p50_s`` / ``itl_p99_s`` (between a request's tokens), printed;
 * ``same_tokens_as_generate``: the requests whose tokens equal ``cfx.generate`` on each alone (the
   smoke and quick runs check all of them, the full run the first 16), as a fraction (target 1).
+
+``--http`` measures the HTTP server instead (``serve_http``).
 """
 from __future__ import annotations
 
@@ -116,10 +118,13 @@ def prefix_ratio(model, params, n: int, shared: int) -> tuple[float, int, int]:
     return counts[0] / counts[1], counts[0], counts[1]
 
 
-def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None, http: bool = False) -> dict:
     import transformers
 
     size = size_of(quick=quick, smoke=smoke)
+    if http:  # the HTTP server under load (serve_http)
+        from cfx.bench import serve_http
+        return report("serve --http", serve_http.rows(size), json_path)
     kw, n, prompts, outputs, n_prefix, shared = SIZES[size]
     model = cfx.models.gpt2("small", **kw)
     torch.manual_seed(0)

@@ -27,7 +27,10 @@ from typing import Any, Iterable, Sequence as Seq
 import torch
 
 from cfx._src.core import tree as tree_util
+from cfx._src.generate.pick import whole_vocab
+from cfx._src.mesh.spec import P
 from cfx._src.models.parts import hook
+from cfx._src.serve.adapters import Adapters
 from cfx._src.serve.blocks import BlockAllocator
 from cfx._src.serve.paged import KVPool, PagedStep
 from cfx._src.serve.request import SamplingParams, Sequence, Status, StepOutput, check_prompt
@@ -45,7 +48,7 @@ class Engine:
 
     def __init__(self, model: Any, params: Any, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_bytes: int | None = None, max_batch_tokens: int = 512, max_seqs: int = 64,
-                 prefix_caching: bool = True, eos_id: int | None = None):
+                 prefix_caching: bool = True, eos_id: int | None = None, mesh: Any = None):
         if not isinstance(getattr(model, "blocks", None), tuple) or hook(model, "config") is None \
                 or not callable(hook(model, "hidden")) or not callable(hook(model, "logits")):
             raise ValueError(f"{WHERE}: {type(model).__name__} is not a decoder language model (a config, a tuple of "
@@ -62,7 +65,10 @@ class Engine:
         self.vocab_size = config.vocab_size
         self.eos_id = getattr(config, "eos_token_id", None) if eos_id is None else eos_id
         self.device = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
-        self.block_bytes = _block_bytes(model, params, block_size, self.device)
+        self.block_bytes = _block_bytes(model, params, block_size, self.device)  # the whole model's, per block
+        self.run = Forward(model, params, mesh)  # one device, or each rank its heads (tensor parallelism)
+        self.adapters = Adapters(params if mesh is None else None)  # (a mesh: none served)
+        self.block_bytes //= self.run.n  # what one rank holds
         if num_blocks is None:
             want = max_seqs * math.ceil((self.max_len or 4096) / block_size)
             num_blocks = min(want, (kv_bytes or 256 << 20) // self.block_bytes) if kv_bytes is None \
@@ -71,7 +77,7 @@ class Engine:
             raise ValueError(f"{WHERE}: kv_bytes={kv_bytes} holds no block of {self.block_bytes} bytes "
                              f"({block_size} tokens over every layer); give more.")
         self.blocks = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
-        self.pool = KVPool(num_blocks, block_size, len(model.blocks))
+        self.pools = self.run.pools(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
         self.seqs: dict[str, list[Sequence]] = {}
         self._forks: dict[str, list[Sequence]] = {}  # samples 1..n-1, started from sample 0's prompt
@@ -86,12 +92,20 @@ class Engine:
         self.start_request(rid)
         return rid
 
+    def add_adapter(self, name: str, adapters: Any, config: Any) -> None:
+        """Serve LoRA ``adapters`` (``cfx.lora.init`` / ``load_peft``'s, made with ``config``) as ``name``:
+        requests with ``SamplingParams(lora=name)`` run under them, batched with any others (``adapters``)."""
+        if self.run.mesh is not None:
+            raise ValueError(f"{WHERE}: LoRA adapters are served on one device; drop mesh= to serve them.")
+        self.adapters.add(name, adapters, config)
+
     def reserve_request(self, prompt: Seq[int] | torch.Tensor, params: SamplingParams | None = None, *,
                         request_id: str | None = None) -> str:
         """``add_request``'s checks and id, without queueing it yet (``start_request``): a server checks
         a request on its own thread and hands it to the engine's."""
         params = SamplingParams() if params is None else params
         params.check(WHERE)
+        self.adapters.index(params.lora)  # a name the engine serves
         prompt = check_prompt(prompt, self.vocab_size, self.max_len, params.max_tokens, WHERE)
         if math.ceil((len(prompt) + params.max_tokens) / self.blocks.block_size) > self.blocks.num_blocks:
             raise ValueError(f"{WHERE}: {len(prompt)} prompt + {params.max_tokens} new tokens need more than the "
@@ -100,7 +114,7 @@ class Engine:
         rid = str(arrival) if request_id is None else str(request_id)
         if rid in self.seqs:
             raise ValueError(f"{WHERE}: request id {rid!r} is in use.")
-        seqs = [Sequence(rid, j, prompt, params, arrival) for j in range(params.n)]
+        seqs = [Sequence(rid, j, prompt, params, arrival, root=Adapters.root(params.lora)) for j in range(params.n)]
         self.seqs[rid] = seqs
         self._forks[rid] = seqs[1:]
         return rid
@@ -140,7 +154,8 @@ class Engine:
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
         for src, dst in plan.copies:
-            self.pool.copy_block(src, dst)
+            for pool in self.pools.values():
+                pool.copy_block(src, dst)
         if not plan.rows:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(f"{WHERE}: no request fits the KV pool (every block held by nothing running).")
@@ -165,7 +180,7 @@ class Engine:
     def _run(self, rows: list[tuple[Sequence, int]]) -> dict:
         """The model over ``rows`` (each its next ``n`` tokens, right-padded): the last logits of the rows
         whose every token is then computed."""
-        bs, dev = self.blocks.block_size, self.device
+        bs = self.blocks.block_size
         B, T = len(rows), max(n for _, n in rows)
         tokens = torch.zeros(B, T, dtype=torch.long)
         starts = torch.tensor([s.computed for s, _ in rows])
@@ -178,19 +193,18 @@ class Engine:
         positions = starts[:, None] + torch.arange(T)[None, :]
         if self.max_len is not None:
             positions = positions.clamp(max=self.max_len - 1)  # padding's positions: any in range
-        starts, lengths, tables, tokens, positions = (x.to(dev) for x in (starts, lengths, tables, tokens, positions))
-        cache = PagedStep(self.pool, tables, starts, lengths, T)
-        h = hook(self.model, "hidden")(self.params, tokens, positions=positions, cache=cache)  # (B, T, C)
+        params = self.adapters.params_for(torch.tensor([self.adapters.index(s.params.lora) for s, _ in rows]))
         done = [b for b, (s, n) in enumerate(rows) if s.computed + n == s.length]
-        if not done:
+        if not done:  # every row a chunk of a longer prompt: its keys and values, no logits
+            self.run(self.pools, tokens, positions, tables, starts, lengths, None, params)
             return {}
-        idx = torch.tensor(done, device=dev)
-        last = h[idx, (lengths[idx] - 1)]  # (R, C)
-        logits = hook(self.model, "logits")(self.params, last[:, None])[:, 0]  # (R, V)
-        return {rows[b][0]: logits[r] for r, b in enumerate(done)}
+        logits = self.run(self.pools, tokens, positions, tables, starts, lengths, torch.tensor(done), params)
+        greedy = logits.argmax(-1).tolist()  # every row's greedy token at once (a sampled row picks its own)
+        return {rows[b][0]: (logits[r], greedy[r]) for r, b in enumerate(done)}
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> list[StepOutput]:
-        """``seq``'s next token from ``logits``; on finishing its prompt, sample 0 forks the others."""
+    def _advance(self, seq: Sequence, logits: tuple[torch.Tensor, int]) -> list[StepOutput]:
+        """``seq``'s next token from its last ``(logits, greedy token)``; on finishing its prompt, sample 0
+        forks the others."""
         out = [self._emit(seq, logits)]
         forks = self._forks.pop(seq.request_id, []) if seq.index == 0 else []
         for child in forks:  # the prompt's blocks shared (copied when written), the first token their own
@@ -202,8 +216,8 @@ class Engine:
             out.append(self._emit(child, logits))
         return out
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        tok = seq.pick(self.model, logits)
+    def _emit(self, seq: Sequence, logits: tuple[torch.Tensor, int]) -> StepOutput:
+        tok = logits[1] if seq.params.temperature == 0 else seq.pick(self.model, logits[0])
         seq.output.append(tok)
         p = seq.params
         reason = None
@@ -236,6 +250,63 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return [self.output(i) for i in ids]
+
+
+class Forward:
+    """The model over one step's rows: on one device, or with a mesh's ``model`` axis inside
+    ``shard_map`` (``cfx.parallel.tensor_parallel``: each rank computes, caches and keeps its own heads'
+    keys and values -- a pool per rank, the same block tables -- and the vocabulary-parallel logits are
+    gathered, so every rank picks the same tokens)."""
+
+    def __init__(self, model: Any, params: Any, mesh: Any):
+        self.mesh, self.model, self.params, self.n = mesh, model, params, 1
+        if mesh is None:
+            return
+        if set(mesh.axis_names) != {"model"}:
+            raise ValueError(f"{WHERE}: the mesh {dict(mesh.shape)} must have one axis, 'model' (tensor parallelism; "
+                             "each rank its heads). Serve data-parallel replicas as separate engines.")
+        from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
+        from cfx._src.parallel.rules import Rules
+        from cfx._src.spmd.arrays import device_put
+
+        self.n = mesh.shape["model"]
+        self.model = tensor_parallel(model, "model")
+        self.specs = Rules(MEGATRON_RULES).specs(model.axes(), mesh=mesh)
+        self.params = device_put(params, mesh, self.specs)
+
+    def pools(self, num_blocks: int, block_size: int) -> dict[int, KVPool]:
+        """A pool per rank this process runs (one, without a mesh)."""
+        ranks = [0] if self.mesh is None else list(self.mesh.local_ranks)
+        return {r: KVPool(num_blocks, block_size, len(self.model.blocks)) for r in ranks}
+
+    def __call__(self, pools: dict, tokens, positions, tables, starts, lengths, done, params: Any = None
+                 ) -> torch.Tensor | None:
+        """The last logits ``(R, V)`` of the rows ``done`` (None: none wanted, the keys and values written);
+        ``params``: this step's (adapters attached), else the model's."""
+        if self.mesh is None:
+            return self._rows(pools[0], self.params if params is None else params, tokens, positions, tables, starts,
+                              lengths, done)
+        from cfx._src.mesh.context import current
+        from cfx._src.spmd.arrays import device_get
+        from cfx._src.spmd.shard_map import shard_map
+
+        def body(p, *xs):
+            out = self._rows(pools[current(WHERE).rank], p, *xs, done)
+            return out if out is not None else torch.zeros(())
+        out = shard_map(body, mesh=self.mesh, in_specs=(self.specs,) + (P(),) * 5, out_specs=P())(
+            self.params, tokens, positions, tables, starts, lengths)
+        return device_get(out) if done is not None else None
+
+    def _rows(self, pool: KVPool, params, tokens, positions, tables, starts, lengths, done) -> torch.Tensor | None:
+        dev = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
+        tokens, positions, tables, starts, lengths = (x.to(dev) for x in (tokens, positions, tables, starts, lengths))
+        cache = PagedStep(pool, tables, starts, lengths, tokens.shape[1])
+        h = hook(self.model, "hidden")(params, tokens, positions=positions, cache=cache)  # (B, T, C)
+        if done is None:
+            return None
+        idx = done.to(dev)
+        last = h[idx, lengths[idx] - 1]  # (R, C)
+        return whole_vocab(self.model, hook(self.model, "logits")(params, last[:, None])[:, 0])  # (R, V)
 
 
 class _ProbeLayer:

@@ -138,7 +138,8 @@ def models(api: Any):
         from starlette.responses import JSONResponse
 
         return JSONResponse({"object": "list", "data": [
-            {"id": api.model_name, "object": "model", "created": 0, "owned_by": "cfx"}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "cfx",
+             **({} if name == api.model_name else {"parent": api.model_name})} for name in api.model_names]})
     return endpoint
 
 

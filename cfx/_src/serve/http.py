@@ -5,6 +5,8 @@
     POST /v1/chat/completions   {"model", "messages", ...}            (the tokenizer's chat template)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
+A request's ``model`` is the base model's name or a LoRA adapter's the engine serves
+(``Engine.add_adapter``; ``python -m cfx.serve --lora NAME=DIR``), each its own entry of ``/v1/models``.
 Responses follow OpenAI's shapes (``usage`` included); ``"stream": true`` answers with server-sent
 events in OpenAI's chunk format, ending with ``data: [DONE]``. Bad input is a 400 with OpenAI's error
 JSON, an unknown model a 404, a full waiting queue a 429 with ``Retry-After``; a client that goes
@@ -39,6 +41,11 @@ class Api:
     def __init__(self, runner: EngineThread, tokenizer: Any, model_name: str, metrics: Metrics):
         self.runner, self.tok, self.model_name, self.metrics = runner, tokenizer, model_name, metrics
 
+    @property
+    def model_names(self) -> list[str]:
+        """The base model's name, then each LoRA adapter's (``Engine.add_adapter``): what a request may name."""
+        return [self.model_name] + [n for n in self.runner.engine.adapters.names if n]
+
     # -- parsing --------------------------------------------------------------------------------------
     def parse(self, body: Any, chat: bool) -> tuple[list[int], SamplingParams, dict]:
         """The prompt's ids, the sampling params and the options, from a request body; BadRequest otherwise."""
@@ -52,8 +59,8 @@ class Api:
                 raise BadRequest(f"{k!r} must be {' or '.join(t.__name__ for t in types)}, got {type(v).__name__}.",
                                  param=k)
         o = {k: body.get(k, d) if body.get(k) is not None else d for k, (_, d) in FIELDS.items()}
-        if o["model"] is not None and o["model"] != self.model_name:
-            raise BadRequest(f"the model {o['model']!r} does not exist; this server has {self.model_name!r}.",
+        if o["model"] is not None and o["model"] not in self.model_names:
+            raise BadRequest(f"the model {o['model']!r} does not exist; this server has {self.model_names}.",
                              status=404, param="model")
         ids = self.prompt_ids(o, chat)
         max_tokens = o["max_completion_tokens"] if o["max_completion_tokens"] is not None else o["max_tokens"]
@@ -70,7 +77,8 @@ class Api:
         seed = o["seed"] if o["seed"] is not None else (secrets.randbits(62) if temperature > 0 else None)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=o["top_k"],
                                 top_p=None if o["top_p"] == 1 else float(o["top_p"]), seed=seed,
-                                ignore_eos=o["ignore_eos"], n=o["n"])
+                                ignore_eos=o["ignore_eos"], n=o["n"],
+                                lora=o["model"] if o["model"] not in (None, self.model_name) else None)
         return ids, params, {"stream": o["stream"], "stop": stop, "usage_in_stream": bool(
             (o["stream_options"] or {}).get("include_usage"))}
 

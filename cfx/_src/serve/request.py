@@ -23,7 +23,8 @@ from cfx._src.generate.pick import Sampling
 class SamplingParams:
     """How a request is decoded: up to ``max_tokens`` new tokens, greedy at ``temperature=0`` (else
     ``top_k`` / ``top_p`` and ``seed``), stopping at the model's end-of-sequence token (unless
-    ``ignore_eos``) or any of ``stop_token_ids``; ``n`` samples of the one prompt share its blocks."""
+    ``ignore_eos``) or any of ``stop_token_ids``; ``n`` samples of the one prompt share its blocks;
+    ``lora`` names an adapter the engine serves (its rows of a batch run under it)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -33,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    lora: str | None = None  # the adapter to run under (Engine.add_adapter), None: the base model
 
     def check(self, where: str) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -75,9 +77,14 @@ class Sequence:
     finish_reason: str | None = None
     registered: int = 0               # full blocks of the table entered into the prefix cache
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # their keys, in order
+    root: bytes | None = None         # what its first block's key starts from (its adapter's)
 
     def __post_init__(self):
         self.rule = self.params.sampling(self.index)
+
+    def key_before(self, k: int) -> bytes | None:
+        """The prefix-cache key block ``k``'s key follows (``blocks.block_hash``'s parent)."""
+        return self.hashes[k - 1] if k else self.root
 
     @property
     def tokens(self) -> list[int]:

@@ -109,7 +109,7 @@ class Scheduler:
         """The cached blocks of ``seq``'s leading full blocks: ``seq`` computes from after them (one
         block short of the whole, so that a token is left to compute and give the next logits).
         Returns the key of its first full block not found (None: none is left)."""
-        bs, tokens, parent, missed = self.blocks.block_size, seq.tokens, None, None
+        bs, tokens, parent, missed = self.blocks.block_size, seq.tokens, seq.root, None
         for k in range(len(tokens) // bs):
             key = block_hash(parent, tokens[k * bs:(k + 1) * bs])
             b = self.blocks.lookup(key)
@@ -134,7 +134,7 @@ class Scheduler:
         for seq in self.running if seqs is None else seqs:
             k = seq.registered
             if seq.to_compute > 1 and (k + 1) * bs <= seq.length:
-                out.add(block_hash(seq.hashes[k - 1] if k else None, seq.tokens[k * bs:(k + 1) * bs]))
+                out.add(block_hash(seq.key_before(k), seq.tokens[k * bs:(k + 1) * bs]))
         return out
 
     def _give_back(self, seq: Sequence) -> None:
@@ -164,7 +164,7 @@ class Scheduler:
         while seq.registered < min(seq.computed // bs, len(seq.table)):
             k = seq.registered
             tokens = tokens or seq.tokens
-            key = block_hash(seq.hashes[k - 1] if k else None, tokens[k * bs:(k + 1) * bs])
+            key = block_hash(seq.key_before(k), tokens[k * bs:(k + 1) * bs])
             self.blocks.register(seq.table[k], key)
             seq.hashes.append(key)
             seq.registered += 1

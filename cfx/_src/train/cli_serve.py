@@ -1,10 +1,12 @@
 """``python -m cfx.serve``: an OpenAI-compatible HTTP server on the serving engine.
 
-    python -m cfx.serve --model DIR [--int8] [--host 127.0.0.1] [--port 8000] [--kv-bytes 2GiB]
-                        [--max-waiting 256] [--block-size 16] [--max-batch-tokens 512] [--max-seqs 64]
+    python -m cfx.serve --model DIR [--int8] [--lora NAME=DIR ...] [--host 127.0.0.1] [--port 8000]
+                        [--kv-bytes 2GiB] [--max-waiting 256] [--block-size 16] [--max-batch-tokens 512]
+                        [--max-seqs 64]
 
 ``DIR`` is a Hugging Face model directory (its tokenizer and chat template; bytes where it has no
-tokenizer) or a ``python -m cfx.train --save`` checkpoint (``cli_generate.load`` reads both). The
+tokenizer) or a ``python -m cfx.train --save`` checkpoint (``cli_generate.load`` reads both); each
+``--lora NAME=DIR`` (a peft adapter directory) is served beside it as the model ``NAME``. The
 engine steps in its own thread (``cfx._src.serve.runner``) beside uvicorn's event loop; SIGTERM or
 Ctrl-C stops taking connections, finishes the requests in flight and exits 0. Clients speak
 OpenAI's API (``cfx._src.serve.http``)::
@@ -21,6 +23,7 @@ from typing import Any, Sequence
 
 from cfx._src.core.cli import command_parser, parse, run_command
 from cfx._src.core.text import parse_bytes
+from cfx._src.lora.peft import load_peft
 from cfx._src.precision.quant import quantize
 from cfx._src.serve.engine import Engine
 from cfx._src.serve.http import app as make_app
@@ -34,6 +37,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="the model's name in requests and /v1/models (default: the "
                    "directory's name)")
     p.add_argument("--int8", action="store_true", help="weight-only int8 params (cfx.quant.quantize)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a peft LoRA directory as the model NAME (repeatable; requests name it)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--kv-bytes", default="256MiB", help="the KV cache's pool (e.g. 2GiB)")
@@ -52,6 +57,12 @@ def build(args: argparse.Namespace) -> tuple[Any, EngineThread, str]:
     tok.skip_special = True  # what a client reads is text
     engine = Engine(model, params, block_size=args.block_size, kv_bytes=parse_bytes(args.kv_bytes),
                     max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs)
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=DIR (a peft adapter directory).")
+        config, adapters = load_peft(path, model)
+        engine.add_adapter(name, adapters, config)
     runner = EngineThread(engine, max_waiting=args.max_waiting)
     name = args.name or os.path.basename(os.path.normpath(args.model))
     return make_app(runner, tok, model_name=name), runner, name
