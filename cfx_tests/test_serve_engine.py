@@ -123,7 +123,9 @@ def test_every_family_decodes_as_transformers_does(name):
     got = engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in news])
     assert engine.stats["preemptions"] > 0  # the pool was too small for every request at once
     for p, n, out in zip(prompts, news, got):
-        want = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        x = torch.tensor([p])  # an explicit mask: generate would otherwise hide any id equal to pad_token_id
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
         assert out == [want[0, len(p):].tolist()], (name, p)
 
 

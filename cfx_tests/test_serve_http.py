@@ -33,15 +33,18 @@ CHAT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %
 
 
 def byte_tokenizer(directory: pathlib.Path):
-    """A byte-level BPE tokenizer without merges (every byte a token, 256 + <|endoftext|>) and a chat template."""
+    """A byte-level BPE tokenizer without merges (every byte a token, 256 + <|endoftext|> + <|pad|>: 258, which
+    splits over two ranks) and a chat template."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     vocab["<|endoftext|>"] = len(vocab)
+    vocab["<|pad|>"] = len(vocab)
     t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                               pad_token="<|pad|>")
     tok.chat_template = CHAT
     tok.save_pretrained(directory)
     return transformers.AutoTokenizer.from_pretrained(directory)
@@ -119,7 +122,9 @@ def served(model_dir, adapter_dir):
 
 
 def hf_text(hf, tok, ids: list[int], n: int) -> str:
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    x = torch.tensor([ids])  # an explicit mask: generate would otherwise hide every id equal to pad_token_id
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
     return tok.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
@@ -304,11 +309,13 @@ def test_a_bounded_load_loses_nothing_and_frees_every_block(served):
 
 @pytest.mark.timeout(180)
 def test_the_command_serves_a_directory_and_exits_0_on_sigterm(model_dir, tmp_path):
+    """``python -m cfx.serve --mesh model=2``: two rank threads each holding their heads answer over HTTP;
+    SIGTERM finishes and exits 0."""
     import httpx2 as httpx
     port, log = free_port(), tmp_path / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "cfx.serve", "--model", str(model_dir), "--port", str(port),
-                                 "--kv-bytes", "8MiB", "--name", "tiny"], cwd=ROOT,
+                                 "--kv-bytes", "8MiB", "--name", "tiny", "--mesh", "model=2"], cwd=ROOT,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90
@@ -322,7 +329,8 @@ def test_the_command_serves_a_directory_and_exits_0_on_sigterm(model_dir, tmp_pa
                 time.sleep(0.2)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=30)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+        assert "on http://127.0.0.1" in log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
     finally:

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from cfx._src.core.runtime import keep_host_memory
-from cfx.bench import autoshard, checkpoint, diffusion, evoformer, gemini, generate, gpu, kernels, large_batch, lora, memory, moe, overhead, pipeline, plans, remat, sequence, serve, spmd, tensor_parallel, zero
+from cfx.bench import autoshard, checkpoint, diffusion, evoformer, gemini, generate, gpu, kernels, large_batch, lora, memory, moe, overhead, pipeline, plans, remat, sequence, serve, serve_http, spmd, tensor_parallel, zero
 
 BENCHES = {"autoshard": autoshard.run, "checkpoint": checkpoint.run, "diffusion": diffusion.run, "evoformer": evoformer.run, "gemini": gemini.run, "generate": generate.run, "gpu": gpu.run, "kernels": kernels.run, "large_batch": large_batch.run, "lora": lora.run, "memory": memory.run, "moe": moe.run, "overhead": overhead.run, "pipeline": pipeline.run, "plans": plans.run, "remat": remat.run, "sequence": sequence.run, "serve": serve.run, "spmd": spmd.run, "tensor_parallel": tensor_parallel.run, "zero": zero.run}
 
@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     if a.http and a.name != "serve":
         p.error("--http is the serve bench's (python -m cfx.bench serve --http)")
     keep_host_memory()  # the same setting as python -m cfx.train; applies to both sides of a comparison
-    BENCHES[a.name](quick=a.quick, smoke=a.smoke, json_path=a.json, **({"http": True} if a.http else {}))
+    bench = serve_http.run_http if a.http else BENCHES[a.name]
+    bench(quick=a.quick, smoke=a.smoke, json_path=a.json)
     return 0
 
 

@@ -118,13 +118,10 @@ def prefix_ratio(model, params, n: int, shared: int) -> tuple[float, int, int]:
     return counts[0] / counts[1], counts[0], counts[1]
 
 
-def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None, http: bool = False) -> dict:
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
     import transformers
 
     size = size_of(quick=quick, smoke=smoke)
-    if http:  # the HTTP server under load (serve_http)
-        from cfx.bench import serve_http
-        return report("serve --http", serve_http.rows(size), json_path)
     kw, n, prompts, outputs, n_prefix, shared = SIZES[size]
     model = cfx.models.gpt2("small", **kw)
     torch.manual_seed(0)

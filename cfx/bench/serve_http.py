@@ -22,7 +22,7 @@ import time
 import torch
 
 import cfx
-from cfx.bench.common import Row, skipped
+from cfx.bench.common import Row, report, size_of, skipped
 from cfx.bench.serve import SIZES, _pct, workload
 from cfx.serve import Engine, EngineThread, SamplingParams, app
 
@@ -148,3 +148,8 @@ def _load(url: str, runner: EngineThread, size: str, n: int, concurrency: int, s
             Row("load: KV blocks held afterwards", held, "blocks", "0", held == 0),
             Row(f"load: RSS growth from request {min(rss)} to {n}", growth, f"({first / 2**20:,.0f} MiB at first)",
                 "< 0.05" if size != "smoke" else "-", growth < 0.05 or size == "smoke")]
+
+
+def run_http(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    """``python -m cfx.bench serve --http`` (a flag of the serve bench, not a bench of its own)."""
+    return report("serve --http", rows(size_of(quick=quick, smoke=smoke)), json_path)

@@ -215,6 +215,9 @@ class Attention:
             if self.seq is not None:
                 raise ValueError("Attention: a KV cache with the sequence split over a mesh axis; decode with "
                                  "the unsplit (or tensor-parallel) model.")
+            attend = getattr(cache, "attend", None)
+            if attend is not None:  # a cache that attends itself (cfx.serve's paged one: a kernel over its blocks)
+                return attend(q, k, v).reshape(B, T, H * D)
             k, v, mask = cache.update(k, v, mask)  # a (B, T, S) mask holds the causal rule too
         causal = self.causal and (cache is None or mask is None)
         if self.seq is not None:  # the other ranks' positions: ring / ulysses

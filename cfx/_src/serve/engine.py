@@ -44,11 +44,13 @@ class Engine:
     tokens, or as many as ``kv_bytes`` holds (default: 256 MiB, or what ``max_seqs`` full contexts
     need if less); at most ``max_batch_tokens`` tokens computed per step and ``max_seqs`` sequences
     running; ``prefix_caching`` reuses the blocks of prompts' common prefixes; ``eos_id`` defaults to
-    the model's config's ``eos_token_id``."""
+    the model's config's ``eos_token_id``; ``mesh``: a ``model`` axis splits the heads over its ranks;
+    ``attention``: ``"triton"`` reads the blocks in place (``cfx_kernels.paged_attention``),
+    ``"reference"`` gathers them, ``"auto"`` the kernel on CUDA (blocks of a power-of-two size >= 16)."""
 
     def __init__(self, model: Any, params: Any, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_bytes: int | None = None, max_batch_tokens: int = 512, max_seqs: int = 64,
-                 prefix_caching: bool = True, eos_id: int | None = None, mesh: Any = None):
+                 prefix_caching: bool = True, eos_id: int | None = None, mesh: Any = None, attention: str = "auto"):
         if not isinstance(getattr(model, "blocks", None), tuple) or hook(model, "config") is None \
                 or not callable(hook(model, "hidden")) or not callable(hook(model, "logits")):
             raise ValueError(f"{WHERE}: {type(model).__name__} is not a decoder language model (a config, a tuple of "
@@ -66,7 +68,9 @@ class Engine:
         self.eos_id = getattr(config, "eos_token_id", None) if eos_id is None else eos_id
         self.device = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
         self.block_bytes = _block_bytes(model, params, block_size, self.device)  # the whole model's, per block
-        self.run = Forward(model, params, mesh)  # one device, or each rank its heads (tensor parallelism)
+        if attention not in ("auto", "triton", "reference"):
+            raise ValueError(f"{WHERE}: attention must be 'auto', 'triton' or 'reference', got {attention!r}.")
+        self.run = Forward(model, params, mesh, attention)  # one device, or each rank its heads
         self.adapters = Adapters(params if mesh is None else None)  # (a mesh: none served)
         self.block_bytes //= self.run.n  # what one rank holds
         if num_blocks is None:
@@ -178,29 +182,10 @@ class Engine:
         return out
 
     def _run(self, rows: list[tuple[Sequence, int]]) -> dict:
-        """The model over ``rows`` (each its next ``n`` tokens, right-padded): the last logits of the rows
-        whose every token is then computed."""
-        bs = self.blocks.block_size
-        B, T = len(rows), max(n for _, n in rows)
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        starts = torch.tensor([s.computed for s, _ in rows])
-        lengths = torch.tensor([n for _, n in rows])
-        nb = max(math.ceil((s.computed + n) / bs) for s, n in rows)
-        tables = torch.zeros(B, nb, dtype=torch.long)
-        for b, (s, n) in enumerate(rows):
-            tokens[b, :n] = torch.tensor(s.tokens[s.computed:s.computed + n])
-            tables[b, :len(s.table)] = torch.tensor(s.table)
-        positions = starts[:, None] + torch.arange(T)[None, :]
-        if self.max_len is not None:
-            positions = positions.clamp(max=self.max_len - 1)  # padding's positions: any in range
+        """The model over ``rows``: ``{sequence: (last logits, greedy token)}`` of those whose every token is
+        then computed (``Forward.rows``), each row under its own adapter."""
         params = self.adapters.params_for(torch.tensor([self.adapters.index(s.params.lora) for s, _ in rows]))
-        done = [b for b, (s, n) in enumerate(rows) if s.computed + n == s.length]
-        if not done:  # every row a chunk of a longer prompt: its keys and values, no logits
-            self.run(self.pools, tokens, positions, tables, starts, lengths, None, params)
-            return {}
-        logits = self.run(self.pools, tokens, positions, tables, starts, lengths, torch.tensor(done), params)
-        greedy = logits.argmax(-1).tolist()  # every row's greedy token at once (a sampled row picks its own)
-        return {rows[b][0]: (logits[r], greedy[r]) for r, b in enumerate(done)}
+        return self.run.rows(self.pools, rows, self.blocks.block_size, self.max_len, params)
 
     def _advance(self, seq: Sequence, logits: tuple[torch.Tensor, int]) -> list[StepOutput]:
         """``seq``'s next token from its last ``(logits, greedy token)``; on finishing its prompt, sample 0
@@ -258,8 +243,8 @@ class Forward:
     keys and values -- a pool per rank, the same block tables -- and the vocabulary-parallel logits are
     gathered, so every rank picks the same tokens)."""
 
-    def __init__(self, model: Any, params: Any, mesh: Any):
-        self.mesh, self.model, self.params, self.n = mesh, model, params, 1
+    def __init__(self, model: Any, params: Any, mesh: Any, impl: str = "auto"):
+        self.mesh, self.model, self.params, self.n, self.impl = mesh, model, params, 1, impl
         if mesh is None:
             return
         if set(mesh.axis_names) != {"model"}:
@@ -273,6 +258,28 @@ class Forward:
         self.model = tensor_parallel(model, "model")
         self.specs = Rules(MEGATRON_RULES).specs(model.axes(), mesh=mesh)
         self.params = device_put(params, mesh, self.specs)
+
+    def rows(self, pools: dict, rows: list[tuple[Sequence, int]], bs: int, max_len: int | None, params: Any) -> dict:
+        """The model over ``rows`` (each its next ``n`` tokens, right-padded): ``{sequence: (last logits,
+        greedy token)}`` of the rows whose every token is then computed (the greedy ones picked at once)."""
+        B, T = len(rows), max(n for _, n in rows)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        starts = torch.tensor([s.computed for s, _ in rows])
+        lengths = torch.tensor([n for _, n in rows])
+        tables = torch.zeros(B, max(math.ceil((s.computed + n) / bs) for s, n in rows), dtype=torch.long)
+        for b, (s, n) in enumerate(rows):
+            tokens[b, :n] = torch.tensor(s.tokens[s.computed:s.computed + n])
+            tables[b, :len(s.table)] = torch.tensor(s.table)
+        positions = starts[:, None] + torch.arange(T)[None, :]
+        if max_len is not None:
+            positions = positions.clamp(max=max_len - 1)  # padding's positions: any in range
+        done = [b for b, (s, n) in enumerate(rows) if s.computed + n == s.length]
+        if not done:  # every row a chunk of a longer prompt: its keys and values, no logits
+            self(pools, tokens, positions, tables, starts, lengths, None, params)
+            return {}
+        logits = self(pools, tokens, positions, tables, starts, lengths, torch.tensor(done), params)
+        greedy = logits.argmax(-1).tolist()
+        return {rows[b][0]: (logits[r], greedy[r]) for r, b in enumerate(done)}
 
     def pools(self, num_blocks: int, block_size: int) -> dict[int, KVPool]:
         """A pool per rank this process runs (one, without a mesh)."""
@@ -300,7 +307,7 @@ class Forward:
     def _rows(self, pool: KVPool, params, tokens, positions, tables, starts, lengths, done) -> torch.Tensor | None:
         dev = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
         tokens, positions, tables, starts, lengths = (x.to(dev) for x in (tokens, positions, tables, starts, lengths))
-        cache = PagedStep(pool, tables, starts, lengths, tokens.shape[1])
+        cache = PagedStep(pool, tables, starts, lengths, tokens.shape[1], self.impl)
         h = hook(self.model, "hidden")(params, tokens, positions=positions, cache=cache)  # (B, T, C)
         if done is None:
             return None

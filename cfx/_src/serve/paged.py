@@ -11,11 +11,17 @@ engine step over ``B`` rows: row ``b`` has ``starts[b]`` tokens cached already a
 (``k``, ``layer(i).update``, ``advance``, ``validated``): each layer writes its new keys and values
 into their slots (padding writes nothing) and attends over the row's blocks, gathered through the
 table (``gather``: the plain-PyTorch paged attention, the path a CPU runs), new token ``t`` seeing
-the keys at positions ``<= starts[b] + t``.
+the keys at positions ``<= starts[b] + t``. Its layers also ``attend`` themselves (what
+``cfx.nn.Attention`` asks of a cache that can): with ``impl="triton"`` (``"auto"`` on CUDA) the
+Triton kernel ``cfx_kernels.paged_attention`` reads the blocks in place, nothing gathered.
 """
 from __future__ import annotations
 
 import torch
+
+from cfx._src.nn.attention import attention
+from cfx_kernels._common import resolve_impl
+from cfx_kernels.paged_attention import paged_attention, triton_unsupported
 
 
 class KVPool:
@@ -56,8 +62,9 @@ class PagedStep:
 
     validated = True  # the engine checks every request's tokens when it is added
 
-    def __init__(self, pool: KVPool, tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, T: int):
-        self.pool, self.tables = pool, tables
+    def __init__(self, pool: KVPool, tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, T: int,
+                 impl: str = "auto"):
+        self.pool, self.tables, self.starts, self.lengths, self.impl = pool, tables, starts, lengths, impl
         bs = pool.block_size
         t = torch.arange(T, device=tables.device)
         pos = starts[:, None] + t[None, :]                                       # (B, T) absolute positions
@@ -92,10 +99,23 @@ class PagedLayer:
         """Write the real new ``k``, ``v`` ``(B, T, Hkv, D)`` into their slots; return every row's keys
         and values ``(B, S, Hkv, D)`` through its table and which each new token sees ``(B, T, S)``."""
         del mask  # the step knows which tokens are real (its lengths)
+        kb, vb = self._write(k, v)
+        return gather(kb, self.step.tables), gather(vb, self.step.tables), self.step.allowed
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write the new ``k``, ``v``, then ``q`` ``(B, T, H, D)``'s attention over each row's keys: the
+        Triton kernel reading the blocks in place, or (a CPU; ``impl="reference"``) the gathered blocks
+        under ``cfx.nn.attention``."""
+        s = self.step
+        kb, vb = self._write(k, v)
+        if resolve_impl(s.impl, q) == "triton" and triton_unsupported(q, kb) is None:
+            return paged_attention(q, kb, vb, s.tables, s.starts, s.lengths, impl="triton")
+        return attention(q, gather(kb, s.tables), gather(vb, s.tables), causal=False, mask=s.allowed)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, pool = self.step, self.step.pool
         pool.ensure(self.i, k, v)
         kb, vb = pool.k[self.i], pool.v[self.i]
-        flat_k, flat_v = kb.view(-1, *kb.shape[2:]), vb.view(-1, *vb.shape[2:])
-        flat_k.index_copy_(0, s.slots, k[s.real].to(kb.dtype))
-        flat_v.index_copy_(0, s.slots, v[s.real].to(vb.dtype))
-        return gather(kb, s.tables), gather(vb, s.tables), s.allowed
+        kb.view(-1, *kb.shape[2:]).index_copy_(0, s.slots, k[s.real].to(kb.dtype))
+        vb.view(-1, *vb.shape[2:]).index_copy_(0, s.slots, v[s.real].to(vb.dtype))
+        return kb, vb

@@ -1,6 +1,6 @@
 """``python -m cfx.serve``: an OpenAI-compatible HTTP server on the serving engine.
 
-    python -m cfx.serve --model DIR [--int8] [--lora NAME=DIR ...] [--host 127.0.0.1] [--port 8000]
+    python -m cfx.serve --model DIR [--mesh model=2] [--int8] [--lora NAME=DIR ...] [--host 127.0.0.1] [--port 8000]
                         [--kv-bytes 2GiB] [--max-waiting 256] [--block-size 16] [--max-batch-tokens 512]
                         [--max-seqs 64]
 
@@ -17,6 +17,7 @@ OpenAI's API (``cfx._src.serve.http``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 from typing import Any, Sequence
@@ -24,6 +25,8 @@ from typing import Any, Sequence
 from cfx._src.core.cli import command_parser, parse, run_command
 from cfx._src.core.text import parse_bytes
 from cfx._src.lora.peft import load_peft
+from cfx._src.mesh.mesh import Mesh
+from cfx._src.plan.config import parse_mesh
 from cfx._src.precision.quant import quantize
 from cfx._src.serve.engine import Engine
 from cfx._src.serve.http import app as make_app
@@ -36,6 +39,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a Hugging Face directory or a python -m cfx.train checkpoint")
     p.add_argument("--name", default=None, help="the model's name in requests and /v1/models (default: the "
                    "directory's name)")
+    p.add_argument("--mesh", default=None, help="tensor parallelism over rank threads, e.g. model=2 (each rank "
+                   "computes and caches its heads)")
     p.add_argument("--int8", action="store_true", help="weight-only int8 params (cfx.quant.quantize)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve a peft LoRA directory as the model NAME (repeatable; requests name it)")
@@ -49,14 +54,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parse(p, argv)
 
 
-def build(args: argparse.Namespace) -> tuple[Any, EngineThread, str]:
-    """The ASGI app, its engine thread and the model's name, from the command's arguments."""
+def build(args: argparse.Namespace, mesh: Any = None) -> tuple[Any, EngineThread, str]:
+    """The ASGI app, its engine thread and the model's name, from the command's arguments (``mesh``:
+    the one ``--mesh`` names, open)."""
     model, params, tok = load(args.model)
     if args.int8:
         params = quantize(params, "int8", axes=model.axes())
     tok.skip_special = True  # what a client reads is text
     engine = Engine(model, params, block_size=args.block_size, kv_bytes=parse_bytes(args.kv_bytes),
-                    max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs)
+                    max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, mesh=mesh)
     for spec in args.lora:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
@@ -69,9 +75,19 @@ def build(args: argparse.Namespace) -> tuple[Any, EngineThread, str]:
 
 
 def run(args: argparse.Namespace) -> None:
+    with contextlib.ExitStack() as stack:
+        mesh = None
+        if args.mesh is not None:
+            (_, n), = parse_mesh(args.mesh, axes=("model",), fix="; the server splits heads over one axis, e.g. "
+                                 "--mesh model=2.")
+            mesh = stack.enter_context(Mesh({"model": n}))
+        serve(args, *build(args, mesh))
+
+
+def serve(args: argparse.Namespace, app: Any, runner: EngineThread, name: str) -> None:
+    """Run uvicorn until SIGTERM / Ctrl-C, then finish the requests in flight."""
     import uvicorn
 
-    app, runner, name = build(args)
     print(f"cfx.serve: {name!r} on http://{args.host}:{args.port}/v1 ({runner.engine.blocks.num_blocks} KV blocks "
           f"of {args.block_size} tokens)", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn handles them while it serves, then raises the one it
