@@ -58,23 +58,26 @@ class _Server:
 
 
 async def _drive(url: str, requests: list, concurrency: int, cap_s: float, progress=None) -> dict:
-    """Every request streamed at ``concurrency``; per request: first-token and inter-token times, tokens, ok."""
+    """Every request streamed at ``concurrency``; per request: its text chunks' times, ok, the tokens it got
+    (``usage``) and asked for."""
     import openai
 
     gate, out = asyncio.Semaphore(concurrency), []
     async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=cap_s) as client:
         async def one(prompt, n):
             async with gate:
-                t0, times, ok = time.perf_counter(), [], True
+                t0, times, ok, tokens = time.perf_counter(), [], True, 0
                 try:
                     async for chunk in await client.completions.create(
                             model="bench", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                            extra_body={"ignore_eos": True}):
+                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
                         if chunk.choices and chunk.choices[0].text:
                             times.append(time.perf_counter() - t0)
+                        if chunk.usage is not None:
+                            tokens = chunk.usage.completion_tokens
                 except Exception:  # noqa: BLE001 -- counted as an error
                     ok = False
-                out.append((times, ok))
+                out.append((times, ok, tokens, n))
                 if progress is not None:
                     progress(len(out))
         t0 = time.perf_counter()
@@ -91,6 +94,7 @@ def rows(size: str) -> list[Row]:
     import transformers
 
     kw, _, prompts, outputs, _, _ = SIZES[size]
+    kw = dict(kw, vocab_size=max(kw.get("vocab_size", 50257), 256))  # the server's byte tokenizer's ids
     levels, n_load = HTTP_SIZES[size]
     model = cfx.models.gpt2("small", **kw)
     torch.manual_seed(0)
@@ -107,11 +111,11 @@ def rows(size: str) -> list[Row]:
         for c in levels:
             reqs = [(p, n) for p, n in workload(2 * c, *small, vocab=256, seed=c)]
             got = asyncio.run(_drive(url, [(_text(p), n) for p, n in reqs], c, 600))
-            toks = sum(len(t) for t, _ in got["results"])
+            toks = sum(k for _, _, k, _ in got["results"])
             out.append(Row(f"concurrency {c}: requests/s / output tokens/s", len(reqs) / got["seconds"],
                            f"req/s; {toks / got['seconds']:,.0f} tok/s"))
-        ttft = [t[0] for t, _ in got["results"] if t]
-        itl = [b - a for t, _ in got["results"] for a, b in zip(t, t[1:])]
+        ttft = [t[0] for t, _, _, _ in got["results"] if t]
+        itl = [b - a for t, _, _, _ in got["results"] for a, b in zip(t, t[1:])]
         out += [Row(f"ttft_p50_s / p99 (concurrency {top})", _pct(ttft, 0.5), f"s; p99 {_pct(ttft, 0.99):.3f} s"),
                 Row(f"itl_p50_s / p99 (concurrency {top})", _pct(itl, 0.5), f"s; p99 {_pct(itl, 0.99):.3f} s")]
         direct = Engine(model, params, max_seqs=top, max_batch_tokens=max(512, top))
@@ -135,7 +139,7 @@ def _load(url: str, runner: EngineThread, size: str, n: int, concurrency: int, s
         if done in (100, n) or (done == n // 5 and n < 100):
             rss[done] = _rss()
     got = asyncio.run(_drive(url, [(_text(p), m) for p, m in reqs], concurrency, 1200, progress))
-    errors = sum(not ok for _, ok in got["results"])
+    errors = sum(not ok or k != m for _, ok, k, m in got["results"])  # failed, or cut short
     lost = n - len(got["results"])
     deadline = time.monotonic() + 30
     while runner.in_flight and time.monotonic() < deadline:
