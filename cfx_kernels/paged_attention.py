@@ -30,7 +30,7 @@ try:
 except ImportError:  # the reference still works; resolve_impl never picks Triton then
     triton = tl = None
 
-__all__ = ["paged_attention", "paged_attention_reference", "paged_mask", "triton_unsupported"]
+__all__ = ["gather_blocks", "paged_attention", "paged_attention_reference", "paged_mask", "triton_unsupported"]
 
 _LOG2E = 1.4426950408889634
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

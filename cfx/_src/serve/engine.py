@@ -66,17 +66,17 @@ class Engine:
         self.max_len = getattr(config, name, None) if name else None
         self.vocab_size = config.vocab_size
         self.eos_id = getattr(config, "eos_token_id", None) if eos_id is None else eos_id
-        self.device = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
-        self.block_bytes = _block_bytes(model, params, block_size, self.device)  # the whole model's, per block
+        device = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
+        self.block_bytes = _block_bytes(model, params, block_size, device)  # the whole model's, per block
         if attention not in ("auto", "triton", "reference"):
             raise ValueError(f"{WHERE}: attention must be 'auto', 'triton' or 'reference', got {attention!r}.")
         self.run = Forward(model, params, mesh, attention)  # one device, or each rank its heads
         self.adapters = Adapters(params if mesh is None else None)  # (a mesh: none served)
         self.block_bytes //= self.run.n  # what one rank holds
         if num_blocks is None:
-            want = max_seqs * math.ceil((self.max_len or 4096) / block_size)
-            num_blocks = min(want, (kv_bytes or 256 << 20) // self.block_bytes) if kv_bytes is None \
-                else kv_bytes // self.block_bytes
+            num_blocks = (kv_bytes or 256 << 20) // self.block_bytes
+            if kv_bytes is None:  # the default: no more than max_seqs full contexts need
+                num_blocks = min(num_blocks, max_seqs * math.ceil((self.max_len or 4096) / block_size))
         if num_blocks < 1:
             raise ValueError(f"{WHERE}: kv_bytes={kv_bytes} holds no block of {self.block_bytes} bytes "
                              f"({block_size} tokens over every layer); give more.")

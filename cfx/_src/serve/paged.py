@@ -10,7 +10,7 @@ engine step over ``B`` rows: row ``b`` has ``starts[b]`` tokens cached already a
 ``lengths[b]`` new ones (right-padded to the call's ``T``). It speaks the model's cache protocol
 (``k``, ``layer(i).update``, ``advance``, ``validated``): each layer writes its new keys and values
 into their slots (padding writes nothing) and attends over the row's blocks, gathered through the
-table (``gather``: the plain-PyTorch paged attention, the path a CPU runs), new token ``t`` seeing
+table (``cfx_kernels.paged_attention``'s ``gather_blocks`` and ``paged_mask``: the plain-PyTorch paged attention, the path a CPU runs), new token ``t`` seeing
 the keys at positions ``<= starts[b] + t``. Its layers also ``attend`` themselves (what
 ``cfx.nn.Attention`` asks of a cache that can): with ``impl="triton"`` (``"auto"`` on CUDA) the
 Triton kernel ``cfx_kernels.paged_attention`` reads the blocks in place, nothing gathered.
@@ -21,7 +21,7 @@ import torch
 
 from cfx._src.nn.attention import attention
 from cfx_kernels._common import resolve_impl
-from cfx_kernels.paged_attention import paged_attention, triton_unsupported
+from cfx_kernels.paged_attention import gather_blocks as gather, paged_attention, paged_mask, triton_unsupported
 
 
 class KVPool:
@@ -49,13 +49,6 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
-def gather(blocks: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """``(B, nb * block_size, Hkv, D)``: each row's blocks (``tables (B, nb)``) of one layer's pool
-    ``(num_blocks, block_size, Hkv, D)``, in order."""
-    B, nb = tables.shape
-    return blocks[tables.reshape(-1)].reshape(B, nb * blocks.shape[1], *blocks.shape[2:])
-
-
 class PagedStep:
     """One step's view of the pool for ``B`` rows (module doc): ``tables (B, nb)`` long (padded with
     any block), ``starts``, ``lengths`` ``(B,)`` long, on the device the model runs on."""
@@ -71,9 +64,7 @@ class PagedStep:
         self.real = t[None, :] < lengths[:, None]                                # (B, T) tokens, not padding
         block = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1))
         self.slots = (block * bs + pos % bs)[self.real]                          # (N,) flat slots of the real ones
-        S = tables.shape[1] * bs
-        seen = torch.arange(S, device=tables.device)[None, None, :] <= pos[:, :, None]  # (B, T, S)
-        self.allowed = seen & self.real[:, :, None]
+        self.allowed = paged_mask(tables, starts, lengths, T, bs)                # (B, T, S) what each token sees
 
     @property
     def k(self) -> list:
