@@ -16,6 +16,8 @@ import dataclasses
 
 import torch
 
+from cfx_kernels._common import device_capability
+
 __all__ = ["Measured", "TABLE", "choose"]
 
 
@@ -29,16 +31,17 @@ class Measured:
 
 
 TABLE: dict[tuple[int, int], Measured] = {
-    # H100 80GB and H200 (sm90), torch 2.11 + triton 3.6, bf16, causal, fwd+bwd (MEASURED.md,
-    # 2026-11-26): the Triton kernel ran at 0.55-0.59x SDPA's flash backend (T 512 / 2048) and
-    # 0.3-0.4x its cuDNN backend (T 2048 / 8192, D 64 and 128); its forward alone beat flash but not cuDNN.
-    (9, 0): Measured("sdpa", {}, "H100/H200 fwd+bwd: Triton 0.55-0.59x SDPA flash, 0.3-0.4x cuDNN"),
+    # H100 80GB and H200 (sm90), torch 2.11 + triton 3.6, bf16, causal, fwd+bwd. 2026-11-26 (MEASURED.md):
+    # the Triton kernel ran at 0.55-0.59x SDPA's flash backend. 2026-11-28, H200, after its backward's
+    # tiles were timed (``python -m cfx.bench gpu --all``): 0.66-1.00x flash (T 512-8192, D 64 / 128) but
+    # 0.49-0.59x SDPA with torch's own backend choice (cuDNN on Hopper), which is what "sdpa" runs.
+    (9, 0): Measured("sdpa", {}, "H200 fwd+bwd: Triton 0.66-1.00x SDPA flash, 0.49-0.59x SDPA (cuDNN)"),
 }
 
 
 def choose(q: torch.Tensor, *, causal: bool, masked: bool) -> str:
     """``"triton"`` or ``"sdpa"`` for CUDA inputs q ``(B, T, H, D)`` the Triton kernel supports."""
-    family = TABLE.get(torch.cuda.get_device_capability(q.device))
+    family = TABLE.get(device_capability(q.device.index))
     if family is None:
         return "sdpa"
     return family.picks.get((q.shape[3], causal, masked), family.default)

@@ -79,6 +79,18 @@ def test_jitted_train_step_is_one_graph_and_equals_eager(name):
     assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (1, 1, 0, 3)
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", MODELS)
+def test_on_cuda_the_jitted_step_is_one_graph_and_equals_eager(name):
+    """On CUDA the kernels' ``impl="auto"`` runs the plain-PyTorch references inside the traced step
+    (their Triton launch code -- a find_spec, a device query -- broke cfx.jit's one graph on the H200)."""
+    step, state, batches = _setup(name)
+    state, batches = cfx.tree.map(lambda x: x.cuda(), (state, batches))
+    stats = _jitted_equals_eager(step, state, batches).stats()
+    assert (stats.signatures, stats.compiles, stats.recompiles) == (1, 1, 0)
+
+
 @pytest.mark.timeout(300)
 def test_on_torch_2_11_the_gradient_is_traced_through_torch_func(monkeypatch):
     """torch 2.11's dynamo (the GPU image's) cannot trace ``requires_grad_`` in the graph, so there

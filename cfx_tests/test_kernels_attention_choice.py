@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cfx_kernels.attention_choice as choice
+from cfx_kernels._common import device_capability
 from cfx._src.nn.attention import _pick_impl
 
 
@@ -11,7 +12,9 @@ from cfx._src.nn.attention import _pick_impl
 def family(monkeypatch):
     def use(cap):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-    return use
+        device_capability.cache_clear()  # (asked once per device)
+    yield use
+    device_capability.cache_clear()
 
 
 def test_unmeasured_families_and_cases_get_sdpa(family, monkeypatch):

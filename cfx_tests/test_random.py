@@ -123,3 +123,26 @@ def test_keys_under_eval_shape_have_shapes_without_running_the_cipher():
                                     cfx.random.normal(cfx.random.split(k)[1], (4, 3))), cfx.random.key(0))
     assert [tuple(x.shape) for x in out] == [(5, 2), (2,), (4, 3)]
     assert [x.dtype for x in out] == [torch.int64, torch.int64, torch.float32]
+
+
+def test_samplers_follow_the_default_device_with_the_cpu_values():
+    """``with torch.device("cuda"): model.init(key)`` (here ``meta``, the same dispatch): every sampler
+    draws from the key's CPU generator, then lands on the default device; keys stay on the CPU."""
+    k = cfx.random.key(0)
+    draws = {
+        "normal": lambda k: cfx.random.normal(k, (3,)),
+        "uniform": lambda k: cfx.random.uniform(k, (3,)),
+        "randint": lambda k: cfx.random.randint(k, (3,), 0, 9),
+        "truncated_normal": lambda k: cfx.random.truncated_normal(k, shape=(3,)),
+        "bernoulli": lambda k: cfx.random.bernoulli(k, 0.5, (3,)),
+        "gumbel": lambda k: cfx.random.gumbel(k, (3,)),
+        "permutation": lambda k: cfx.random.permutation(k, 5),
+    }
+    with torch.device("meta"):
+        assert cfx.random.key(0).device.type == "cpu" and cfx.random.split(k).device.type == "cpu"
+        for name, draw in draws.items():
+            assert draw(k).device.type == "meta", name
+        model = cfx.models.gpt2("tiny", n_layer=1, vocab_size=64, n_embd=32, n_head=4, n_positions=16)
+        assert {x.device.type for x in cfx.tree.leaves(model.init(k))} == {"meta"}
+    for name, draw in draws.items():  # and outside it, the CPU as before
+        assert draw(k).device.type == "cpu", name

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from cfx._src.core.runtime import keep_host_memory
-from cfx.bench import autoshard, checkpoint, diffusion, evoformer, gemini, generate, gpu, kernels, large_batch, lora, memory, moe, overhead, pipeline, plans, remat, sequence, serve, serve_http, spmd, tensor_parallel, zero
+from cfx.bench import autoshard, checkpoint, diffusion, evoformer, gemini, generate, gpu, gpu_all, kernels, large_batch, lora, memory, moe, overhead, pipeline, plans, remat, sequence, serve, serve_http, spmd, tensor_parallel, zero
 
 BENCHES = {"autoshard": autoshard.run, "checkpoint": checkpoint.run, "diffusion": diffusion.run, "evoformer": evoformer.run, "gemini": gemini.run, "generate": generate.run, "gpu": gpu.run, "kernels": kernels.run, "large_batch": large_batch.run, "lora": lora.run, "memory": memory.run, "moe": moe.run, "overhead": overhead.run, "pipeline": pipeline.run, "plans": plans.run, "remat": remat.run, "sequence": sequence.run, "serve": serve.run, "spmd": spmd.run, "tensor_parallel": tensor_parallel.run, "zero": zero.run}
 
@@ -20,10 +20,17 @@ def main(argv=None) -> int:
                            "figures mean nothing)")
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--http", action="store_true", help="serve: measure the HTTP server under load instead")
+    p.add_argument("--all", action="store_true",
+                   help="gpu: every GPU figure and gpu-marked test in one device lease (cfx.bench.gpu_all)")
     a = p.parse_args(argv)
     if a.http and a.name != "serve":
         p.error("--http is the serve bench's (python -m cfx.bench serve --http)")
+    if a.all and (a.name != "gpu" or a.quick):
+        p.error("--all is the gpu bench's, at its own sizes (python -m cfx.bench gpu --all [--smoke])")
     keep_host_memory()  # the same setting as python -m cfx.train; applies to both sides of a comparison
+    if a.all:
+        gpu_all.run_all(smoke=a.smoke, json_path=a.json)
+        return 0
     bench = serve_http.run_http if a.http else BENCHES[a.name]
     bench(quick=a.quick, smoke=a.smoke, json_path=a.json)
     return 0

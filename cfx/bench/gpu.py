@@ -28,7 +28,7 @@ import cfx
 from cfx import optim
 from cfx.bench import gpu_generate, kernels_attention, kernels_linear_xent, kernels_misc
 from cfx.bench.common import Row, report, size_of, skipped
-from cfx.bench.torch_gpt2 import TorchGPT2
+from cfx.bench.torch_gpt2 import TorchGPT2, autocast_step
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PEAK_FLOPS = 989e12  # H100 SXM, bf16 dense
@@ -75,14 +75,7 @@ def sides(model, batch: int, seq: int, device: str, *, compiled: bool) -> list[S
         forward = torch.compile(module, backend=backend) if compile_it else module
         opt = torch.optim.AdamW(module.parameters(), fused=True, **HP)
 
-        def run():
-            with torch.autocast(device, dtype=torch.bfloat16):
-                loss = forward(tokens, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-        return Side(name, run)
+        return Side(name, lambda: autocast_step(forward, opt, tokens, targets))
 
     out = [module_side("module", False), cfx_side("cfx", cfx.jit(step, donate_argnums=0, compile=False))]
     if compiled:
@@ -126,29 +119,59 @@ def training_rows(size: str, device: str) -> list[Row]:
     for (bb, tt), label, compiled in (((B, T), "large", True), ((b, t), "small", False)):
         flops = flops_per_token(model, tt)
         for side in sides(model, bb, tt, device, compiled=compiled):
-            res[side.name, label] = r = measure(side, steps, device)
+            try:
+                r = measure(side, steps, device)
+            except Exception as e:  # noqa: BLE001 -- one side failing is its row; the others still measure
+                rows.append(Row(f"  {side.name} B{bb}x{tt} FAILED: {type(e).__name__}: {str(e)[:200]}{tag}", 0.0,
+                                "error", "runs", False))
+                continue
+            res[side.name, label] = r
             tokens_s = bb * tt / r["step_s"]
             mfu = tokens_s * flops / PEAK_FLOPS
             rows.append(Row(f"  {side.name} B{bb}x{tt}: step ms / tokens/s / MFU / peak GiB / first call s{tag}",
                             r["step_s"] * 1e3, f"ms; {tokens_s:,.0f} tok/s; MFU {mfu:.1%}; "
                             f"{r['peak'] / 2**30:.2f} GiB; {r['first_s']:.1f} s"))
-            rows.append(Row(f"  {side.name} B{bb}x{tt}: |first loss - the Module's|{tag}",
-                            abs(r["loss"] - res["module", label]["loss"]), "nats"))
-    ratio = lambda a, b, label, key="step_s": res[a, label][key] / res[b, label][key]  # noqa: E731
-    jit_tokens = B * T / res["jit", "large"]["step_s"]
-    rows += [
-        Row(f"jit_vs_compiled_gpu (cfx.jit / torch.compile(Module), B{B}x{T} bf16){tag}",
-            ratio("jit", "compiled", "large"), "x", "<= 1.00", ratio("jit", "compiled", "large") <= 1.0),
-        Row(f"jit_tokens_per_s_gpu (GPT-2 small, B{B}x{T}){tag}", jit_tokens, "tok/s", ">= 460,000",
-            jit_tokens >= 460_000),
-        Row(f"eager_vs_module_gpu_small (B{b}x{t}){tag}", ratio("cfx", "module", "small"), "x", "<= 1.10",
-            ratio("cfx", "module", "small") <= 1.10),
-        Row(f"eager_vs_module_gpu_large (B{B}x{T}){tag}", ratio("cfx", "module", "large"), "x", "<= 1.02",
-            ratio("cfx", "module", "large") <= 1.02),
-        Row("  MFU formula: tokens/s x (6 N + 12 L C T) / 989e12, N = params without wpe", 0.0, "-")]
+            if ("module", label) in res:
+                rows.append(Row(f"  {side.name} B{bb}x{tt}: |first loss - the Module's|{tag}",
+                                abs(r["loss"] - res["module", label]["loss"]), "nats"))
+
+    def ratio(metric: str, target: str, a: str, b: str, label: str, bound: float, key: str = "step_s") -> Row:
+        if (a, label) not in res or (b, label) not in res:
+            return Row(f"{metric}{tag}", 0.0, "not measured: a side failed (above)", target, False)
+        x = res[a, label][key] / res[b, label][key]
+        return Row(f"{metric}{tag}", x, "x", target, x <= bound)
+
+    rows += [ratio(f"jit_vs_compiled_gpu (cfx.jit / torch.compile(Module), B{B}x{T} bf16)", "<= 1.00", "jit", "compiled",
+                   "large", 1.0)]
+    if ("jit", "large") in res:
+        jit_tokens = B * T / res["jit", "large"]["step_s"]
+        rows.append(Row(f"jit_tokens_per_s_gpu (GPT-2 small, B{B}x{T}){tag}", jit_tokens, "tok/s", ">= 460,000",
+                        jit_tokens >= 460_000))
+    rows += [ratio(f"eager_vs_module_gpu_small (B{b}x{t})", "<= 1.10", "cfx", "module", "small", 1.10),
+             ratio(f"eager_vs_module_gpu_large (B{B}x{T})", "<= 1.02", "cfx", "module", "large", 1.02),
+             Row("  MFU formula: tokens/s x (6 N + 12 L C T) / 989e12, N = params without wpe", 0.0, "-")]
     if device == "cuda":
-        peak = ratio("jit", "compiled", "large", "peak")
-        rows.append(Row("peak_memory_vs_module_gpu (cfx.jit / compiled Module)", peak, "x", "<= 1.00", peak <= 1.0))
+        rows.append(ratio("peak_memory_vs_module_gpu (cfx.jit / compiled Module)", "<= 1.00", "jit", "compiled", "large",
+                          1.0, "peak"))
+    return rows
+
+
+def medium_rows(device: str, *, smoke: bool = False) -> list[Row]:
+    """A measured GPT-2 medium step (B8 x 1024, bf16 compute, fused AdamW; cfx eager and the Module eager):
+    the figure ``estimate_vs_measured_gpu`` compares ``cfx.parallel.estimate``'s ``h200`` preset with."""
+    kw, (B, T), steps = (SIZES["smoke"][0], (2, 32), 2) if smoke else ({}, (8, 1024), 10)
+    model = cfx.models.gpt2("medium", **kw)
+    tag = "" if device == "cuda" else " [cpu smoke]"
+    flops = flops_per_token(model, T)
+    rows = []
+    for side in sides(model, B, T, device, compiled=False):
+        r = measure(side, steps, device)
+        tokens_s = B * T / r["step_s"]
+        rows.append(Row(f"gpt2_medium_step_s_gpu {side.name} (B{B}x{T} bf16, MFU {tokens_s * flops / PEAK_FLOPS:.1%}, "
+                        f"{r['peak'] / 2**30:.1f} GiB){tag}", r["step_s"], "s"))
+    rows.append(skipped("estimate_vs_measured_gpu (cfx.parallel.estimate's h200 preset / the measured step)",
+                        "within 10%", "cfx.parallel.estimate is not built yet (the cluster-estimate issue): the "
+                        "measured side is the row above"))
     return rows
 
 

@@ -12,6 +12,8 @@ bf16, for sequence lengths 512..16K at 16K tokens per batch, counting the usual
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -62,14 +64,17 @@ def cpu_rows(size: str) -> list[Row]:
     ]
 
 
-def cuda_rows(size: str) -> list[Row]:
+def cuda_rows(size: str, seqs: tuple[int, ...] | None = None, head_dims: tuple[int, ...] = (64,)) -> list[Row]:
+    """``seqs`` and ``head_dims`` override the size's cases (``gpu --all``: T 512 / 2048 / 8192, D 64 / 128;
+    1024 model width, so 16 heads of 64 or 8 of 128)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    H, D, tokens = 16, 64, 16384
-    seqs = {"smoke": (512,), "quick": (512, 2048), "full": (512, 1024, 2048, 4096, 8192, 16384)}[size]
+    cases = [(T, D) for D in head_dims
+             for T in seqs or {"smoke": (512,), "quick": (512, 2048), "full": (512, 1024, 2048, 4096, 8192, 16384)}[size]]
     rounds = {"smoke": 1, "quick": 5, "full": 20}[size]
     rows = []
-    for T in seqs:
+    for T, D in cases:
+        H, tokens = 1024 // D, 16384
         B = max(1, tokens // T)
         flops = 3.5 * 4 * B * H * T * T * D / 2
         mk = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16,  # noqa: E731
@@ -90,14 +95,65 @@ def cuda_rows(size: str) -> list[Row]:
         t_ours, t_theirs, t_auto, t_sdpa = interleaved_medians([ours, theirs, auto, any_sdpa], rounds=rounds,
                                                                warmup=2)
         best = min(t_ours, t_sdpa)
-        rows += [Row(f"flash attention fwd+bwd T={T} (B={B} H={H} D={D} bf16 causal)",
+        rows += [Row(f"flash attention fwd+bwd T={T} D={D} (B={B} H={H} bf16 causal)",
                      flops / t_ours / 1e12, "TFLOP/s"),
-                 Row(f"SDPA flash fwd+bwd T={T}", flops / t_theirs / 1e12, "TFLOP/s"),
-                 Row(f"SDPA (torch's backend choice) fwd+bwd T={T}", flops / t_sdpa / 1e12, "TFLOP/s"),
-                 Row(f"flash attention / SDPA throughput T={T}", t_theirs / t_ours, "ratio"),
-                 Row(f"auto_vs_best T={T} (auto's pick / the faster of Triton and SDPA; faster: "
+                 Row(f"SDPA flash fwd+bwd T={T} D={D}", flops / t_theirs / 1e12, "TFLOP/s"),
+                 Row(f"SDPA (torch's backend choice) fwd+bwd T={T} D={D}", flops / t_sdpa / 1e12, "TFLOP/s"),
+                 Row(f"attention_vs_sdpa_fwd_bwd T={T} D={D} (Triton / SDPA flash throughput)", t_theirs / t_ours,
+                     "x", ">= 1.00", t_theirs / t_ours >= 1.0),
+                 Row(f"attention_vs_sdpa_any_fwd_bwd T={T} D={D} (Triton / SDPA, torch's backend choice)",
+                     t_sdpa / t_ours, "x"),
+                 Row(f"auto_vs_best T={T} D={D} (auto's pick / the faster of Triton and SDPA; faster: "
                      f"{'triton' if t_ours < t_sdpa else 'sdpa'})", best / t_auto, "x", ">= 0.98",
                      best / t_auto >= 0.98)]
+    return rows
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates around the H200's fastest of the first sweep
+# (dk/dv 64 x 64 x 4 warps x 3 stages; dq 64 x 64 x 4 x 3 at D 64, 128 x 64 x 8 x 3 at D 128)
+DKDV_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
+              (128, 32, 8, 3), (32, 32, 4, 3)]
+DQ_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 4, 3), (128, 32, 4, 3),
+            (128, 128, 8, 3), (64, 32, 8, 3)]
+
+
+def tile_sweep_rows(T: int = 4096, head_dims: tuple[int, ...] = (64, 128), deadline: float = float("inf")) -> list[Row]:
+    """The backward's time per tile (BLOCK_M, BLOCK_N, num_warps, num_stages), bf16 causal, 16K tokens
+    of a 1024-wide layer: each kernel's candidates timed with the other kernel at its current tile, so
+    the differences are that kernel's (``triton.testing.do_bench``, ms). What ``_blocks`` should say on
+    this GPU; a tile that does not compile (shared memory) is left out."""
+    from types import SimpleNamespace
+
+    import triton.testing
+
+    from cfx_kernels import flash_attention as fa
+
+    rows = []
+    for D in head_dims:
+        H, B = 1024 // D, max(1, 16384 // T)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        scale = D ** -0.5
+        o, lse = fa._forward(q, k, v, None, True, scale)
+        now = fa._blocks(D, torch.bfloat16, q.device)
+        for kernel, tiles in (("dkdv", DKDV_TILES), ("dq", DQ_TILES)):
+            best = (float("inf"), None)
+            for tile in tiles:
+                if time.perf_counter() > deadline:
+                    rows.append(Row(f"  tile sweep D={D} {kernel}: out of time", 0.0, "skipped"))
+                    break
+                blocks = SimpleNamespace(dkdv=tile if kernel == "dkdv" else now.dkdv, dq=tile if kernel == "dq" else now.dq)
+                try:
+                    ms = triton.testing.do_bench(lambda: fa._backward(q, k, v, None, o, lse, do, True, scale, blocks),
+                                                 warmup=5, rep=25)
+                except Exception as e:  # noqa: BLE001 -- out of shared memory or registers: not a candidate
+                    rows.append(Row(f"  tile sweep D={D} T={T} {kernel} {tile}", 0.0, f"skipped: {type(e).__name__}"))
+                    continue
+                best = min(best, (ms, tile))
+                mark = " (current)" if tile == getattr(now, kernel) else ""
+                rows.append(Row(f"  tile sweep D={D} T={T} {kernel} {tile}{mark}: backward", ms, "ms"))
+            if best[1] is not None:
+                rows.append(Row(f"tile sweep D={D} T={T} {kernel}: fastest tile {best[1]}", best[0], "ms"))
     return rows
 
 

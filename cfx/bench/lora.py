@@ -118,3 +118,53 @@ def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = Non
     rows.append(Row("step_time_int8_lora_vs_full_ft", times["lora_int8"] / times["full"], "x",
                     "info (CPU: the reference int8 matmul converts each weight per call)"))
     return report("lora", rows, json_path)
+
+
+def peft_rows(device: str, *, smoke: bool = False) -> list[Row]:
+    """``lora_step_vs_peft_gpu``: one LoRA training step (forward, backward, AdamW over the adapters) of cfx
+    against peft on the same GPT-2 small as an ``nn.Module`` (``TorchGPT2``: the same q, k, v, o, fc, proj
+    Linears, so both adapt the same weights), r = 16, bf16 base weights, fp32 adapters, bf16 compute
+    (``cfx.amp.policy("bf16")``; ``torch.autocast`` for peft), B8 x 512, steps interleaved."""
+    import peft
+
+    from cfx.bench.torch_gpt2 import TorchGPT2, autocast_step
+
+    kw, B, T, rounds = (SIZES["smoke"][0], 2, 8, 1) if smoke else ({}, 8, 512, 10)
+    tag = "" if device == "cuda" else " [cpu smoke]"
+    model = cfx.models.gpt2("small", **kw)
+    params = model.init(cfx.random.key(0))
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, model.config.vocab_size, (B, T), generator=g).to(device) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    config = cfx.lora.LoraConfig(r=16, alpha=32, targets=("attn", "mlp"))
+    base = cfx.tree.map(lambda x: x.to(device, torch.bfloat16), params)
+    policy = cfx.amp.policy("bf16")
+    tx = cfx.optim.adamw(1e-4)
+
+    def step(ad, s):
+        _, grads = cfx.value_and_grad(
+            lambda a: model.loss(policy.cast_to_compute(cfx.lora.attach(base, a, config)), tokens, targets))(ad)
+        updates, s = tx.update(grads, s, ad)
+        return cfx.optim.apply_updates(ad, updates), s
+
+    adapters = cfx.tree.map(lambda x: x.to(device), cfx.lora.init(model, config, cfx.random.key(1)))
+    box = [(adapters, tx.init(adapters))]
+
+    def ours():
+        box[0] = step(*box[0])
+        sync()
+
+    module = TorchGPT2(model.config).load_cfx(params).to(device, torch.bfloat16)
+    pm = peft.get_peft_model(module, peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q", "k", "v", "o", "fc", "proj"]))
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
+
+    def theirs():
+        autocast_step(pm, opt, tokens, targets)
+        sync()
+
+    n_ours, n_theirs = cfx.tree.size(adapters), sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    t_ours, t_theirs = interleaved_medians([ours, theirs], rounds=rounds, warmup=2)
+    ratio = t_ours / t_theirs
+    return [Row(f"  LoRA step GPT-2 small B{B}x{T} r=16: cfx / peft{tag}", t_ours * 1e3,
+                f"ms vs {t_theirs * 1e3:.2f} ms; {n_ours:,} vs {n_theirs:,} trained params"),
+            Row(f"lora_step_vs_peft_gpu (cfx / peft step time){tag}", ratio, "x", "<= 1.00", ratio <= 1.0)]

@@ -21,7 +21,6 @@ per-rank activation budget against tensor parallelism's.
 """
 from __future__ import annotations
 
-import torch
 
 import cfx
 from cfx import P

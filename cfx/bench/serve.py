@@ -78,7 +78,7 @@ def hf_static(hf, requests) -> float:
             mask[b, T - len(p):] = 1
         new = max(o for _, o in chunk)
         with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                         pad_token_id=0, eos_token_id=None)
     return time.perf_counter() - t0
 
@@ -116,6 +116,43 @@ def prefix_ratio(model, params, n: int, shared: int) -> tuple[float, int, int]:
         engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
         counts.append(engine.stats["prefill_tokens"])
     return counts[0] / counts[1], counts[0], counts[1]
+
+
+def device_rows(size: str, device: str) -> list[Row]:
+    """``serve_throughput_gpu``: the workload above on ``device`` (bf16 there, fp32 on the CPU smoke), the
+    engine with the paged-attention kernel (``attention="triton"``) against its gather-then-attend
+    reference, each warmed on two requests first; transformers' padded batches beside them."""
+    import transformers
+
+    kw, n, prompts, outputs, _, _ = SIZES[size]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tag = "" if device == "cuda" else " [cpu smoke]"
+    model = cfx.models.gpt2("small", **kw)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(model.hf_config()).eval()
+    _, params = cfx.models.from_hf(hf, model)
+    hf = hf.to(device=device, dtype=dtype)
+    params = cfx.tree.map(lambda x: x.to(device=device, dtype=dtype), params)
+    requests = workload(n, prompts, outputs, model.config.vocab_size)
+    wanted = sum(o for _, o in requests)
+    impls = ("triton", "reference") if device == "cuda" else ("reference",)
+    t, tokens = {}, {}
+    for impl in impls:
+        run_engine(model, params, requests[:2], attention=impl)  # the kernels' compiles
+        t[impl], _, tokens[impl], _ = run_engine(model, params, requests, attention=impl)
+    t_static = hf_static(hf, requests)
+    rows = [Row(f"serve_throughput_gpu {impl} ({n} requests, batch {BATCH}, {str(dtype)[6:]}){tag}", wanted / t[impl],
+                "output tok/s") for impl in impls]
+    rows.append(Row(f"  transformers generate, padded batches of {BATCH}{tag}", wanted / t_static, "output tok/s"))
+    rows.append(Row(f"throughput_vs_hf_static_gpu (engine, {impls[0]} / transformers){tag}", t_static / t[impls[0]],
+                    "x", ">= 2.0", t_static / t[impls[0]] >= 2.0))
+    if len(impls) == 2:
+        ratio = t["reference"] / t["triton"]
+        same = sum(a == b for a, b in zip(tokens["triton"], tokens["reference"])) / n
+        rows += [Row("serve_kernel_vs_reference_gpu (throughput, paged kernel / gather reference)", ratio, "x",
+                     ">= 1.00", ratio >= 1.0),
+                 Row("  requests with the same tokens, kernel vs reference (bf16: near-ties may flip)", same, "of requests")]
+    return rows
 
 
 def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:

@@ -65,3 +65,14 @@ class TorchGPT2(nn.Module):
             lin(m.proj, p["mlp"]["proj"])
         norm(self.ln_f, params["ln_f"])
         return self
+
+
+def autocast_step(forward, opt: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One training step of a Module's ``forward(tokens, targets) -> loss`` under bf16 autocast (the
+    baseline's mixed precision): backward, ``opt.step()``, gradients dropped; the loss, detached."""
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+        loss = forward(tokens, targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()

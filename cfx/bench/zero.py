@@ -32,7 +32,7 @@ import cfx
 from cfx import P
 from cfx import zero
 from cfx._src.zero.flat import piece_size
-from cfx.bench.common import Row, end_worker, lockstep_medians, report, size_of
+from cfx.bench.common import Row, end_worker, lockstep_medians, report, size_of, skipped
 
 SENT = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n}
@@ -89,6 +89,19 @@ def measure(model, stage: int, n: int, *, dtype=torch.bfloat16, steps: int = 2, 
     return [r for r in records if r.rank == 0 and r.axes == ("data",)], nbytes, float(t.max())
 
 
+def _zero3_step(model):
+    """ZeRO-3 AdamW (lr 1e-3) over ``data`` on the gathered model, and the ``shard_map`` body of one
+    step on tokens ``(B, T + 1)``: ``(optimizer, step(params, state, tokens) -> (params, state, loss))``."""
+    ztx = zero(cfx.optim.adamw(1e-3), stage=3, axis="data")
+    net = _gathered(model)
+
+    def step(p, state, t):
+        loss, grads = ztx.value_and_grad(lambda p: net.loss(p, t[:, :-1], t[:, 1:]))(p)
+        updates, state = ztx.update(grads, state, p)
+        return cfx.optim.apply_updates(p, updates), state, cfx.lax.pmean(loss, "data")
+    return ztx, step
+
+
 def _peer_worker(rank: int, n: int, init_file: str, out_file: str, cfg: dict, rounds: int, batch: int) -> None:
     """cfx ZeRO-3 (a ``dist`` mesh) and FSDP2 ``fully_shard`` on the same GPT-2 in the same gloo
     processes, steps alternating round by round (``lockstep_medians``); rank 0 writes each side's
@@ -132,13 +145,7 @@ def _race(rank: int, n: int, cfg: dict, rounds: int, batch: int) -> tuple[torch.
         opt.zero_grad()
         losses.setdefault("fsdp2", float(loss.detach()))
 
-    ztx = zero(cfx.optim.adamw(1e-3), stage=3, axis="data")
-    net = _gathered(model)
-
-    def step(p, state, t):
-        loss, grads = ztx.value_and_grad(lambda p: net.loss(p, t[:, :-1], t[:, 1:]))(p)
-        updates, state = ztx.update(grads, state, p)
-        return cfx.optim.apply_updates(p, updates), state, cfx.lax.pmean(loss, "data")
+    ztx, step = _zero3_step(model)
 
     with cfx.Mesh({"data": n}, backend="dist") as mesh:
         shapes = cfx.eval_shape(model.init, cfx.random.key(0))
@@ -222,3 +229,77 @@ def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = Non
                             "x", f"1 +- {chunk / want:.4f} (one chunk)", abs(nbytes - want) <= chunk))
     rows += peer_rows(cfg, peer_ns, peer_rounds, 8)
     return report("zero", rows, json_path)
+
+
+def _backend_worker(rank: int, init_file: str, out_file: str, cfg: dict) -> None:
+    """One process, world of one: the same ZeRO-3 GPT-2 steps (fp64, 3 AdamW steps) with CUDA tensors,
+    whose collectives go to NCCL, and with CPU tensors, whose collectives go to gloo, in one
+    ``cpu:gloo,cuda:nccl`` world (``cfx``'s ``dist`` backend's); rank 0 writes both runs' losses and params."""
+    from cfx._src.mesh.dist import world_backend
+
+    backend = world_backend()
+    if "nccl" in backend:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    out = {"backend": backend}
+    with cfx.Mesh({"data": 1}, backend="dist") as mesh:
+        for device in ["cpu"] + (["cuda"] if "nccl" in backend else []):
+            out[device] = _zero3_steps(mesh, cfg, device)
+    with open(out_file, "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+    end_worker()
+
+
+def _zero3_steps(mesh, cfg: dict, device: str) -> dict:
+    """3 ZeRO-3 AdamW steps of a fp64 GPT-2 on ``device``: losses, the params after, collectives issued."""
+    model = cfx.models.gpt2("tiny", **cfg)
+    T = model.config.n_positions
+    tokens = cfx.random.randint(cfx.random.key(1), (4, T + 1), 0, model.config.vocab_size).to(device)
+    ztx, step = _zero3_step(model)
+
+    init = lambda key: cfx.tree.map(lambda x: x.to(device, torch.float64), model.init(key))  # noqa: E731
+    shapes = cfx.eval_shape(init, cfx.random.key(0))
+    pspecs = zero.param_specs(None, shapes, axis="data", mesh=mesh)
+    sspecs = ztx.state_specs(shapes, mesh=mesh)
+    with torch.device(device):  # where the sharded init allocates the pieces (cfx.random draws on the CPU)
+        params = zero.init_params(init, cfx.random.key(0), mesh=mesh, axis="data")
+        state = cfx.shard_map(ztx.init, mesh=mesh, in_specs=(pspecs,), out_specs=sspecs)(params)
+    train_step = cfx.shard_map(step, mesh=mesh, in_specs=(pspecs, sspecs, P("data")), out_specs=(pspecs, sspecs, P()))
+    losses = []
+    with cfx.comm_stats() as stats:
+        for _ in range(3):
+            params, state, loss = train_step(params, state, tokens)
+            losses.append(float(cfx.device_get(loss)))
+    flat = torch.cat([cfx.device_get(x).reshape(-1).cpu() for x in cfx.tree.leaves(params)])
+    return {"losses": losses, "params": flat.tolist(), "collectives": len(stats.records)}
+
+
+def nccl_rows(*, smoke: bool = False) -> list[Row]:
+    """``nccl_zero3_equals_gloo``: ``_backend_worker``'s CUDA (NCCL) run against its CPU (gloo) run, fp64:
+    the largest parameter difference after 3 steps, relative to the largest parameter (a world of one
+    GPU: NCCL's code path, not multi-GPU traffic). Without CUDA the gloo run alone (the path)."""
+    cfg = SIZES["smoke" if smoke else "quick"][0]
+    fd, init_file = tempfile.mkstemp(prefix="cfx-bench-nccl-")
+    os.close(fd)
+    os.remove(init_file)
+    out_file = init_file + ".out"
+    try:
+        mp.start_processes(_backend_worker, args=(init_file, out_file, cfg), nprocs=1, start_method="spawn", join=True)
+        with open(out_file) as f:
+            got = json.load(f)
+    finally:
+        for p in (init_file, out_file):
+            if os.path.exists(p):
+                os.remove(p)
+    cpu = got["cpu"]
+    rows = [Row(f"  ZeRO-3 3 steps fp64 on gloo (world {got['backend']}): losses {cpu['losses']}",
+                cpu["collectives"], "collectives")]
+    if "cuda" not in got:
+        return rows + [skipped("nccl_zero3_equals_gloo", "equal (fp64: <= 1e-12 relative)")]
+    a, b = torch.tensor(got["cuda"]["params"], dtype=torch.float64), torch.tensor(cpu["params"], dtype=torch.float64)
+    rel = float((a - b).abs().max() / b.abs().max())
+    return rows + [Row(f"  ZeRO-3 on NCCL: losses {got['cuda']['losses']}", got["cuda"]["collectives"], "collectives"),
+                   Row("nccl_zero3_equals_gloo (max |params NCCL - gloo| / max |params|, fp64, 3 steps)", rel, "",
+                       "equal (fp64: <= 1e-12 relative)", rel <= 1e-12 and got["cuda"]["collectives"] > 0)]

@@ -56,7 +56,7 @@ def key(seed: int) -> Key:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"cfx.random.key: seed must be an int, got {type(seed).__name__}.")
     seed %= 1 << 64
-    return torch.tensor([seed >> 32, seed & _MASK], dtype=torch.int64)
+    return torch.tensor([seed >> 32, seed & _MASK], dtype=torch.int64, device="cpu")  # (whatever the default device)
 
 
 def split(key: Key, num: int = 2) -> Key:
@@ -66,7 +66,7 @@ def split(key: Key, num: int = 2) -> Key:
         raise ValueError(f"cfx.random.split: expected a single key of shape (2,), got {tuple(key.shape)}.")
     if is_fake(key):  # a shape-only trace (eval_shape of an init): keys without values, and no cipher to run
         return torch.empty((num, 2), dtype=torch.int64)
-    counters = torch.arange(2 * num, dtype=torch.int64)
+    counters = torch.arange(2 * num, dtype=torch.int64, device=key.device)
     y0, y1 = threefry2x32(key, counters[:num], counters[num:])
     return torch.stack([y0, y1], dim=-1)
 
@@ -77,8 +77,8 @@ def fold_in(key: Key, data: int) -> Key:
     if is_fake(key):  # as in split
         return torch.empty(tuple(key.shape), dtype=torch.int64)
     data = int(data) % (1 << 64)
-    x0 = torch.tensor((data >> 32) ^ _FOLD_TAG, dtype=torch.int64)
-    x1 = torch.tensor(data & _MASK, dtype=torch.int64)
+    x0 = torch.tensor((data >> 32) ^ _FOLD_TAG, dtype=torch.int64, device=key.device)
+    x1 = torch.tensor(data & _MASK, dtype=torch.int64, device=key.device)
     y0, y1 = threefry2x32(key, x0, x1)
     return torch.stack([y0, y1], dim=-1)
 
@@ -91,9 +91,15 @@ def _generator(key: Key) -> torch.Generator:
     g = torch.Generator(device="cpu")
     if is_fake(key):  # a shape-only trace (the remat profiler's): no values exist or are read
         return g
-    y0, y1 = threefry2x32(key, torch.tensor(_SEED_TAG), torch.tensor(0))
+    y0, y1 = threefry2x32(key, torch.tensor(_SEED_TAG, device=key.device), torch.tensor(0, device=key.device))
     g.manual_seed((int(y0) << 32) | int(y1))
     return g
+
+
+def _device(device) -> torch.device:
+    """Where a sample goes: ``device``, else torch's default (``with torch.device("cuda"):``). Every
+    sample is drawn on the CPU from the key's CPU generator first: the same values on every device."""
+    return torch.device(device) if device is not None else torch.get_default_device()
 
 
 def _shape(shape: Shape) -> tuple[int, ...]:
@@ -106,25 +112,25 @@ def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def normal(key: Key, shape: Shape = (), dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """Standard normal samples."""
-    x = torch.randn(_shape(shape), generator=_generator(key), dtype=_draw_dtype(dtype))
-    return x.to(device=device, dtype=dtype)
+    x = torch.randn(_shape(shape), generator=_generator(key), dtype=_draw_dtype(dtype), device="cpu")
+    return x.to(device=_device(device), dtype=dtype)
 
 
 def uniform(key: Key, shape: Shape = (), dtype: torch.dtype = torch.float32, minval: float = 0.0,
             maxval: float = 1.0, device=None) -> torch.Tensor:
     """Uniform samples in ``[minval, maxval)``."""
-    x = torch.rand(_shape(shape), generator=_generator(key), dtype=_draw_dtype(dtype))
+    x = torch.rand(_shape(shape), generator=_generator(key), dtype=_draw_dtype(dtype), device="cpu")
     x = x * (maxval - minval) + minval
-    return x.to(device=device, dtype=dtype)
+    return x.to(device=_device(device), dtype=dtype)
 
 
 def bernoulli(key: Key, p: float | torch.Tensor = 0.5, shape: Shape | None = None, device=None) -> torch.Tensor:
     """Boolean samples that are True with probability ``p`` (broadcast against ``shape``)."""
-    p_t = torch.as_tensor(p, dtype=torch.float64)
+    p_t = torch.as_tensor(p, dtype=torch.float64, device="cpu")
     if shape is None:
         shape = tuple(p_t.shape)
-    u = torch.rand(_shape(shape), generator=_generator(key), dtype=torch.float64)
-    return (u < p_t).to(device=device)
+    u = torch.rand(_shape(shape), generator=_generator(key), dtype=torch.float64, device="cpu")
+    return (u < p_t).to(device=_device(device))
 
 
 def randint(key: Key, shape: Shape, minval: int, maxval: int, dtype: torch.dtype = torch.int64,
@@ -132,8 +138,8 @@ def randint(key: Key, shape: Shape, minval: int, maxval: int, dtype: torch.dtype
     """Integers uniform in ``[minval, maxval)``."""
     if maxval <= minval:
         raise ValueError(f"cfx.random.randint: need minval < maxval, got [{minval}, {maxval}).")
-    x = torch.randint(minval, maxval, _shape(shape), generator=_generator(key), dtype=torch.int64)
-    return x.to(device=device, dtype=dtype)
+    x = torch.randint(minval, maxval, _shape(shape), generator=_generator(key), dtype=torch.int64, device="cpu")
+    return x.to(device=_device(device), dtype=dtype)
 
 
 def truncated_normal(key: Key, lower: float = -2.0, upper: float = 2.0, shape: Shape = (),
@@ -141,20 +147,20 @@ def truncated_normal(key: Key, lower: float = -2.0, upper: float = 2.0, shape: S
     """Standard normal samples conditioned on ``lower < x < upper`` (inverse-CDF method)."""
     if not lower < upper:
         raise ValueError(f"cfx.random.truncated_normal: need lower < upper, got ({lower}, {upper}).")
-    u = torch.rand(_shape(shape), generator=_generator(key), dtype=torch.float64)
-    lo = torch.special.ndtr(torch.tensor(lower, dtype=torch.float64))
-    hi = torch.special.ndtr(torch.tensor(upper, dtype=torch.float64))
+    u = torch.rand(_shape(shape), generator=_generator(key), dtype=torch.float64, device="cpu")
+    lo = torch.special.ndtr(torch.tensor(lower, dtype=torch.float64, device="cpu"))
+    hi = torch.special.ndtr(torch.tensor(upper, dtype=torch.float64, device="cpu"))
     x = torch.special.ndtri(lo + u * (hi - lo))
     eps = math.ulp(1.0) * 4
     x = x.clamp(lower + eps * abs(lower), upper - eps * abs(upper))
-    return x.to(device=device, dtype=dtype)
+    return x.to(device=_device(device), dtype=dtype)
 
 
 def gumbel(key: Key, shape: Shape = (), dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """Standard Gumbel samples ``-log(-log(u))``."""
-    u = torch.rand(_shape(shape), generator=_generator(key), dtype=torch.float64)
+    u = torch.rand(_shape(shape), generator=_generator(key), dtype=torch.float64, device="cpu")
     u = u.clamp(min=torch.finfo(torch.float64).tiny)
-    return (-torch.log(-torch.log(u))).to(device=device, dtype=dtype)
+    return (-torch.log(-torch.log(u))).to(device=_device(device), dtype=dtype)
 
 
 def categorical(key: Key, logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -165,4 +171,4 @@ def categorical(key: Key, logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def permutation(key: Key, n: int, device=None) -> torch.Tensor:
     """A random permutation of ``range(n)``."""
-    return torch.randperm(n, generator=_generator(key)).to(device=device)
+    return torch.randperm(n, generator=_generator(key), device="cpu").to(device=_device(device))

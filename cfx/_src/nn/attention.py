@@ -64,8 +64,8 @@ def _pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         raise ValueError(f"cfx.nn.attention: impl must be one of {_IMPLS}, got {impl!r}.")
     if impl != "auto":
         return impl
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        return "sdpa"
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or torch.compiler.is_compiling():
+        return "sdpa"  # (in a compiled graph: what the compiler knows, cfx_kernels.resolve_impl's rule)
     from cfx_kernels.flash_attention import triton_unsupported  # lazily: triton loads only here
 
     if triton_unsupported(q, k, v) is not None:
