@@ -19,7 +19,7 @@ from cfx._src.spmd.resharding import ReshardPath, reshard_plan
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.spmd.sharded import ShardedArray
-from cfx._src.transforms.autodiff import grad, jvp, value_and_grad, vmap
+from cfx._src.transforms.autodiff import grad, hessian, jacfwd, jacrev, jvp, value_and_grad, vmap
 
 ReshardPlan = ReshardPath  # its name until 0.2 (one class per name: cfx.parallel.Plan is the strategy)
 
@@ -39,6 +39,6 @@ __all__ = [
     "ActivationStats", "CollectiveMismatch", "CollectiveTimeout", "CommStats", "Mesh", "P", "ReshardPath", "ReshardPlan", "Rules", "ShapeDtype", "ShardedArray", "activation_stats", "amp",
     "autochunk", "autoshard", "checkpoint", "checkpoint_name", "checkpoint_policies", "comm_stats", "device_get", "device_put",
     "diffusion", "eval_shape",
-    "gemini", "generate", "grad", "init_sharded", "jit", "jvp", "lax", "lora", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
+    "gemini", "generate", "grad", "hessian", "init_sharded", "jacfwd", "jacrev", "jit", "jvp", "lax", "lora", "memory", "models", "nn", "optim", "parallel", "pipeline", "quant",
     "random", "remat", "reshard", "reshard_plan", "shard_map", "testing", "tree", "value_and_grad", "vmap", "zero",
 ]

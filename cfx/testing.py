@@ -96,7 +96,8 @@ def pytrees(draw, leaf_shapes: Sequence[tuple[int, ...]], *, dtype=torch.float32
 def plans(draw, model: Any, *, max_ranks: int = 8, min_ranks: int = 2, batch: int = 8, length: int | None = None,
           axes: Sequence[str] | None = None, zero: Sequence[int] = (0, 1, 2, 3),
           remat: Sequence[str] = ("none", "blocks", "dots", "auto"), remat_budget: str = "64MiB",
-          offload: Sequence[str] = ("none", "host", "auto"), offload_budget: str = "64MiB"):
+          offload: Sequence[str] = ("none", "host", "auto"), offload_budget: str = "64MiB", params: Any = None,
+          init: Any = None, specs: Any = None):
     """A ``cfx.parallel.Plan`` that can train ``model`` on a batch of ``batch`` rows: a mesh over
     ``axes`` (a random subset, in a random order; by default ``PLAN_AXES``: ``pipe`` / ``data`` /
     ``seq`` / ``model``, and ``expert`` for a model with mixture-of-experts blocks) of at most
@@ -109,10 +110,21 @@ def plans(draw, model: Any, *, max_ranks: int = 8, min_ranks: int = 2, batch: in
 
         @given(cfx.testing.plans(my_model))
         def test_my_model_trains_the_same_sharded(plan): ...
+
+    ``model`` may be your own loss function with its ``params=`` (or ``init=``) and ``specs=``, as
+    ``Plan.step`` takes it: then the draws are the axes such a function can take -- ``data`` (with
+    ZeRO and offload), and ``model`` where ``specs`` name it -- with remat ``none`` / ``blocks`` /
+    ``dots`` (``auto`` schedules a chain of blocks a function does not have).
     """
+    from cfx._src.models.function import as_model
     from cfx._src.parallel.expert import has_experts
     from cfx._src.plan.config import SCHEDULES
     from cfx._src.plan.plan import Plan
+    function = {k: v for k, v in dict(params=params, init=init, specs=specs).items() if v is not None}
+    own = as_model(model, **function) is not model  # a loss function (a ValueError without params= / init=)
+    if own:
+        axes = axes or (("data", "model") if specs is not None else ("data",))
+        remat = [r for r in remat if r != "auto"]
     if axes is None:
         axes = tuple(a for a in PLAN_AXES if a != "expert" or has_experts(model))
     unknown = [a for a in axes if a not in PLAN_AXES]
@@ -131,7 +143,7 @@ def plans(draw, model: Any, *, max_ranks: int = 8, min_ranks: int = 2, batch: in
         fields["remat_budget"] = remat_budget
     if "seq" in shape:
         fields["sp"] = draw(st.sampled_from(["ring", "ulysses"]))
-    elif "model" in shape:
+    elif "model" in shape and not own:  # (a loss function has no token sequence to split)
         fields["sp"] = draw(st.sampled_from(["none", "megatron"]))
     if "data" in shape:
         fields["zero"] = draw(st.sampled_from(list(zero)))
@@ -147,7 +159,7 @@ def plans(draw, model: Any, *, max_ranks: int = 8, min_ranks: int = 2, batch: in
     assume(batch % rows == 0)
     plan = Plan(**fields)
     try:
-        plan.check(model)
+        plan.check(model, **function)
         plan.check_batch(batch, length)
     except ValueError:
         assume(False)

@@ -26,9 +26,9 @@ class CrossEntropyStats(NamedTuple):
 
 def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int,
                             label_smoothing: float, reduction: str) -> torch.Tensor:
-    """``F.cross_entropy`` in fp32 over logits ``(..., V)`` and targets ``(...)``."""
+    """``F.cross_entropy`` in fp32 (fp64 for fp64 logits) over logits ``(..., V)`` and targets ``(...)``."""
     V = logits.shape[-1]
-    loss = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1).long(),
+    loss = F.cross_entropy(_at_least_fp32(logits).reshape(-1, V), targets.reshape(-1).long(),
                            ignore_index=ignore_index, label_smoothing=label_smoothing,
                            reduction=reduction)
     return loss.view(targets.shape) if reduction == "none" else loss

@@ -27,10 +27,10 @@ def shifted_targets(tok):
 # dtype=torch.float32)``: CLIP, Llama, OPT, Mixtral), probabilities rounded by 2**-24: measured 1.4e-6 on
 # Llama's logits (of order 10, 2 layers); x15
 FP32_SOFTMAX = dict(rtol=0, atol=2e-5)
-# cfx's cross-entropy takes its softmax in fp32 (cfx_kernels' reference: ``logits.float()``), as transformers'
-# causal-LM loss does (loss_utils: ``logits.float()``): an fp64 model's loss is an fp32 number, 2**-24 (6e-8)
-# apart from fp64's: measured 9.6e-8 relative (BERT's, against its fp64 loss); x10
+# transformers' causal-LM loss takes its softmax in fp32 (loss_utils: ``logits.float()``) where cfx's keeps an
+# fp64 model's loss in fp64 (cfx_kernels' reference: at least fp32): their loss is an fp32 number, 2**-24 (6e-8)
+# apart from fp64's: measured 9.6e-8 relative (BERT's fp32 loss against its fp64 one, when cfx's was fp32); x10
 FP32_LOSS = dict(rtol=1e-6, atol=0)
-# ... and d loss / d logits carries that rounding into every gradient (against transformers' BERT heads, whose
-# losses are fp64, and Mixtral's): measured 4.6e-8 (BERT's, gradients of order 0.1-1); x11
+# ... and d loss / d logits carries that rounding into every gradient (against Mixtral's fp32 loss): measured
+# 4.6e-8 (BERT's, gradients of order 0.1-1, when cfx's loss was fp32); x11
 FP32_LOSS_GRADS = dict(rtol=0, atol=5e-7)

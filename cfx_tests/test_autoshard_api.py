@@ -94,3 +94,9 @@ def test_a_batch_no_axis_divides_is_named_in_the_report(gpt2):
         _, report = cfx.autoshard(model.loss, mesh, (params, tokens[:, :-1], tokens[:, 1:]))
     assert report.batch_specs == (cfx.P(), cfx.P())
     assert "batch.0 of shape (3, 7) has no dimension any mesh axis divides" in str(report)
+    # priced by the default constants, the estimate says it is no time to expect; a measured model's is
+    assert "the default cost model's constants, not this machine's" in report.summary()
+    with cfx.Mesh({"data": 2}) as mesh:
+        _, measured = cfx.autoshard(model.loss, mesh, (params, tokens[:, :-1], tokens[:, 1:]),
+                                    cost=cfx.autoshard.CostModel(measured=True))
+    assert "not this machine's" not in measured.summary()

@@ -166,6 +166,9 @@ def test_bad_input_is_refused():
     prompt, mask = padded_prompts()
     with pytest.raises(ValueError, match="10 prompt \\+ 60 new tokens exceed the model's n_positions=64"):
         cfx.generate(model, params, prompt, max_new_tokens=60)
+    with pytest.raises(ValueError, match="the prompt's 64 tokens leave no room in the model's n_positions=64; "
+                                         "shorten it to at most 63 tokens"):  # (not "at most 0 / -N tokens")
+        cfx.generate(model, params, torch.zeros(1, 64, dtype=torch.long), max_new_tokens=1)
     with pytest.raises(ValueError, match="needs key=cfx.random.key"):
         cfx.generate(model, params, prompt, max_new_tokens=2, temperature=0.7)
     with pytest.raises(ValueError, match="a prompt row has no real token"):

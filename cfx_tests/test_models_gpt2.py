@@ -50,8 +50,9 @@ def test_loss_and_grads_match_hf():
     ref_loss = hf_model(tok, labels=tok).loss
     ref_loss.backward()
     loss, grads = cfx.value_and_grad(lambda p: model.loss(p, tok, shifted_targets(tok)))(params)
-    assert loss.dtype == ref_loss.dtype == torch.float32  # both take the cross-entropy in fp32 (FP32_LOSS)
-    torch.testing.assert_close(loss, ref_loss.detach(), **FP32_LOSS)
+    # cfx keeps an fp64 model's loss in fp64; transformers' causal-LM loss takes logits.float() (FP32_LOSS)
+    assert loss.dtype == torch.float64 and ref_loss.dtype == torch.float32
+    torch.testing.assert_close(loss.float(), ref_loss.detach(), **FP32_LOSS)
     hf_grads = models.to_hf(model, grads)
     for name, p in hf_model.named_parameters():  # the tied wte appears once, with both uses' grads
         torch.testing.assert_close(hf_grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")

@@ -259,6 +259,9 @@ def test_what_the_engine_refuses(gpt2):
         engine.add_request([1, V + 5])
     with pytest.raises(ValueError, match="exceed the model's context of 128"):
         engine.add_request([1] * 100, SamplingParams(max_tokens=40))
+    with pytest.raises(ValueError, match="the prompt's 130 tokens leave no room in the model's context of 128; "
+                                         "shorten it to at most 127"):
+        engine.add_request([1] * 130)
     with pytest.raises(ValueError, match="needs a seed"):
         engine.add_request([1, 2], SamplingParams(temperature=0.5))
     with pytest.raises(ValueError, match="more than the pool's 8 blocks"):

@@ -111,6 +111,8 @@ def test_device_put_lays_out_a_pytree_by_a_spec_tree_or_one_spec():
             cfx.device_put({"w": torch.zeros(4)}, mesh, {"b": P()})
         with pytest.raises(ValueError, match=r"leaf 'n' is a int, not a torch.Tensor"):
             cfx.device_put({"n": 3}, mesh, P())
+    with pytest.raises(ValueError, match=r"cfx.device_put: mesh must be a cfx.Mesh, got NoneType"):
+        cfx.device_put(torch.zeros(4), None, P("data"))  # (was a raw AttributeError)
 
 
 @pytest.mark.parametrize("make,match", [

@@ -1,5 +1,6 @@
 """The training job: loss falls, resume equals an uninterrupted run, precisions run, errors are clear."""
 import json
+import os
 
 import pytest
 import torch
@@ -66,7 +67,6 @@ def test_cli_prints_summary_and_writes_json(tmp_path, text_file, capsys):
 
 
 def test_an_unwritable_save_is_refused_before_step_one(tmp_path, text_file, capsys, monkeypatch):
-    import os
 
     from cfx._src.train import loop
     steps = []
@@ -104,6 +104,21 @@ def test_flags_that_would_be_ignored_are_refused(flags, match, text_file, capsys
     assert match in capsys.readouterr().err
     with pytest.raises(ValueError, match=match.split(":")[0]):  # a TrainConfig set alike is refused too
         train(TrainConfig(**{**SMALL, "steps": 1, "data": text_file}, **_fields(flags)))
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--lr", "-1"], "--lr -1.0: the peak learning rate must be a positive number"),
+    (["--lr", "nan"], "--lr nan: the peak learning rate must be a positive number"),
+    (["--batch", "0"], "--batch 0: must be at least 1"),
+    (["--warmup", "-3"], "--warmup -3: must be 0 or more"),
+    (["--mesh", "data=2", "--zero", "3", "--offload", "nvme", "--nvme-dir", "/nonexistent-cfx-dir/x"],
+     "--nvme-dir /nonexistent-cfx-dir/x: its parent /nonexistent-cfx-dir does not exist"),
+])
+def test_values_no_run_can_use_are_refused_before_it_starts(flags, match, text_file, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*flags, "--steps", "1", "--data", text_file, "--no-progress"])
+    assert info.value.code == 2 and match in capsys.readouterr().err
+    assert not os.path.exists("/nonexistent-cfx-dir")  # nothing made at the filesystem's root
 
 
 def _fields(flags):

@@ -190,3 +190,19 @@ def test_under_torchrun_a_plans_file_is_put_together_from_every_process(corpus, 
                                rtol=0, atol=0)
     alone = resumed(corpus, tmp_path, tmp_path / "dist.safetensors")
     torch.testing.assert_close(torch.tensor(alone), torch.tensor(uninterrupted["one device"][0][HALF:]), **TOL)
+
+
+def test_a_resumed_run_logs_each_step_once(corpus, tmp_path):
+    """``--metrics`` after ``--resume``: the steps a killed run logged past its last checkpoint (here
+    appended by hand, as such a run leaves them) are dropped, so each step appears once, the resumed
+    run's values where both wrote one."""
+    ck, metrics = tmp_path / "ck.safetensors", tmp_path / "m.jsonl"
+    cli(corpus, tmp_path / "half.json", "--save", str(ck), "--stop-after", str(HALF), "--metrics", str(metrics))
+    with open(metrics, "a") as f:  # the lost steps of a run killed after its checkpoint
+        f.writelines(json.dumps({"step": s, "loss": 99.0}) + "\n" for s in range(HALF + 1, HALF + 3))
+    _, losses = cli(corpus, tmp_path / "end.json", "--resume", str(ck), "--metrics", str(metrics))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records if "loss" in r][HALF:] == losses
+    assert [r["step"] for r in records if "eval" in r] == [0, HALF, STEPS]  # each run's first, the last

@@ -93,8 +93,9 @@ def test_vmap_and_jvp():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="scalar"):
+    with pytest.raises(ValueError, match=r"scalar.*Reduce it first, or take the Jacobian \(cfx.jacrev\)"):
         cfx.grad(lambda x: x * 2)(torch.ones(3))
+    assert torch.equal(cfx.jacrev(lambda x: x * 2)(torch.ones(3)), 2 * torch.eye(3))  # the hint's function exists
     with pytest.raises(ValueError, match=r"'ids'"):
         cfx.grad(lambda p: p["w"].sum())({"w": torch.ones(2), "ids": torch.arange(3)})
     with pytest.raises(ValueError, match="argnums"):

@@ -100,7 +100,7 @@ def autoshard(step: Callable[..., torch.Tensor], mesh, example_args: tuple, *, m
     report = Report(mesh_shape, dict(solved.specs), param_bytes, tuple(choices[i].out for i in graph.batch),
                     solved.solution.objective, solved.solution.memory, budget,
                     tuple(collectives(graph, choices, mesh_shape, cost)), tuple(gathered(graph, choices)), ref,
-                    solve_s, len(graph.ops), tuple(_notes(graph, choices, mesh_shape)))
+                    solve_s, len(graph.ops), tuple(_notes(graph, choices, mesh_shape)), cost.measured)
     return AutoStep(graph, choices, mesh, example_args), report
 
 

@@ -224,6 +224,6 @@ def from_timings(timings: Timings) -> CostModel:
         latency["*"], bandwidth["*"] = latency[slow], bandwidth[slow]
     else:
         latency, bandwidth = CostModel.latency, CostModel.bandwidth
-    return CostModel(flops_per_s=timings.flops_per_s, bandwidth=bandwidth, latency=latency,
+    return CostModel(measured=True, flops_per_s=timings.flops_per_s, bandwidth=bandwidth, latency=latency,
                      memory_bandwidth=timings.memory_bandwidth)
 

@@ -19,6 +19,7 @@ class CostModel:
     bandwidth: float | Mapping[str, float] = 1e10    # bytes per second per rank, per mesh axis
     latency: float | Mapping[str, float] = 1e-5      # seconds per collective step, per mesh axis
     memory_bandwidth: float = 1e10                   # output bytes per second of a memory-bound op
+    measured: bool = False                           # calibrate()'s: its seconds are this machine's
 
     def compute(self, flops: float, div: int = 1) -> float:
         return flops / (div * self.flops_per_s)

@@ -49,6 +49,7 @@ class Report:
     solve_s: float
     ops: int
     notes: tuple[str, ...] = ()
+    measured_cost: bool = False             # priced by calibrate()'s measured model, not the default constants
 
     @property
     def verdict(self) -> str | None:
@@ -83,6 +84,9 @@ class Report:
                  "(within 1% of the cost model's optimum)",
                  f"  estimated step {self.estimated_s * 1e3:.3f} ms, {format_bytes(self.memory_bytes)} per rank"
                  + (f" (budget {format_bytes(self.budget)})" if math.isfinite(self.budget) else "")]
+        if not self.measured_cost:
+            lines.append("  (the default cost model's constants, not this machine's: the ms rank plans against "
+                         "each other, they are no time to expect; cost=cfx.autoshard.calibrate(mesh) measures them)")
         if self.reference is not None:
             lines.append(f"  {self.reference.name}: {self.reference.estimated_s * 1e3:.3f} ms, "
                          f"{format_bytes(self.reference.memory_bytes)} per rank -> the plan is {self.verdict}"

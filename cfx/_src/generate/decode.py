@@ -129,6 +129,9 @@ def _check(model, prompt, mask, max_new_tokens, sampling: Sampling) -> tuple[int
         raise ValueError(f"{where}: max_new_tokens must be a positive int, got {max_new_tokens!r}.")
     name = hook(model, "max_len_name")
     limit = getattr(hook(model, "config"), name, None) if name else None
+    if limit is not None and T >= limit:
+        raise ValueError(f"{where}: the prompt's {T} tokens leave no room in the model's {name}={limit}; shorten it "
+                         f"to at most {limit - 1} tokens.")
     if limit is not None and T + max_new_tokens > limit:
         raise ValueError(f"{where}: {T} prompt + {max_new_tokens} new tokens exceed the model's {name}={limit}; "
                          f"generate at most {limit - T} tokens or shorten the prompt.")

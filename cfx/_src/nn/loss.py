@@ -21,7 +21,8 @@ IGNORE_INDEX = -100  # a target position that counts for nothing (Hugging Face's
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32; logits ``(B, T, V)``, targets ``(B, T)``, -100 ignored.
+    """Mean token cross-entropy in fp32 (fp64 for fp64 logits); logits ``(B, T, V)``, targets ``(B, T)``,
+    -100 ignored.
 
     On CUDA the fused kernel (``cfx_kernels.cross_entropy``) never holds fp32 ``(B, T, V)``
     probabilities; elsewhere this is ``F.cross_entropy(logits.float(), ...)``."""
@@ -34,8 +35,9 @@ def vocab_range_start(v_local: int, axis: str) -> torch.Tensor:
 
 
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tensor, axis: str) -> torch.Tensor:
-    """Mean token cross-entropy (fp32) from this rank's logits shard (B, T, V/n); -100 ignored."""
-    l = logits_local.float()
+    """Mean token cross-entropy (fp32, fp64 for fp64 logits) from this rank's logits shard (B, T, V/n);
+    -100 ignored."""
+    l = logits_local.to(torch.promote_types(logits_local.dtype, torch.float32))
     v_local = l.shape[-1]
     m = lax.pmax(l.detach().amax(dim=-1), axis)  # (B, T)
     s = lax.psum(torch.exp(l - m[..., None]).sum(dim=-1), axis)  # (B, T)

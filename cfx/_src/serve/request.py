@@ -126,6 +126,9 @@ def check_prompt(prompt: Seq[int], vocab_size: int, max_len: int | None, max_tok
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{where}: token id {bad[0]} is outside the model's vocabulary of {vocab_size}.")
+    if max_len is not None and len(prompt) >= max_len:
+        raise ValueError(f"{where}: the prompt's {len(prompt)} tokens leave no room in the model's context of "
+                         f"{max_len}; shorten it to at most {max_len - 1} tokens.")
     if max_len is not None and len(prompt) + max_tokens > max_len:
         raise ValueError(f"{where}: {len(prompt)} prompt + {max_tokens} new tokens exceed the model's context of "
                          f"{max_len}; ask for at most {max_len - len(prompt)} tokens or shorten the prompt.")

@@ -30,6 +30,9 @@ def device_put(x: Any, mesh, spec: Any = P()) -> Any:
     or like a prefix of it (one ``P`` for a whole subtree, as ``shard_map``'s ``in_specs``), e.g.
     ``device_put(params, mesh, rules.specs(model.axes()))``. Differentiable: the gradient w.r.t.
     ``x`` is the global cotangent."""
+    if not hasattr(mesh, "axis_names"):  # (None, a dict of axes, a torch DeviceMesh)
+        raise ValueError(f"cfx.device_put: mesh must be a cfx.Mesh, got {type(mesh).__name__}; e.g. "
+                         "with cfx.Mesh({'data': 2}) as mesh: cfx.device_put(x, mesh, cfx.P('data')).")
     if isinstance(x, torch.Tensor):
         if not isinstance(spec, P):
             raise ValueError(f"cfx.device_put: a tensor takes one cfx.P as its spec, got {spec!r}.")

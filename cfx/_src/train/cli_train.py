@@ -84,9 +84,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--json", default=d.json, help="write the final summary as JSON to this path")
     a = parse(p, argv)
     cfg = TrainConfig(**vars(a))
-    for name in ("steps", "batch", "seq"):
-        if getattr(cfg, name) <= 0:
-            p.error(f"--{name} must be positive, got {getattr(cfg, name)}")
     given = {action.dest for action in p._actions for arg in (sys.argv[1:] if argv is None else argv)
              if any(arg == o or arg.startswith(o + "=") for o in action.option_strings)}
     try:

@@ -3,6 +3,8 @@ and the ``cfx.parallel.Plan`` it names (``python -m cfx.train``'s flags are its 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 
 from cfx._src.lora.config import LoraConfig
 from cfx._src.plan.config import parse_mesh
@@ -62,6 +64,7 @@ class TrainConfig:
 def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
     """ValueError naming a flag that would be silently ignored with the others given: one that
     was ``given`` on the command line, or a config field set away from its default."""
+    _check_values(cfg)
     d = TrainConfig()
     set_ = {f.name for f in dataclasses.fields(cfg) if f.name in given or getattr(cfg, f.name) != getattr(d, f.name)}
     try:
@@ -108,6 +111,29 @@ def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
         for name in names:
             if ignored and name in set_:
                 raise ValueError(f"--{name.replace('_', '-')} {why}; as given it would be ignored.")
+
+
+def _check_values(cfg: TrainConfig) -> None:
+    """ValueError naming a flag whose value no run can use (a negative learning rate trains uphill)."""
+    positive = ("steps", "batch", "seq", "eval_batches", "microbatches", "chunks")
+    at_least_0 = ("warmup", "weight_decay", "grad_clip", "eval_every", "save_every", "stop_after", "sample_bytes",
+                  "threads")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1.")
+    for name in at_least_0:
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be 0 or more.")
+    if not math.isfinite(cfg.lr) or cfg.lr <= 0:
+        raise ValueError(f"--lr {cfg.lr}: the peak learning rate must be a positive number (e.g. --lr 3e-4).")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio {cfg.min_lr_ratio}: the final learning rate's fraction of --lr must be in "
+                         "[0, 1].")
+    if cfg.nvme_dir is not None:
+        parent = os.path.dirname(os.path.abspath(cfg.nvme_dir))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--nvme-dir {cfg.nvme_dir}: its parent {parent} does not exist; create it, or give a "
+                             "directory on the disk to stream to (one level is made, not a whole path).")
 
 
 def _check_lora(cfg: TrainConfig, axes: set[str], set_: set[str]) -> None:

@@ -202,11 +202,25 @@ def _metrics_log(cfg: TrainConfig, run: Run):
     killed mid-way keeps every line written), or nothing without it."""
     if not (cfg.metrics and run.is_main):
         return lambda **fields: None
+    if run.start > 0 and os.path.exists(cfg.metrics):
+        _drop_lines_after(cfg.metrics, run.start)
 
     def log(**fields) -> None:
         with open(cfg.metrics, "a") as f:
             f.write(json.dumps(fields) + "\n")
     return log
+
+
+def _drop_lines_after(path: str, start: int) -> None:
+    """A resumed run rewrites the steps after its checkpoint's ``start``: drop the lines a killed run wrote
+    for them (and its evaluation at ``start``, which this run logs again), so each step appears once."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    kept = [r for r in records if r.get("step", 0) < start or (r.get("step") == start and "eval" not in r)]
+    if len(kept) < len(records):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(path + ".tmp", path)
 
 
 def _finish(run: Run, tally: Tally) -> dict[str, Any]:

@@ -84,8 +84,8 @@ def _check_scalar(out: Any, fname: str, has_aux: bool) -> torch.Tensor:
         got = (f"tensor of shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor)
                else f"{type(out).__name__} of shape {out.shape}" if _is_array_leaf(out) else type(out).__name__)
         raise ValueError(f"cfx.{fname}: the function must return a scalar floating-point tensor "
-                         f"(e.g. a mean loss), got {got}. Reduce it first, or use cfx.vjp-style "
-                         "torch.autograd.grad with grad_outputs.")
+                         f"(e.g. a mean loss), got {got}. Reduce it first, or take the Jacobian "
+                         "(cfx.jacrev) or torch.autograd.grad with grad_outputs.")
     return out
 
 
@@ -113,7 +113,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
             if not -len(args) <= n < len(args):
                 raise ValueError(f"cfx.{fname}: argnums={argnums!r} but the function was called with "
                                  f"{len(args)} positional argument(s).")
-        if TRACES_GRAD_WITH_FUNC and torch.compiler.is_dynamo_compiling():
+        if (TRACES_GRAD_WITH_FUNC and torch.compiler.is_dynamo_compiling()) or _in_func_transform():
             traced = _traced(fun, args, kwargs, nums, has_aux, fname)
             if traced is not None:
                 out, trees = traced
@@ -159,13 +159,20 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
     return wrapped
 
 
+def _in_func_transform() -> bool:
+    """Inside a ``torch.func`` transform (``cfx.vmap``, ``cfx.jvp``, ``cfx.jacfwd``...): there a tensor may
+    not be made to require grad, and ``torch.func.grad_and_value`` is what composes with the transform."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def _traced(fun: Callable[..., Any], args: tuple, kwargs: dict, nums: tuple, has_aux: bool,
             fname: str) -> tuple[Any, tuple] | None:
-    """``value_and_grad`` as dynamo traces it (``cfx.jit``) on a torch whose dynamo refuses
-    ``requires_grad_`` in the graph (``TRACES_GRAD_WITH_FUNC``): ``torch.func.grad_and_value`` over
-    the differentiated leaves, so that no tensor is made to require grad there; None when a leaf is
-    not a plain floating tensor outside any grad (the general path handles those). torch.func does
-    not run saved-tensor hooks: a remat policy inside ``cfx.jit`` needs torch 2.12 or later."""
+    """``value_and_grad`` through ``torch.func.grad_and_value`` over the differentiated leaves, so that
+    no tensor is made to require grad: inside a ``torch.func`` transform (``cfx.vmap(cfx.grad(f))``,
+    per-example gradients), and as dynamo traces it (``cfx.jit``) on a torch whose dynamo refuses
+    ``requires_grad_`` in the graph (``TRACES_GRAD_WITH_FUNC``); None when a leaf is not a plain
+    floating tensor outside any grad (the general path handles those). torch.func does not run
+    saved-tensor hooks: a remat policy inside ``cfx.jit`` needs torch 2.12 or later."""
     flat, treedefs, spans = [], [], []
     for n in nums:
         xs, treedef = tree_util.flatten(args[n])
@@ -207,10 +214,38 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
     return wrapped
 
 
-def vmap(fun: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, *,
-         randomness: str = "error", chunk_size: int | None = None) -> Callable[..., Any]:
-    """Vectorising map (``torch.func.vmap``)."""
+def vmap(fun: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, *, in_axes: Any = None,
+         out_axes: Any = None, randomness: str = "error", chunk_size: int | None = None) -> Callable[..., Any]:
+    """Vectorising map (``torch.func.vmap``); ``in_axes`` / ``out_axes`` are JAX's names for ``in_dims`` /
+    ``out_dims``. Composes with ``cfx.grad`` / ``value_and_grad`` either way round:
+    ``cfx.vmap(cfx.grad(loss), in_axes=(None, 0))(params, batch)`` gives per-example gradients."""
+    if in_axes is not None:
+        if in_dims != 0:
+            raise ValueError("cfx.vmap: give in_dims (torch's name) or in_axes (JAX's), not both.")
+        in_dims = in_axes
+    if out_axes is not None:
+        if out_dims != 0:
+            raise ValueError("cfx.vmap: give out_dims (torch's name) or out_axes (JAX's), not both.")
+        out_dims = out_axes
     return torch.func.vmap(fun, in_dims, out_dims, randomness=randomness, chunk_size=chunk_size)
+
+
+def jacrev(fun: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
+           chunk_size: int | None = None) -> Callable[..., Any]:
+    """The Jacobian by reverse mode (``torch.func.jacrev``): for each output leaf, a pytree like
+    ``args[argnums]`` of ``(*out.shape, *leaf.shape)`` blocks."""
+    return torch.func.jacrev(fun, argnums, has_aux=has_aux, chunk_size=chunk_size)
+
+
+def jacfwd(fun: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
+           randomness: str = "error") -> Callable[..., Any]:
+    """The Jacobian by forward mode (``torch.func.jacfwd``), laid out as ``jacrev``'s."""
+    return torch.func.jacfwd(fun, argnums, has_aux=has_aux, randomness=randomness)
+
+
+def hessian(fun: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Callable[..., Any]:
+    """The Hessian of scalar-valued ``fun`` (``jacfwd(jacrev(fun))``, ``torch.func.hessian``)."""
+    return torch.func.hessian(fun, argnums)
 
 
 def jvp(fun: Callable[..., Any], primals: tuple, tangents: tuple, *, has_aux: bool = False):
