@@ -193,3 +193,58 @@ def test_grad_clip_in_front_of_loss_scaling_is_refused_with_the_fix():
     plan = cfx.parallel.Plan.parse("data=2")
     with plan.make_mesh() as mesh, pytest.raises(ValueError, match=r"would clip the loss-scaled gradients.*clip inside"):
         plan.step(loss_fn, tx, mesh=mesh, params=mlp_params(), grad_clip=1.0)
+
+
+V = 12
+EMB_SPECS = {"emb": P(), **TP_SPECS}  # the embedding the same on every model rank, upstream of the split w1
+
+
+def emb_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(V, D, generator=g) * 0.5, **mlp_params(seed)}
+
+
+def emb_loss_fn(p, tokens, y, reduce=lambda o: o):  # one device's function (reduce: the model axis's, on a mesh)
+    h = torch.relu(p["emb"][tokens] @ p["w1"] + p["b1"])
+    return ((reduce(h @ p["w2"]) - y) ** 2).mean()
+
+
+def emb_tp_loss_fn(p, tokens, y):  # as JAX writes it: no pvary on the replicated emb, one psum where w2's rows end
+    return emb_loss_fn(p, tokens, y, reduce=lambda o: cfx.lax.psum(o, "model"))
+
+
+def token_batch(seed=1, rows=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (rows,), generator=g), torch.randn(rows, 1, generator=g)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text", ["data=1,model=2", "data=2,model=2", "data=2,model=2 zero=1", "data=2,model=2 zero=3"])
+def test_a_replicated_param_upstream_of_a_split_gets_jax_implicit_pvary(text):
+    """The first week's stopper: a param the same on every model rank meeting the column-split w1 needs
+    no cfx.lax.pvary of the user's -- its gradient is summed over model as JAX's check_vma=True does."""
+    params, tx = emb_params(), cfx.optim.adamw(1e-2)
+    batches = [token_batch(s) for s in (1, 2)]
+    got = run_plan(text, emb_tp_loss_fn, batches, tx, params=params, specs=EMB_SPECS)
+    cfx.tree.assert_close(got, one_device(emb_loss_fn, params, batches, tx))
+    explicit = lambda p, t, y: emb_tp_loss_fn({**p, "emb": cfx.lax.pvary(p["emb"], "model")}, t, y)  # noqa: E731
+    cfx.tree.assert_close(run_plan(text, explicit, batches, tx, params=params, specs=EMB_SPECS), got)  # the old fix
+
+
+def test_a_forgotten_psum_is_refused_naming_the_function_and_the_fix():
+    # one device's function as it is, under the model axis: each rank's partial sum reaches the loss
+    with pytest.raises(ValueError, match=r"'emb_loss_fn': its loss varies over 'model': a value computed from params "
+                                         r"split over 'model' \(specs=\) reaches the loss without being summed.*"
+                                         r"cfx.lax.psum"):
+        run_plan("data=2,model=2", emb_loss_fn, [token_batch()], cfx.optim.adamw(1e-2), params=emb_params(),
+                 specs=EMB_SPECS)
+
+
+def test_pmean_for_psum_trains_another_function_which_one_device_shows():
+    """Typed alike (both reductions make the value invariant), a pmean where the psum belongs is a
+    different function: only a comparison with one device -- cfx's property tests -- tells."""
+    wrong = lambda p, t, y: emb_loss_fn(p, t, y, reduce=lambda o: cfx.lax.pmean(o, "model"))  # noqa: E731
+    params, tx, batches = emb_params(), cfx.optim.adamw(1e-2), [token_batch()]
+    got = run_plan("data=2,model=2", wrong, batches, tx, params=params, specs=EMB_SPECS)
+    with pytest.raises(AssertionError):
+        cfx.tree.assert_close(got, one_device(emb_loss_fn, params, batches, tx))

@@ -20,7 +20,23 @@ def test_an_unreduced_output_with_a_replicated_spec_is_refused():
     msg = str(e.value)
     assert "output '<root>' varies over mesh axis 'data'" in msg
     assert "rank 1 {'data': 1} differs from rank 0 {'data': 0}" in msg
-    assert "cfx.lax.psum / pmean" in msg and "P('data')" in msg and "check_rep=False" in msg
+    assert "cfx.lax.psum / pmean" in msg and "P('data')" in msg and "check_rep=False only skips" in msg
+
+
+@pytest.mark.timeout(60)
+def test_the_message_tells_a_forgotten_pvary_from_a_forgotten_psum_and_check_vma_fixes_the_first():
+    """A replicated param meeting a column-split weight: its gradient is each rank's part. The message
+    names both programs that end there; ``check_vma=True`` (JAX's implicit pvary) computes one device's."""
+    def body(emb, w1, x):
+        return cfx.grad(lambda e: torch.tanh(x @ e @ w1).sum())(emb)
+    g = torch.Generator().manual_seed(0)
+    emb, w1, x = torch.randn(3, 3, generator=g), torch.randn(3, 4, generator=g), torch.randn(2, 3, generator=g)
+    with cfx.Mesh({"model": 2}) as mesh:
+        f = lambda **kw: cfx.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "model"), P()), out_specs=P(), **kw)  # noqa: E731
+        with pytest.raises(ValueError, match=r"never summed.*cfx.lax.psum / pmean.*the gradient of a param the same "
+                                             r"on every rank.*check_vma=True.*cfx.lax.pvary\(x, 'model'\)"):
+            f()(emb, w1, x)
+        torch.testing.assert_close(cfx.device_get(f(check_vma=True)(emb, w1, x)), body(emb, w1, x))
 
 
 @pytest.mark.timeout(60)

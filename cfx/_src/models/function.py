@@ -31,6 +31,9 @@ import torch
 
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
+from cfx._src.lax import vma
+from cfx._src.mesh.spec import is_spec
+from cfx._src.spmd.spec_tree import broadcast_specs
 from cfx._src.models.frozen import HeldWhole, is_placed
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
 
@@ -88,11 +91,41 @@ class LossModel:
 
     def loss(self, params: Any, *batch: Any, key: torch.Tensor | None = None) -> torch.Tensor:
         kw = {"key": key} if self._takes_key else {}
+        params = self._typed(params)
         if self.frozen is None:
-            return self.loss_fn(params, *batch, **kw)
+            return self._checked(self.loss_fn(params, *batch, **kw))
         device = next(x.device for x in tree_util.leaves((batch, params)) if isinstance(x, torch.Tensor))
         with self._held.gathered(device) as frozen:
-            return self.loss_fn(params, *batch, frozen=frozen, **kw)
+            return self._checked(self.loss_fn(params, *batch, frozen=frozen, **kw))
+
+    def _split_axes(self) -> set:
+        return {a for s in tree_util.leaves(self.param_specs, is_leaf=is_spec) if is_spec(s) for a in s.all_axes()}
+
+    def _typed(self, params: Any) -> Any:
+        """Where the body tracks varying axes: each param typed over the axes its spec names, among the
+        axes the specs split over (what ZeRO's flat pieces and gathers cannot tell), so that a param the
+        same on every rank of ``model`` meets a split value through an implicit pvary."""
+        if not vma.is_tracking() or self.param_specs is None:
+            return params
+        split = self._split_axes()
+        for _, x, spec in broadcast_specs(self.param_specs, params, "params", None, where=WHERE):
+            if isinstance(x, torch.Tensor):
+                vma.mark(x, (vma.varying_axes(x) - split) | (set(spec.all_axes()) & split))
+        return params
+
+    def _checked(self, loss: Any) -> Any:
+        """Where the body tracks varying axes (a Plan with a model axis over this function): a loss that
+        still varies over an axis its params are split over is a program that never summed the split (the
+        forgotten ``psum``), refused before its gradient is taken, on every rank alike."""
+        bad = sorted(vma.varying_axes(loss) & self._split_axes()) if vma.is_tracking() else []
+        if bad:
+            names = " and ".join(repr(a) for a in bad)
+            raise ValueError(f"{WHERE} {self.name!r}: its loss varies over {names}: a value computed from params split "
+                             f"over {names} (specs=) reaches the loss without being summed, so each rank would train "
+                             f"on its own part. Sum it where the split ends, e.g. cfx.lax.psum(h @ p['w2'], {bad[0]!r}) "
+                             "after a row-split matmul. (A param the same on every rank needs nothing: it is cast "
+                             "implicitly, JAX's pvary.)")
+        return loss
 
     def place_frozen(self, placer: Any) -> "LossModel":
         """The same function over its frozen weights as a plan's ``placer`` keeps them (``models.frozen``)."""

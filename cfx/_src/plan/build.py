@@ -19,7 +19,7 @@ from cfx._src.mesh.spec import is_spec
 from cfx._src.models.parts import hook
 from cfx._src.optim.base import chain
 from cfx._src.optim.clipping import clip_by_global_norm
-from cfx._src.lax import collectives as lax
+from cfx._src.lax import collectives as lax, vma
 from cfx._src.mesh.spec import P
 from cfx._src.optim.loss_scale import LossScaleState
 from cfx._src.optim.reduction import sharded
@@ -30,6 +30,7 @@ from cfx._src.plan.frozen import Placer, place
 from cfx._src.plan.on_rank import eval_on_rank, per_rank_specs
 from cfx._src.plan.strategy import Account, Built
 from cfx._src.spmd.shard_map import shard_map
+from cfx._src.spmd.spec_tree import broadcast_specs
 from cfx._src.transforms.autodiff import value_and_grad
 from cfx._src.transforms.jit import jit as cfx_jit
 from cfx._src.transforms.shapes import ShapeDtype, eval_shape
@@ -95,11 +96,57 @@ def scheduled(plan, built: Built, tokens: torch.Tensor, key: Any) -> Built:
     return dataclasses.replace(built, local=rank_model(plan, built.model, schedule=schedule), schedule=schedule)
 
 
-def sharded_step(body: Any, specs: Any, layout: Layout, jit: bool | str) -> Any:
+def tracks_varying(plan, model: Any) -> bool:
+    """Whether the step's body tracks varying axes (JAX's ``check_vma=True``): for a loss function of the
+    user's own over a ``model`` axis. There a param the same on every model rank (an embedding, a norm)
+    that meets a value split over ``model`` gets JAX's implicit ``pvary``, whose transpose sums its
+    gradient over ``model`` -- what cfx's own tensor-parallel layers do by construction, and what the
+    user's function would otherwise have to say with ``cfx.lax.pvary``."""
+    return getattr(model, "param_specs", None) is not None and dict(plan.mesh).get("model", 1) > 1
+
+
+def batch_varying(local: Any, plan) -> Any:
+    """In a tracking body, the params as each rank differentiates them: typed as varying over the batch
+    axes too (views, no pvary), since the strategies reduce their gradients over those axes themselves;
+    so the implicit pvarys are over the model axis only."""
+    if not (vma.is_tracking() and plan.batch_axes) or isinstance(local, ZeroParams):
+        return local  # (ZeRO's value_and_grad types its own copies)
+    return tree_util.map(lambda x: vma.declare_varying(x.view_as(x), plan.batch_axes)
+                         if isinstance(x, torch.Tensor) else x, local)
+
+
+def check_reduced(plan, grads: Any, params: Any, model: Any) -> None:
+    """In a tracking body: each gradient varies over no axis its param does not, but the batch axes that
+    the strategies and ZeRO reduce over themselves (else the update would differ per rank where the
+    param is one value); a ValueError naming the leaf."""
+    if not vma.is_tracking() or isinstance(params, ZeroParams):
+        return
+    for (path, g), p in zip(tree_util.flatten_with_path(grads)[0], tree_util.leaves(params)):
+        extra = (sorted(vma.varying_axes(g) - vma.varying_axes(p) - set(plan.batch_axes))
+                 if isinstance(g, torch.Tensor) else [])
+        if extra:
+            name = getattr(model, "name", type(model).__name__)
+            raise ValueError(f"Plan over {name!r}: the gradient of {path!r} differs over {extra} where the param is one "
+                             f"value there (its spec leaves {extra} out): a value that differs per rank from Python "
+                             "(axis_index, a per-rank key) reaches it; say so with cfx.lax.pvary, or split the param "
+                             "over that axis in specs=.")
+
+
+def typed_as_stored(state: Any, specs: Any, mesh) -> Any:
+    """A tracking body's new state, each tensor typed as varying over the axes its stored spec names: the
+    optimizers' flat buffers (fused AdamW, ZeRO's reduce-scatter) mix every leaf's type, while the update
+    is elementwise per leaf. The value check of ``shard_map``'s outputs still compares the replicas."""
+    for _, x, spec in broadcast_specs(specs, state, "state", mesh, where="Plan"):
+        if isinstance(x, torch.Tensor):
+            vma.mark(x, spec.all_axes())
+    return state
+
+
+def sharded_step(body: Any, specs: Any, layout: Layout, jit: bool | str, *, check_vma: bool = False) -> Any:
     """``shard_map(body)`` over the state (``specs``, donated), the batch and a key; with ``jit`` each
-    rank's body compiled (``cfx.jit``), the state donated to it."""
+    rank's body compiled (``cfx.jit``), the state donated to it; ``check_vma``: ``tracks_varying``."""
     step = shard_map(body, mesh=layout.mesh, in_specs=(specs, layout.batch_spec, P()), out_specs=(specs, P()),
-                     donate_argnums=(0,))
+                     donate_argnums=(0,), check_vma=check_vma)
     return cfx_jit(step, donate_argnums=(0,), backend="inductor" if jit is True else jit) if jit else step
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from cfx._src.core import donation, tree as tree_util
-from cfx._src.lax import collectives as lax
+from cfx._src.lax import collectives as lax, vma
 from cfx._src.models.parts import hook
 from cfx._src.optim import base as optim
 from cfx._src.optim.loss_scale import loss_scale
@@ -137,7 +137,8 @@ class Program:
         if shape not in self._steps:
             built = build.scheduled(self.plan, self._built, batch[0], key)  # remat=auto: solved for this shape
             body = functools.partial(self.body, build.make_runner(self.plan, built), built)
-            self._steps[shape] = built.schedule, body, build.sharded_step(body, self._specs, self.layout, self._jit)
+            self._steps[shape] = built.schedule, body, build.sharded_step(
+                body, self._specs, self.layout, self._jit, check_vma=build.tracks_varying(self.plan, self.model))
         self._last = self._steps[shape][0]
         return self._steps[shape]
 
@@ -158,10 +159,11 @@ class Program:
         local = layout.local_view(state.params)
         build.watch(state.params, "param", home)  # booked while a cfx.memory tracker is active
         build.watch(state.opt_state, "optim", home)
-        loss, grads = run.grads(local, batch, key, scale, self.policy.cast_to_compute)
+        loss, grads = run.grads(build.batch_varying(local, plan), batch, key, scale, self.policy.cast_to_compute)
         grads = tree_util.map(lambda g, p: g.to(p.dtype), grads, local)
         for s in build.strategies():
             grads = s.reduce(plan, grads, built)
+        build.check_reduced(plan, grads, local, self.model)
         build.watch(grads, "grad", "device" if home == "device" else "host")
         if plan.batch_axes:
             loss = lax.pmean(loss, plan.batch_axes)
@@ -170,7 +172,8 @@ class Program:
             grads = layout.stack_local(grads)
         with donation.donated(tree_util.leaves(grads)), build.norms_over_ranks(plan, layout):  # spent grads: reusable
             new, opt_state = optim.apply_gradients(self.opt, grads, state.opt_state, on)
-        return TrainState(layout.stack_local(new) if on is local else new, opt_state), loss
+        out = TrainState(layout.stack_local(new) if on is local else new, opt_state)
+        return (build.typed_as_stored(out, self._specs, layout.mesh) if vma.is_tracking() else out), loss
 
     # -- eval and sampling, sharded like the step ------------------------------------------------
     def _eval_loss(self, params, batch):

@@ -58,9 +58,14 @@ def error(path: str, spec: P, mesh, axes, why: str) -> ValueError:
     example = P(axes[0] if len(axes) == 1 else tuple(axes))
     return ValueError(
         f"shard_map: output {path or '<root>'!r} varies over mesh axis {names} of {mesh!r} ({why}), but its "
-        f"out_spec {spec!r} leaves {names} out, which says it is the same on every rank there. Reduce it over "
-        f"{names} in the body (cfx.lax.psum / pmean), or name the axis in its out_spec (e.g. {example!r} for "
-        "its first dimension); shard_map(..., check_rep=False) skips this check.")
+        f"out_spec {spec!r} leaves {names} out, which says it is the same on every rank there. Two programs "
+        f"end here. A value computed from one split over {names} that was never summed: reduce it in the body "
+        f"(cfx.lax.psum / pmean over {names}). Or the gradient of a param the same on every rank (an embedding, a "
+        f"norm) that met a value split over {names}: its gradient needs summing over {names} -- "
+        f"shard_map(..., check_vma=True) does that by JAX's implicit pvary, or wrap the param in "
+        f"cfx.lax.pvary(x, {axes[0]!r}) where it meets the split. If the output really differs per rank, name "
+        f"the axis in its out_spec (e.g. {example!r} for its first dimension). (check_rep=False only skips "
+        "this check: one rank's value comes back.)")
 
 
 # -- types ---------------------------------------------------------------------------------------
