@@ -15,13 +15,16 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	@echo "installing $(TORCH_SPEC) (the CPU build), then cfx and its test dependencies (about 3 GB in all)"
+	$(BIN)/python -m pip install --progress-bar on "$(TORCH_SPEC)"
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
-	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -c $(VENV)/torch-constraint.txt -e ".[test]"
+	$(BIN)/python -m pip install --progress-bar on -c $(CONSTRAINTS) -c $(VENV)/torch-constraint.txt -e ".[test]"
 	touch $(STAMP)
 
+# GPT-2 tiny on the stdlib's source text, saved; the run ends with the command that talks to the model
 demo: $(STAMP)
-	$(BIN)/python -m cfx.train
+	mkdir -p runs
+	$(BIN)/python -m cfx.train --save runs/demo.safetensors
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

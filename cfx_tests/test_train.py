@@ -157,8 +157,10 @@ def test_mesh_training_tracks_single_device(model, text_file):
                                torch.tensor([l for _, l in single["history"]["train"]]), rtol=1e-4, atol=1e-5)
 
 
-def test_torchrun_without_mesh_trains_data_parallel_and_fp16_on_cpu_says_it_is_slow():
+def test_torchrun_without_mesh_trains_data_parallel_and_fp16_on_cpu_says_it_is_slow(monkeypatch):
+    from cfx._src.train import loop
     from cfx._src.train.loop import launched_config
+    monkeypatch.setattr(loop, "_busy_cores", lambda environ: None)  # (an idle machine: the busy case is below)
     cfg, note = launched_config(TrainConfig(), {"WORLD_SIZE": "4", "RANK": "0"})
     assert cfg.mesh == "data=4" and "4 processes and no --mesh" in note  # not 4 copies of one run
     cfg, note = launched_config(TrainConfig(mesh="data=2,model=2"), {"WORLD_SIZE": "4"})
@@ -166,6 +168,17 @@ def test_torchrun_without_mesh_trains_data_parallel_and_fp16_on_cpu_says_it_is_s
     assert launched_config(TrainConfig(), {}) == (TrainConfig(), None)
     _, note = launched_config(TrainConfig(precision="fp16"), {})
     assert "fp16 on the CPU" in note and "bf16" in note
+
+
+def test_a_busy_machine_trains_with_one_thread_unless_told(monkeypatch):
+    # make demo took 12 minutes on a loaded 2-core box: it said --threads 1 was ~5x faster and kept 2
+    from cfx._src.train import loop
+    monkeypatch.setattr(loop.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(loop.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(loop.torch, "get_num_threads", lambda: 2)
+    cfg, note = loop.launched_config(TrainConfig(), {})
+    assert cfg.threads == 1 and "training with 1 intra-op thread, not 2" in note
+    assert loop.launched_config(TrainConfig(threads=2), {}) == (TrainConfig(threads=2), None)  # chosen: kept
 
 
 def test_fp16_cli_run_prints_the_note(text_file, capsys):

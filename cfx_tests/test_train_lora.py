@@ -109,7 +109,7 @@ def test_a_tensor_parallel_run_resumes_on_one_device(tmp_path, corpus, pretraine
 
 
 @pytest.mark.parametrize("flags, match", [
-    (dict(lora=None, lora_base=None), "--init-from sets up the frozen base of --lora"),
+    (dict(lora=None, init_from=None), "--lora-base sets up the frozen base of --lora"),  # (--init-from alone: a full fine-tune)
     (dict(lora="r=0"), "--lora 'r=0': r must be a positive int"),
     (dict(lora_base="bf16"), "--lora-base bf16: the frozen base computes beside the adapters"),
     (dict(model="llama"), "--init-from gives the model"),

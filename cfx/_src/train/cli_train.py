@@ -130,8 +130,16 @@ def _lora_flags(p, d: TrainConfig) -> None:
                    help="how --lora's frozen base is stored: int8 Linear weights (QLoRA's recipe), or --precision's "
                         "dtype (the default)")
     p.add_argument("--init-from", default=d.init_from,
-                   help="--lora's frozen base: a Hugging Face model directory or a python -m cfx.train checkpoint "
-                        "(default: the model --model / --preset / --seed initialise); --resume needs it again")
+                   help="start from these weights: a Hugging Face model directory or a python -m cfx.train checkpoint; "
+                        "alone a full fine-tune, with --lora the frozen base (default: the model --model / --preset / "
+                        "--seed initialise); --resume needs it again")
+    p.add_argument("--tokenizer", default=d.tokenizer,
+                   help="a Hugging Face tokenizer directory (often --init-from's own): --data (a text file, or a "
+                        "directory of *.txt documents) read as its tokens, documents joined by its end-of-text token; "
+                        "default: bytes")
+    p.add_argument("--save-hf", default=d.save_hf,
+                   help="at the end, write the trained model (and --tokenizer) to this directory as a Hugging Face "
+                        "model directory that transformers' from_pretrained and python -m cfx.generate load")
     p.add_argument("--save-peft", default=d.save_peft,
                    help="at the end, write --lora's trained adapters to this directory as peft's adapter_config.json + "
                         "adapter_model.safetensors, which peft.PeftModel.from_pretrained(the base's transformers model, "

@@ -59,6 +59,8 @@ class TrainConfig:
     lora_base: str | None = None   # fp32 | bf16 | fp16 | int8: how the frozen base is stored (default: --precision's)
     init_from: str | None = None   # the frozen base: a Hugging Face directory or a cfx.train checkpoint
     save_peft: str | None = None   # write the trained adapters here at the end as a peft adapter directory
+    tokenizer: str | None = None   # a Hugging Face tokenizer directory: --data read as its tokens, not bytes
+    save_hf: str | None = None     # write the trained model here at the end as a Hugging Face model directory
 
 
 def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
@@ -138,16 +140,18 @@ def _check_values(cfg: TrainConfig) -> None:
 
 def _check_lora(cfg: TrainConfig, axes: set[str], set_: set[str]) -> None:
     """``--lora``, ``--lora-base`` and ``--init-from`` against each other and the rest (``check_flags``)."""
-    if not cfg.lora:
-        for name in ("lora_base", "init_from", "save_peft"):
+    if cfg.init_from and set_ & {"model", "preset"}:
+        raise ValueError("--init-from gives the model (its config); drop --model / --preset.")
+    if not cfg.lora:  # (--init-from alone: a full fine-tune of its weights)
+        for name in ("lora_base", "save_peft"):
             if name in set_:
                 what = "writes the adapters" if name == "save_peft" else "sets up the frozen base"
                 raise ValueError(f"--{name.replace('_', '-')} {what} of --lora; add --lora (e.g. "
                                  "--lora r=8,alpha=16,targets=attn), or drop it.")
         return
+    if cfg.save_hf:
+        raise ValueError("--save-hf writes a whole model; under --lora, --save-peft writes the trained adapters.")
     config = LoraConfig.parse(cfg.lora)  # a ValueError naming --lora and the fix
-    if cfg.init_from and set_ & {"model", "preset"}:
-        raise ValueError("--init-from gives the model (its config); drop --model / --preset.")
     if cfg.lora_base not in (None, "int8", cfg.precision):
         raise ValueError(f"--lora-base {cfg.lora_base}: the frozen base computes beside the adapters in --precision's "
                          f"dtype ({cfg.precision}); use --precision {cfg.lora_base} (the adapters keep fp32 master "

@@ -1,4 +1,4 @@
-"""Byte-level text data for the training job: nothing is downloaded.
+"""Text data for the training job, as bytes or a Hugging Face tokenizer's ids: nothing is downloaded.
 
 The default corpus is the source text of the running Python's standard library, read in sorted
 path order so every machine with the same Python builds the same bytes.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -40,16 +40,53 @@ def stdlib_corpus(max_bytes: int = 8 << 20) -> torch.Tensor:
     return _to_tensor(b"".join(chunks))
 
 
+def documents(path: str) -> list[bytes]:
+    """``--data``'s documents: a text file (one), or a directory's ``*.txt`` files in sorted path order."""
+    if os.path.isdir(path):
+        names = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+        if not names:
+            raise ValueError(f"--data {path!r}: a directory without *.txt files; put the documents there as text files.")
+    elif os.path.isfile(path):
+        names = [path]
+    else:
+        raise ValueError(f"--data {path!r}: no such file or directory; pass a UTF-8 text file or a directory of *.txt.")
+    docs = []
+    for name in names:
+        with open(name, "rb") as f:
+            docs.append(f.read())
+    if not any(docs):
+        raise ValueError(f"--data {path!r}: the text is empty; pass text to train on (or leave --data out to train "
+                         "on Python's own sources).")
+    return docs
+
+
 def text_file(path: str) -> torch.Tensor:
-    """The bytes of a text file, as a uint8 tensor."""
-    if not os.path.isfile(path):
-        raise ValueError(f"--data {path!r}: no such file; pass a path to a UTF-8 text file.")
-    with open(path, "rb") as f:
-        data = f.read()
-    if not data:
-        raise ValueError(f"--data {path!r}: the file is empty; pass a text file to train on (or leave "
-                         "--data out to train on Python's own sources).")
-    return _to_tensor(data)
+    """The bytes of a text file (a directory's documents, a blank line between), as a uint8 tensor."""
+    return _to_tensor(b"\n\n".join(documents(path)))
+
+
+def load_tokenizer(directory: str) -> Any:
+    """The Hugging Face tokenizer in ``directory`` (local files only: nothing is downloaded)."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError("--tokenizer needs transformers: pip install 'cfx[hf]'.") from e
+    try:
+        return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer {directory!r}: no Hugging Face tokenizer there ({type(e).__name__}); give the "
+                         "directory tokenizer.save_pretrained wrote (a model directory often holds one).") from e
+
+
+def tokenized(path: str | None, tokenizer: Any) -> torch.Tensor:
+    """``--data`` (or the stdlib's sources) as ``tokenizer``'s ids, int64: each document's ids followed by the
+    tokenizer's end-of-text token, so windows that cross a document boundary see where one ends."""
+    docs = documents(path) if path else [bytes(stdlib_corpus(2 << 20).numpy())]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for doc in docs:
+        ids += list(tokenizer.encode(doc.decode("utf-8", errors="replace"))) + eos
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def _to_tensor(data: bytes) -> torch.Tensor:

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from cfx._src.checkpoint import background
 from cfx._src.core import random as jr
 from cfx._src.lora.model import LoraModel
+from cfx._src.models.hf_dir import save_pretrained
 from cfx._src.core import tree as tree_util
 from cfx._src.core.text import format_table, printable
 from cfx._src.plan.lora_base import place_base
@@ -54,6 +55,7 @@ class Run:
     n_params: int
     is_main: bool               # under torchrun only rank 0 reports and saves
     model: Any = None           # the model it trains (under --lora: the adapters over the frozen base)
+    tokenizer: Any = None       # --tokenizer's (the data is its ids), or None (bytes)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, step: int) -> float:
         solved = self.program.remat_plan
@@ -98,9 +100,20 @@ def _checked(cfg: TrainConfig) -> tuple[TrainConfig, Plan]:
 def _start(cfg: TrainConfig, plan: Plan, stack: contextlib.ExitStack) -> Run:
     """The data, the model, the plan's program (on its mesh, entered on ``stack``) and its state,
     resumed from ``--resume``."""
-    corpus = data_lib.text_file(cfg.data) if cfg.data else data_lib.stdlib_corpus()
+    tokenizer = data_lib.load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    if tokenizer is not None:
+        corpus = data_lib.tokenized(cfg.data, tokenizer)
+    else:
+        corpus = data_lib.text_file(cfg.data) if cfg.data else data_lib.stdlib_corpus()
     train_data, val_data = data_lib.train_val_split(corpus)
-    model = saving.trained_model(cfg)  # under --lora: the adapters over the frozen base
+    pretrained = None
+    if cfg.init_from and not cfg.lora:  # a full fine-tune: its model, starting from its weights
+        model, pretrained = saving.base_params(cfg)
+    else:
+        model = saving.trained_model(cfg)  # under --lora: the adapters over the frozen base
+    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"--tokenizer {cfg.tokenizer!r}: {len(tokenizer)} tokens do not fit the model's vocabulary of "
+                         f"{model.config.vocab_size}; give the model's own tokenizer.")
     k_init, k_data, k_val, k_drop = data_lib.run_keys(cfg.seed)
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]
@@ -117,10 +130,12 @@ def _start(cfg: TrainConfig, plan: Plan, stack: contextlib.ExitStack) -> Run:
             nvme_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="cfx-nvme-"))
         model = place_base(model, plan, mesh, nvme_dir=nvme_dir)
     program = program_of(dataclasses.replace(cfg, nvme_dir=nvme_dir), plan, model, mesh)
-    state = program.init(k_init)  # on a mesh ShardedArrays: each process builds only its blocks
+    # on a mesh ShardedArrays: each process builds (or keeps, of --init-from's) only its blocks
+    state = program.init(k_init) if pretrained is None else program.init_from(pretrained)
     state, start = saving.resume(cfg, program, state, model, shapes)  # from any program's checkpoint
     return Run(cfg, program, state, start, train_data, val_batches, k_data, k_drop,
-               n_params=tree_util.size(shapes), is_main=mesh is None or 0 in mesh.local_ranks, model=model)
+               n_params=tree_util.size(shapes), is_main=mesh is None or 0 in mesh.local_ranks, model=model,
+               tokenizer=tokenizer)
 
 
 def program_of(cfg: TrainConfig, plan: Plan, model, mesh) -> Any:
@@ -241,14 +256,19 @@ def _finish(run: Run, tally: Tally) -> dict[str, Any]:
         "saved": cfg.save or None, "peft": cfg.save_peft or None,
     }
     saving.write_peft(cfg, run.model, summary["params"], is_main=run.is_main)  # --save-peft: the adapters, gathered
-    if cfg.sample_bytes > 0:  # on a mesh every process joins the sharded sample; rank 0 prints it
+    if cfg.save_hf and run.is_main:  # the whole model, gathered, as transformers reads it (and its tokenizer)
+        save_pretrained(cfg.save_hf, run.model, summary["params"])
+        if run.tokenizer is not None:
+            run.tokenizer.save_pretrained(cfg.save_hf)
+        summary["saved_hf"] = cfg.save_hf
+    if cfg.sample_bytes > 0 and run.tokenizer is None:  # (bytes; on a mesh every process joins the sharded sample)
         text = run.program.sample(run.state, b"def ", steps=cfg.sample_bytes, key=jr.fold_in(run.k_drop, -1),
                                   context=cfg.seq)
         summary["sample"] = text.decode("utf-8", errors="replace")
     if not run.is_main:
         return summary
     print_summary(summary)
-    if cfg.sample_bytes > 0:
+    if "sample" in summary:
         print(f"\nsample ({cfg.sample_bytes} bytes after 'def ', temperature 0.8):\n{printable(summary['sample'])}",
               flush=True)
     if cfg.json:
@@ -274,9 +294,11 @@ def launched_config(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -
         cfg = dataclasses.replace(cfg, mesh=f"data={world}")
         notes.append(f"note: {world} processes and no --mesh: training data parallel, --mesh data={world}.")
     busy = _busy_cores(environ)
-    if cfg.threads == 0 and busy is not None:
-        notes.append(f"note: the machine is busy (load {busy[0]:.1f} on {busy[1]} cores): {torch.get_num_threads()} intra-op "
-                     "threads will wait on each other; --threads 1 ran the demo ~5x faster on a loaded 2-core machine.")
+    if cfg.threads == 0 and busy is not None:  # what the diagnosis recommends, applied (--threads N overrides)
+        notes.append(f"note: the machine is busy (load {busy[0]:.1f} on {busy[1]} cores): training with 1 intra-op "
+                     f"thread, not {torch.get_num_threads()}, which would wait on each other (1 ran the demo ~5x faster "
+                     "on a loaded 2-core machine); --threads N chooses.")
+        cfg = dataclasses.replace(cfg, threads=1)
     if cfg.precision == "fp16":
         notes.append("note: --precision fp16 on the CPU has no fast fp16 matmuls here (about 11x slower than fp32 "
                      "in our measurement); --precision bf16 halves activation memory at fp32's speed.")
@@ -329,6 +351,10 @@ def print_summary(s: dict[str, Any]) -> None:
     if s.get("saved"):
         rows.append(("saved", f"{s['saved']} (continue with --resume {s['saved']}; saves held the loop "
                               f"{s['save_blocked_s']:.2f} s)"))
+    if s.get("saved_hf"):
+        rows.append(("Hugging Face directory", f"{s['saved_hf']} (transformers' from_pretrained loads it)"))
     if s.get("peft"):
         rows.append(("peft adapter", f"{s['peft']} (peft.PeftModel.from_pretrained(base model, {s['peft']!r}))"))
     print(format_table(rows, ["summary", "value"]), flush=True)
+    if s.get("saved_hf") or s.get("saved"):  # the next step: talk to it
+        print(f"next: python -m cfx.generate --checkpoint {s.get('saved_hf') or s['saved']} --prompt 'def '", flush=True)

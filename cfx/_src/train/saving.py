@@ -194,9 +194,15 @@ def base_params(cfg: TrainConfig) -> tuple[Any, Any]:
     else:
         raise ValueError(f"--init-from {path!r}: neither a Hugging Face model directory (with config.json) nor a "
                          "python -m cfx.train checkpoint (a file, or a directory with index.json).")
-    if getattr(model.config, "vocab_size", 0) < VOCAB_SIZE:
-        raise ValueError(f"--init-from {path!r}: a vocabulary of {model.config.vocab_size} cannot read the job's "
-                         f"{VOCAB_SIZE} byte ids; fine-tune a model of {VOCAB_SIZE} tokens or more.")
+    vocab = getattr(model.config, "vocab_size", 0)
+    if not cfg.tokenizer and vocab < VOCAB_SIZE:
+        raise ValueError(f"--init-from {path!r}: a vocabulary of {vocab} cannot read the job's {VOCAB_SIZE} byte ids; "
+                         f"fine-tune a model of {VOCAB_SIZE} tokens or more, or read --data with its --tokenizer.")
+    if not cfg.tokenizer and os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")) \
+            and vocab > VOCAB_SIZE:
+        raise ValueError(f"--init-from {path!r}: a pretrained vocabulary of {vocab} tokens, but --data is read as "
+                         f"bytes (ids 0-255, another language to it): add --tokenizer DIR (the model's own, e.g. "
+                         f"--tokenizer {path}).")
     return check_context(cfg, model, f"--init-from {path!r}"), params
 
 

@@ -51,9 +51,10 @@ from cfx._src.mesh import context as ctx_lib
 
 @dataclasses.dataclass(frozen=True)
 class JitStats:
-    """``compiles``: graphs dynamo holds; ``recompiles``: those beyond one per signature (0 when
-    the guards hold); ``signatures``: distinct call signatures seen; ``compile_seconds``: the first
-    calls' time (tracing, compiling and one run), summed."""
+    """``compiles``: graphs dynamo holds, every one a compile (a new batch size is a new signature: one
+    more compile, said on stderr with the shape that changed); ``recompiles``: graphs beyond one per
+    signature (0 when the guards hold); ``signatures``: distinct call signatures seen;
+    ``compile_seconds``: the first calls' time (tracing, compiling and one run), summed."""
 
     signatures: int
     compiles: int
@@ -120,7 +121,8 @@ class Jitted:
         t0 = time.perf_counter()
         if first:
             context.reads_reset()  # what the trace reads of this rank (see jit_ranks.Recorder)
-            self._say(f"compiling a new signature (graph {len(self._entries)}); the first call takes a while")
+            self._say(f"compiling a new signature (graph {len(self._entries)}){self._why_again(call)}; the first "
+                      "call takes a while")
         try:
             with tracing.around_call(self.name):
                 out = entry.run(*call.dynamic, **call.kwargs)
@@ -131,6 +133,23 @@ class Jitted:
             self._say(f"compiled in {entry.compile_seconds:.1f} s")
         entry.calls += 1
         return self._finish(call, out, entry)
+
+    def _why_again(self, call: signature.Call) -> str:
+        """What this signature changes from the last one compiled (a new batch size, say): each new shape,
+        dtype or structure compiles once more, counted in ``stats().signatures``."""
+        now = [(call.where(i), tuple(t.shape), t.dtype) for i, t in enumerate(call.tensors)]
+        last, self._last_compiled = getattr(self, "_last_compiled", None), now
+        if last is None:
+            return ""
+        if len(last) != len(now) or [w for w, _, _ in last] != [w for w, _, _ in now]:
+            return ": the arguments' structure or static values changed"
+        for (where, shape, dtype), (_, old_shape, old_dtype) in zip(now, last):
+            if shape != old_shape:
+                return (f": {where} has shape {shape}, was {old_shape} (each new shape compiles once; keep batches "
+                        "to a few sizes)")
+            if dtype != old_dtype:
+                return f": {where} is {dtype}, was {old_dtype}"
+        return ": a static argument's value changed"
 
     def _say(self, what: str) -> None:
         """A line on stderr while compiling (``verbose=False`` silences it), from one rank of a mesh."""
