@@ -52,8 +52,9 @@ def test_documents_are_packed_with_the_end_of_text_token_between(hf_dir, docs):
 def test_a_full_fine_tune_saves_what_transformers_loads(hf_dir, docs, tmp_path, capsys):
     out = tmp_path / "out"
     cfg = TrainConfig(data=docs, tokenizer=hf_dir, init_from=hf_dir, save_hf=str(out), steps=4, batch=4, seq=16,
-                      lr=3e-3, warmup=0, eval_every=0, eval_batches=2, progress=False)
+                      lr=3e-3, warmup=0, eval_every=2, eval_batches=2, progress=False, plot=str(tmp_path / "loss.png"))
     summary = train(cfg)
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # --plot: the loss curves
     assert summary["eval_loss_last"] < summary["eval_loss_first"]  # it trained from the pretrained weights
     model, start = cfx.models.from_pretrained(hf_dir)
     tokens = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(1)) + 2

@@ -61,6 +61,7 @@ class TrainConfig:
     save_peft: str | None = None   # write the trained adapters here at the end as a peft adapter directory
     tokenizer: str | None = None   # a Hugging Face tokenizer directory: --data read as its tokens, not bytes
     save_hf: str | None = None     # write the trained model here at the end as a Hugging Face model directory
+    plot: str | None = None        # draw the train and eval loss curves into this PNG at the end
 
 
 def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:

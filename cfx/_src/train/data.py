@@ -55,8 +55,9 @@ def documents(path: str) -> list[bytes]:
         with open(name, "rb") as f:
             docs.append(f.read())
     if not any(docs):
-        raise ValueError(f"--data {path!r}: the text is empty; pass text to train on (or leave --data out to train "
-                         "on Python's own sources).")
+        what = "the file is empty" if len(names) == 1 and names[0] == path else "its text files are empty"
+        raise ValueError(f"--data {path!r}: {what}; pass text to train on (or leave --data out to train on Python's "
+                         "own sources).")
     return docs
 
 

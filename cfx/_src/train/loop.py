@@ -268,6 +268,8 @@ def _finish(run: Run, tally: Tally) -> dict[str, Any]:
     if not run.is_main:
         return summary
     print_summary(summary)
+    if cfg.plot:
+        plot_losses(history, cfg.plot, title=f"{summary['model']}: {summary['strategy']}")
     if "sample" in summary:
         print(f"\nsample ({cfg.sample_bytes} bytes after 'def ', temperature 0.8):\n{printable(summary['sample'])}",
               flush=True)
@@ -336,6 +338,27 @@ def strategy(cfg: TrainConfig) -> str:
         parts.append(f"schedule {cfg.schedule}, {cfg.microbatches} microbatches"
                      + (f", {cfg.chunks} chunks" if cfg.schedule == "interleaved" else ""))
     return "; ".join(parts)
+
+
+def plot_losses(history: dict, path: str, *, title: str) -> None:
+    """The train loss of every step and each evaluation, against the step, as a PNG (``--plot``)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("--plot needs matplotlib: pip install 'cfx[plots]'.") from e
+    matplotlib.use("Agg")  # files only: no display is needed or opened
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, style in (("train", "-"), ("eval", "o-")):
+        if history[name]:
+            steps, losses = zip(*history[name])
+            ax.plot(steps, losses, style, label=name, markersize=3)
+    ax.set(xlabel="step", ylabel="loss (nats per token)", title=title[:90])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"loss curves: {path}", flush=True)
 
 
 def print_summary(s: dict[str, Any]) -> None:

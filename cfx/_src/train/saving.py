@@ -57,9 +57,13 @@ def sharded_save(cfg: TrainConfig) -> bool:
 
 
 def check_save(cfg: TrainConfig) -> None:
-    """ValueError now, not after the last step, if ``--save`` cannot be written."""
+    """ValueError now, not after the last step, if ``--save``, ``--save-hf`` or ``--plot`` cannot be written."""
     if cfg.save:
         check_writable(os.path.join(cfg.save, "index.json") if sharded_save(cfg) else cfg.save, what="--save")
+    if cfg.save_hf:
+        check_writable(os.path.join(cfg.save_hf, "config.json"), what="--save-hf")
+    if cfg.plot:
+        check_writable(cfg.plot, what="--plot")
 
 
 def check_peft_out(cfg: TrainConfig, model: Any) -> None:

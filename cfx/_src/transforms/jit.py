@@ -135,21 +135,10 @@ class Jitted:
         return self._finish(call, out, entry)
 
     def _why_again(self, call: signature.Call) -> str:
-        """What this signature changes from the last one compiled (a new batch size, say): each new shape,
-        dtype or structure compiles once more, counted in ``stats().signatures``."""
+        """What this signature changes from the last one compiled (``signature.what_changed``)."""
         now = [(call.where(i), tuple(t.shape), t.dtype) for i, t in enumerate(call.tensors)]
         last, self._last_compiled = getattr(self, "_last_compiled", None), now
-        if last is None:
-            return ""
-        if len(last) != len(now) or [w for w, _, _ in last] != [w for w, _, _ in now]:
-            return ": the arguments' structure or static values changed"
-        for (where, shape, dtype), (_, old_shape, old_dtype) in zip(now, last):
-            if shape != old_shape:
-                return (f": {where} has shape {shape}, was {old_shape} (each new shape compiles once; keep batches "
-                        "to a few sizes)")
-            if dtype != old_dtype:
-                return f": {where} is {dtype}, was {old_dtype}"
-        return ": a static argument's value changed"
+        return "" if last is None else ": " + signature.what_changed(last, now)
 
     def _say(self, what: str) -> None:
         """A line on stderr while compiling (``verbose=False`` silences it), from one rank of a mesh."""

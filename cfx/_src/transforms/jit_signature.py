@@ -217,3 +217,16 @@ def _check_donated_buffers(name: str, tensors: list, donated: list[int], where) 
                              "a buffer can be given up only once, and not while another argument reads it. "
                              "Pass a copy (.clone()) of one of them.")
     return keys
+
+
+def what_changed(last: list[tuple], now: list[tuple]) -> str:
+    """Why a call keys a new signature after ``last``'s (each a list of ``(where, shape, dtype)`` per
+    tensor leaf): a new batch size, say; each new shape, dtype or structure compiles once more."""
+    if [w for w, _, _ in last] != [w for w, _, _ in now]:
+        return "the arguments' structure or static values changed"
+    for (where, shape, dtype), (_, old_shape, old_dtype) in zip(now, last):
+        if shape != old_shape:
+            return f"{where} has shape {shape}, was {old_shape} (each new shape compiles once; keep batches to a few sizes)"
+        if dtype != old_dtype:
+            return f"{where} is {dtype}, was {old_dtype}"
+    return "a static argument's value changed"
