@@ -49,13 +49,20 @@ def _verdict(r: Row) -> str:
     return "yes" if r.ok else "skip" if r.unit.startswith("skipped") else "NO"
 
 
+def write_json(bench: str, rows: Sequence[Row], json_path: str) -> dict:
+    """The rows as the benches' JSON (``{"bench", "rows"}``), written to ``json_path``; returned."""
+    out = {"bench": bench, "rows": [_row_json(r) for r in rows]}
+    with open(json_path, "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
 def report(bench: str, rows: Sequence[Row], json_path: str | None = None) -> dict:
     out = {"bench": bench, "rows": [_row_json(r) for r in rows]}
     print(format_table([(r.metric, r.value, r.unit, r.target or "-", _verdict(r)) for r in rows],
                        ["metric", "value", "unit", "target", "ok"]), flush=True)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(bench, rows, json_path)
     return out
 
 

@@ -18,7 +18,6 @@ CPU at toy sizes (the measuring code, not figures), so the command is dry-run wh
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from typing import Callable
 import torch
 
 from cfx.bench import gpu, gpu_generate, kernels_attention, kernels_linear_xent, kernels_misc, lora, serve, zero
-from cfx.bench.common import Row, report, skipped
+from cfx.bench.common import Row, report, skipped, write_json
 
 DEADLINE_S = 460.0  # every section's, the tests' included: a device call of 9 minutes with the machine's start
 TESTS_S = 100.0  # at most, for the gpu-marked tests
@@ -89,9 +88,7 @@ def run_all(*, smoke: bool = False, json_path: str | None = None, deadline_s: fl
 
     def save():
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump({"bench": "gpu_all", "rows": [dict(r.__dict__, value=float(r.value), ok=bool(r.ok))
-                                                        for r in rows]}, f, indent=1)
+            write_json("gpu_all", rows, json_path)
 
     only = [n.strip() for n in os.environ.get("CFX_GPU_ONLY", "").split(",") if n.strip()]
     chosen = [s for s in sections(cuda) if not only or s[0] in only]

@@ -102,7 +102,7 @@ def _zero3_step(model):
     return ztx, step
 
 
-def _peer_worker(rank: int, n: int, init_file: str, out_file: str, cfg: dict, rounds: int, batch: int) -> None:
+def _peer_worker(rank: int, init_file: str, out_file: str, n: int, cfg: dict, rounds: int, batch: int) -> None:
     """cfx ZeRO-3 (a ``dist`` mesh) and FSDP2 ``fully_shard`` on the same GPT-2 in the same gloo
     processes, steps alternating round by round (``lockstep_medians``); rank 0 writes each side's
     median step seconds and the first step's losses."""
@@ -165,23 +165,29 @@ def _race(rank: int, n: int, cfg: dict, rounds: int, batch: int) -> tuple[torch.
     return times, losses
 
 
-def peer_step_times(cfg: dict, n: int, rounds: int, batch: int) -> tuple[dict | None, str]:
-    """``_peer_worker``'s results in n spawned gloo processes, or ``(None, why it could not run)``."""
-    fd, init_file = tempfile.mkstemp(prefix="cfx-bench-fsdp-")
+def spawned(worker, nprocs: int, *args) -> dict:
+    """``worker(rank, init_file, out_file, *args)`` in ``nprocs`` spawned processes (a world rendezvousing on
+    ``init_file``); the JSON rank 0 wrote to ``out_file``. Both files are removed however it ends."""
+    fd, init_file = tempfile.mkstemp(prefix="cfx-bench-")
     os.close(fd)
     os.remove(init_file)
     out_file = init_file + ".out"
     try:
-        mp.start_processes(_peer_worker, args=(n, init_file, out_file, cfg, rounds, batch), nprocs=n,
-                           start_method="spawn", join=True)
+        mp.start_processes(worker, args=(init_file, out_file, *args), nprocs=nprocs, start_method="spawn", join=True)
         with open(out_file) as f:
-            return json.load(f), ""
-    except Exception as e:  # noqa: BLE001 - reported in the row, not faked
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+            return json.load(f)
     finally:
         for p in (init_file, out_file):
             if os.path.exists(p):
                 os.remove(p)
+
+
+def peer_step_times(cfg: dict, n: int, rounds: int, batch: int) -> tuple[dict | None, str]:
+    """``_peer_worker``'s results in n spawned gloo processes, or ``(None, why it could not run)``."""
+    try:
+        return spawned(_peer_worker, n, n, cfg, rounds, batch), ""
+    except Exception as e:  # noqa: BLE001 - reported in the row, not faked
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
 
 
 def peer_rows(cfg: dict, ns: tuple, rounds: int, batch: int) -> list[Row]:
@@ -281,18 +287,7 @@ def nccl_rows(*, smoke: bool = False) -> list[Row]:
     the largest parameter difference after 3 steps, relative to the largest parameter (a world of one
     GPU: NCCL's code path, not multi-GPU traffic). Without CUDA the gloo run alone (the path)."""
     cfg = SIZES["smoke" if smoke else "quick"][0]
-    fd, init_file = tempfile.mkstemp(prefix="cfx-bench-nccl-")
-    os.close(fd)
-    os.remove(init_file)
-    out_file = init_file + ".out"
-    try:
-        mp.start_processes(_backend_worker, args=(init_file, out_file, cfg), nprocs=1, start_method="spawn", join=True)
-        with open(out_file) as f:
-            got = json.load(f)
-    finally:
-        for p in (init_file, out_file):
-            if os.path.exists(p):
-                os.remove(p)
+    got = spawned(_backend_worker, 1, cfg)
     cpu = got["cpu"]
     rows = [Row(f"  ZeRO-3 3 steps fp64 on gloo (world {got['backend']}): losses {cpu['losses']}",
                 cpu["collectives"], "collectives")]

@@ -115,23 +115,6 @@ def batch_varying(local: Any, plan) -> Any:
                          if isinstance(x, torch.Tensor) else x, local)
 
 
-def check_reduced(plan, grads: Any, params: Any, model: Any) -> None:
-    """In a tracking body: each gradient varies over no axis its param does not, but the batch axes that
-    the strategies and ZeRO reduce over themselves (else the update would differ per rank where the
-    param is one value); a ValueError naming the leaf."""
-    if not vma.is_tracking() or isinstance(params, ZeroParams):
-        return
-    for (path, g), p in zip(tree_util.flatten_with_path(grads)[0], tree_util.leaves(params)):
-        extra = (sorted(vma.varying_axes(g) - vma.varying_axes(p) - set(plan.batch_axes))
-                 if isinstance(g, torch.Tensor) else [])
-        if extra:
-            name = getattr(model, "name", type(model).__name__)
-            raise ValueError(f"Plan over {name!r}: the gradient of {path!r} differs over {extra} where the param is one "
-                             f"value there (its spec leaves {extra} out): a value that differs per rank from Python "
-                             "(axis_index, a per-rank key) reaches it; say so with cfx.lax.pvary, or split the param "
-                             "over that axis in specs=.")
-
-
 def typed_as_stored(state: Any, specs: Any, mesh) -> Any:
     """A tracking body's new state, each tensor typed as varying over the axes its stored spec names: the
     optimizers' flat buffers (fused AdamW, ZeRO's reduce-scatter) mix every leaf's type, while the update

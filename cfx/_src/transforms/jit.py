@@ -104,6 +104,7 @@ class Jitted:
         self._entries = jit_ranks.Entries()  # one per signature, shared by rank threads where they can
         self._last: list = []  # the last eager call's argument structures (``signature.split``)
         self._outs = tree_recurring.Recurring()  # the outputs' structure, the same every step
+        self._last_compiled: list | None = None  # the last compiled call's (where, shape, dtype) per tensor
         functools.update_wrapper(self, fn)
 
     # -- calling ---------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ class Jitted:
     def _why_again(self, call: signature.Call) -> str:
         """What this signature changes from the last one compiled (``signature.what_changed``)."""
         now = [(call.where(i), tuple(t.shape), t.dtype) for i, t in enumerate(call.tensors)]
-        last, self._last_compiled = getattr(self, "_last_compiled", None), now
+        last, self._last_compiled = self._last_compiled, now
         return "" if last is None else ": " + signature.what_changed(last, now)
 
     def _say(self, what: str) -> None:
