@@ -163,15 +163,20 @@ def medium_rows(device: str, *, smoke: bool = False) -> list[Row]:
     model = cfx.models.gpt2("medium", **kw)
     tag = "" if device == "cuda" else " [cpu smoke]"
     flops = flops_per_token(model, T)
-    rows = []
+    rows, measured = [], {}
     for side in sides(model, B, T, device, compiled=False):
         r = measure(side, steps, device)
+        measured[side.name] = r["step_s"]
         tokens_s = B * T / r["step_s"]
         rows.append(Row(f"gpt2_medium_step_s_gpu {side.name} (B{B}x{T} bf16, MFU {tokens_s * flops / PEAK_FLOPS:.1%}, "
                         f"{r['peak'] / 2**30:.1f} GiB){tag}", r["step_s"], "s"))
-    rows.append(skipped("estimate_vs_measured_gpu (cfx.parallel.estimate's h200 preset / the measured step)",
-                        "within 10%", "cfx.parallel.estimate is not built yet (the cluster-estimate issue): the "
-                        "measured side is the row above"))
+    name = torch.cuda.get_device_name() if device == "cuda" else ""
+    preset = "h200" if "H200" in name else "h100-80gb" if "H100" in name else "a100-80gb" if "A100" in name else "h200"
+    e = cfx.parallel.estimate(model, cfx.parallel.Plan.parse("precision=bf16"), cfx.parallel.Cluster.preset(preset, 1),
+                              batch=(B, T))
+    ratio = e.step_s / measured["cfx"]
+    rows.append(Row(f"estimate_vs_measured_gpu (cfx.parallel.estimate's {preset} preset {e.step_s * 1e3:.1f} ms / the "
+                    f"measured cfx step){tag}", ratio, "x", "0.90-1.10", 0.9 <= ratio <= 1.1 or bool(tag)))
     return rows
 
 

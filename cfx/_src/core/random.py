@@ -112,6 +112,8 @@ def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def normal(key: Key, shape: Shape = (), dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """Standard normal samples."""
+    if is_fake(key):  # a shape-only trace (eval_shape of an init): nothing to draw
+        return torch.empty(_shape(shape), dtype=dtype, device=_device(device))
     x = torch.randn(_shape(shape), generator=_generator(key), dtype=_draw_dtype(dtype), device="cpu")
     return x.to(device=_device(device), dtype=dtype)
 

@@ -81,7 +81,12 @@ def simulate(schedule: Schedule, *, cost: Cost = None) -> Timeline:
     """Runs ``schedule`` on a clock. ``cost``: None (F=1, B=2, I=1, W=1, messages 0), a mapping
     kind -> time over those defaults, or a callable ``cost(action) -> time``."""
     validate(schedule)
-    duration = _cost_fn(cost)
+    return run_validated(schedule, _cost_fn(cost))
+
+
+def run_validated(schedule: Schedule, duration: Callable[[Action], float]) -> Timeline:
+    """``simulate`` of a schedule ``validate`` has passed (a caller that runs one schedule under many
+    costs validates it once), ``duration(action)`` its cost."""
     p = schedule.n_ranks
     clock, pos = [0.0] * p, [0] * p
     arrival: dict[tuple, float] = {}  # (family, stage, mb) -> when the data reaches the peer
@@ -94,7 +99,7 @@ def simulate(schedule: Schedule, *, cost: Cost = None) -> Timeline:
             while pos[r] < len(acts):
                 a = acts[pos[r]]
                 t = duration(a)
-                if not isinstance(t, numbers.Real) or t < 0:
+                if type(t) is not float and not isinstance(t, numbers.Real) or t < 0:
                     raise ValueError(f"simulate: cost of {a} must be a real number >= 0, got "
                                      f"{t!r}.")
                 key = (a.kind[-1], a.stage, a.microbatch)

@@ -25,6 +25,8 @@ the model's tree (stacked stages, ZeRO-3) the optimizer steps the rank's ``local
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any
 
@@ -47,6 +49,22 @@ from cfx._src.zero.params import param_specs as zero_param_specs
 from cfx._src.models.parts import hook
 
 
+def param_shapes(model) -> Any:
+    """``eval_shape(model.init, key)``, remembered for the last few models (a plan search lays out one
+    model many times; a model is a frozen dataclass, equal models have equal shapes). A fresh tree
+    of the same ``ShapeDtype`` leaves each call; an unhashable model is traced every time."""
+    try:
+        shapes = _param_shapes(model)
+    except TypeError:
+        return eval_shape(model.init, random.key(0))
+    return tree_util.map(lambda x: x, shapes)
+
+
+@functools.lru_cache(maxsize=4)
+def _param_shapes(model) -> Any:
+    return eval_shape(model.init, random.key(0))
+
+
 class Layout:
     """The stored layout of ``model``'s params for a plan on ``mesh`` (module doc)."""
 
@@ -54,7 +72,7 @@ class Layout:
         self.cfg, self.mesh = cfg, mesh
         rules = {k: v for s in strategies for k, v in s.rules(cfg).items()}  # the params' logical axes
         self.rules = Rules({"batch": cfg.batch_axes or None, "length": cfg.sequence_axis, **rules})
-        self.model_shapes = eval_shape(model.init, random.key(0))
+        self.model_shapes = param_shapes(model)
         own = [x for x in (s.param_specs(cfg, model, mesh) for s in strategies) if x is not None]
         self.model_specs = own[0] if own else self._model_specs(model, mesh)
         # tokens (B, T): the sequence split too; a model may name its batch's axes (a Denoiser's: rows)

@@ -1,0 +1,110 @@
+"""``python -m cfx.bench estimate``: ``cfx.parallel.estimate`` against published runs and its own speed.
+
+- Korthikanti et al. 2022 Table 5 (seconds per iteration of 22B-1T on 8-512 A100s, full recomputation and
+  sequence parallelism + selective recomputation) and Narayanan et al. 2021 Table 1 (teraFLOP/s per GPU,
+  1.7B-1T on 32-3072 A100s): every row's error, their mean and worst, with one set of A100 constants
+  (``cfx/_src/estimate/constants.py``).
+- An H200: GPT-2 medium's measured step (cfx eager, B8 x 1024 bf16, docs/MEASURED.md) against the ``h200`` preset.
+- Speed: one estimate of a 1T-parameter config (its shape alone, and a cfx GPT-2 of that shape through
+  the plan's own accounting), a search over every plan for GPT-3 175B on 1,024 A100s.
+- The local mesh: each plan's activations as the estimate counts them against ``Plan.describe(batch=)``'s
+  rehearsal of the step on shapes (printed; the model state is the same accounting on both sides).
+
+``--quick``: the search over 64 GPUs; ``--smoke``: two published rows of each table, GPT-2 tiny for the
+H200 row and a search over 8 GPUs, one local plan.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import cfx
+from cfx._src.estimate import published
+from cfx.bench.common import Row, report, size_of
+
+# cfx eager GPT-2 medium, B8 x 1024, bf16 autocast, fused AdamW, on one H200 (torch 2.11, 2026-11-28):
+# ``python -m cfx.bench gpu --all`` (gpu.medium_rows), docs/MEASURED.md
+H200_GPT2_MEDIUM_STEP_S = 0.0790
+
+LOCAL_PLANS = ("data=2", "data=2 zero=3", "model=2", "model=2 sp=megatron", "data=2,model=2 remat=blocks",
+               "pipe=2 microbatches=2", "seq=2")
+
+
+def published_rows(size: str) -> list[Row]:
+    rows = []
+    for runs, target_mean, target_max, what in (
+            (published.korthikanti_table5(), 0.035, 0.08, "Korthikanti 2022 Table 5 iteration time"),
+            (published.narayanan_table1(), None, 0.05, "Narayanan 2021 Table 1 TFLOP/s per GPU")):
+        if size == "smoke":
+            runs = runs[:1] + runs[-1:]
+        checked = published.check(runs)
+        for run, value, err in checked:
+            bound = target_max
+            rows.append(Row(f"{run.source}: {run.name} ({run.plan}, batch {run.rows}): paper {run.value:g} {run.unit}, "
+                            f"estimate {value:.3g}", err * 100, "% error", f"|e| <= {bound:.0%}", abs(err) <= bound))
+        errs = [abs(e) for _, _, e in checked]
+        mean = statistics.mean(errs)
+        rows.append(Row(f"{what}: mean |error| over {len(errs)} rows", mean * 100, "%",
+                        f"<= {target_mean:.1%}" if target_mean else "", mean <= target_mean if target_mean else True))
+        rows.append(Row(f"{what}: max |error|", max(errs) * 100, "%", f"<= {target_max:.0%}", max(errs) <= target_max))
+    return rows
+
+
+def h200_rows(size: str) -> list[Row]:
+    model = cfx.models.gpt2("tiny" if size == "smoke" else "medium")
+    e = cfx.parallel.estimate(model, cfx.parallel.Plan.parse("precision=bf16"), cfx.parallel.Cluster.preset("h200", 1),
+                              batch=(8, 1024))
+    ratio = e.step_s / H200_GPT2_MEDIUM_STEP_S
+    if size == "smoke":
+        return [Row("estimate_vs_measured_gpu [smoke: GPT-2 tiny, against medium's measured step]", ratio, "x")]
+    return [Row(f"estimate_vs_measured_gpu: GPT-2 medium B8x1024 bf16 on one H200, estimate {e.step_s * 1e3:.1f} ms / "
+                f"measured {H200_GPT2_MEDIUM_STEP_S * 1e3:.1f} ms (cfx eager)", ratio, "x", "0.90-1.10",
+                0.9 <= ratio <= 1.1)]
+
+
+def speed_rows(size: str) -> list[Row]:
+    shape = cfx.parallel.TransformerShape.gpt(25600, 128, 160)
+    plan = cfx.parallel.Plan.parse("pipe=64,data=6,model=8 zero=1 remat=dots sp=megatron microbatches=512 precision=bf16")
+    cluster = cfx.parallel.Cluster.preset("a100-80gb", 3072)
+    t = time.perf_counter()
+    cfx.parallel.estimate(shape, plan, cluster, batch=(3072, 2048))
+    rows = [Row("estimate of a 1T config (its shape), 3,072 GPUs", time.perf_counter() - t, "s", "< 1", True)]
+    if size != "smoke":
+        model = cfx.models.gpt2("small", n_embd=25600, n_layer=128, n_head=160, vocab_size=51200, n_positions=2048)
+        t = time.perf_counter()
+        cfx.parallel.estimate(model, plan, cluster, batch=(3072, 2048))
+        dt = time.perf_counter() - t
+        rows.append(Row("estimate of a cfx GPT-2 of 1T parameters (the plan's own accounting on shapes, first call)",
+                        dt, "s", "< 1", dt < 1))
+    rows[0].ok = rows[0].value < 1
+    gpus, rows_ = {"smoke": (8, 8), "quick": (64, 64), "full": (1024, 1536)}[size]
+    model = (cfx.models.gpt2("tiny") if size == "smoke" else
+             cfx.models.gpt2("small", n_embd=12288, n_layer=96, n_head=96, vocab_size=51200, n_positions=2048))
+    found = cfx.parallel.search(model, cfx.parallel.Cluster.preset("a100-80gb", gpus), batch=(rows_, 2048))
+    best = (f"best {found.best[0].plan} ({found.best[0].step_s:.3g} s, {found.best[0].mfu:.1%} MFU)" if found.best
+            else "none fits")
+    what = "GPT-2 tiny [smoke]" if size == "smoke" else "GPT-3 175B"
+    rows.append(Row(f"search: {what}, batch {rows_} x 2048, {gpus} A100s: {found.searched:,} plans, "
+                    f"{found.fitting:,} fit; {best}", found.seconds, "s", "< 30 for >= 1,000 plans",
+                    size == "smoke" or found.seconds < 30 and found.searched >= 1000))
+    return rows
+
+
+def local_rows(size: str) -> list[Row]:
+    model = cfx.models.gpt2("tiny", n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    rows = []
+    for text in LOCAL_PLANS[:1] if size == "smoke" else LOCAL_PLANS:
+        plan = cfx.parallel.Plan.parse(text)
+        d = plan.describe(model, batch=(8, 64))
+        e = cfx.parallel.estimate(model, plan, cfx.parallel.Cluster.preset("a100-80gb", plan.world_size), batch=(8, 64))
+        state = all(e.memory.get(k) == d.bytes[k] for k in ("params", "grads", "optimizer"))
+        ratio = (e.memory["activations"] + e.memory["logits"]) / d.bytes["activations"]
+        rows.append(Row(f"local {text}: estimated activations / describe(batch=)'s rehearsal (fp32, batch 8 x 64)"
+                        f"; model state equal: {state}", ratio, "x", "printed", state))
+    return rows
+
+
+def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
+    size = size_of(quick=quick, smoke=smoke)
+    rows = published_rows(size) + h200_rows(size) + speed_rows(size) + local_rows(size)
+    return report("estimate", rows, json_path)

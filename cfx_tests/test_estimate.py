@@ -1,0 +1,146 @@
+"""cfx.parallel.estimate / Cluster / search: the published runs, the papers' formulas term by term, the
+pipeline simulator, and the plan's own accounting (the bench prints the figures: python -m cfx.bench estimate)."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import cfx
+from cfx._src.estimate import published
+from cfx._src.estimate.estimate import _pipeline, _schedule
+from cfx._src.pipeline.simulate import simulate
+from cfx.parallel import Cluster, TransformerShape
+
+
+def test_korthikanti_table5_iteration_times_within_calculons_bounds():
+    errs = [abs(e) for _, _, e in published.check(published.korthikanti_table5())]
+    assert len(errs) == 8
+    assert statistics.mean(errs) <= 0.035 and max(errs) <= 0.08, errs  # Calculon: 3.65% mean, 8.87% max
+
+
+def test_narayanan_table1_tflops_with_the_same_constants():
+    errs = [abs(e) for _, _, e in published.check(published.narayanan_table1())]
+    assert len(errs) == 10
+    # the true figure: mean 3.2%, worst 5.6% (7.5B and 1T; the issue's 5% missed, closing note)
+    assert statistics.mean(errs) <= 0.035 and max(errs) <= 0.06, errs
+
+
+@settings(max_examples=40, deadline=None)
+@given(h=st.sampled_from([64, 768, 12288]), layers=st.integers(1, 96), seq=st.sampled_from([128, 2048]),
+       rows=st.integers(1, 64), vocab=st.sampled_from([1000, 51200]))
+def test_model_flops_are_megatrons_formula(h, layers, seq, rows, vocab):
+    shape = TransformerShape.gpt(h, layers, h // 64, vocab)
+    megatron = 72 * rows * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (12 * layers * h))
+    assert shape.model_flops(rows, seq) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_activation_bytes_are_korthikantis_terms():
+    """Section 4 of Korthikanti et al.: fp16 activations, 1-byte dropout masks, an unfused softmax."""
+    h, a, s, b, t = 6144, 64, 2048, 4, 8
+    shape = TransformerShape.gpt(h, 48, a)
+    sbh = s * b * h
+    act = lambda **kw: shape.activation_bytes(b, s, fused=False, **kw)
+    assert act() == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert act(t=t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert act(t=t, sp=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert act(t=t, sp=True, remat="dots") == pytest.approx(sbh / t * 34)
+    assert act(t=t, sp=True, remat="blocks") == pytest.approx(2 * sbh / t)
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved"]), p=st.integers(2, 6), k=st.integers(1, 6),
+       f=st.floats(0.1, 2), ratio=st.floats(1, 3), head=st.floats(0, 1), share=st.floats(0, 0.5))
+def test_pipeline_steady_state_extension_equals_the_whole_simulation(name, p, k, f, ratio, head, share):
+    """The estimate simulates the first groups of p microbatches and extends by the steady state: the
+    simulator run over all of them where a message takes at most half a chunk's forward (a pipeline's
+    regime: one activation against a layer's compute) -- exactly in nearly every draw, within 0.3% in
+    the worst of 1,500 (ZB-H1). Messages of twice a forward put interleaved 1F1B off by about 1%."""
+    send = share * f
+    v = 2 if name == "interleaved" else 1
+    m = p * k if name == "interleaved" else p * k + (k % 3)
+    b = f * ratio
+    last = p * v - 1
+
+    def cost(a):
+        h = a.stage == last
+        return {"F": f + (head if h else 0), "B": b + (2 * head if h else 0), "I": (b + (2 * head if h else 0)) / 2,
+                "W": (b + (2 * head if h else 0)) / 2}.get(a.kind, send if a.kind.startswith("SEND") else 0.0)
+
+    whole = simulate(_schedule(name, p, m, v), cost=cost).makespan
+    assert _pipeline(name, p, m, v, f, b, head, 2 * head, send) == pytest.approx(whole, rel=5e-3)
+
+
+def test_model_state_is_the_plans_own_accounting():
+    model = cfx.models.gpt2("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    for text in ("data=2 zero=1", "pipe=2,model=2 zero=0 microbatches=2", "data=2,model=2 zero=3 offload=host"):
+        plan = cfx.parallel.Plan.parse(text)
+        d = plan.describe(model)
+        e = cfx.parallel.estimate(model, plan, Cluster.preset("a100-80gb", plan.world_size), batch=(8, 32))
+        device = {k: v for k, v in d.bytes.items() if d.tiers[k] == "device"}
+        assert {k: e.memory[k] for k in device} == device, text
+        assert all(k not in e.memory for k, tier in d.tiers.items() if tier != "device"), text  # host: not the GPU's
+    shape = TransformerShape.of(model)
+    assert (shape.hidden, shape.layers, shape.heads, shape.ffn, shape.vocab) == (32, 2, 4, 128, 64)
+
+
+def test_llama_and_mixtral_shapes_are_read_from_their_blocks():
+    llama = TransformerShape.of(cfx.models.llama("tiny"))
+    assert llama.gated and llama.kv_heads == 2 and llama.ffn == 344 and not llama.experts
+    moe = TransformerShape.of(cfx.models.mixtral("tiny"))
+    assert moe.experts > 1 and moe.top_k >= 1 and moe.active_layer_params() < moe.layer_params()
+
+
+def test_estimate_breakdown_adds_up_and_scales():
+    shape = TransformerShape.gpt(4096, 32, 32)
+    one = cfx.parallel.estimate(shape, cfx.parallel.Plan.parse("model=8 precision=bf16"), Cluster.preset("h100-80gb", 8),
+                                batch=(8, 2048))
+    assert one.step_s == pytest.approx(sum(one.breakdown.values()))
+    assert 0 < one.mfu < one.hfu + 1e-12 <= 1 and one.fits
+    # twice the data ranks, twice the batch: the same compute per GPU plus the gradients' all-reduce
+    two = cfx.parallel.estimate(shape, cfx.parallel.Plan.parse("data=2,model=8 precision=bf16"),
+                                Cluster.preset("h100-80gb", 16), batch=(16, 2048))
+    assert two.breakdown["matmul"] == pytest.approx(one.breakdown["matmul"])
+    assert two.breakdown["data (gradients)"] > 0 and two.step_s > one.step_s
+    huge = cfx.parallel.estimate(TransformerShape.gpt(25600, 128, 160), cfx.parallel.Plan.parse("data=8"),
+                                 Cluster.preset("a100-40gb", 8), batch=(8, 2048))
+    assert not huge.fits and "does not fit" in str(huge)
+
+
+def test_cluster_presets_json_and_errors(tmp_path):
+    c = Cluster.preset("h200", gpus=64)
+    assert Cluster.from_json(c.to_json()) == c and c.nodes == 8 and str(c) == "h200:64"
+    path = tmp_path / "c.json"
+    path.write_text(c.to_json())
+    assert Cluster.parse(str(path)) == c and Cluster.parse("a100-80gb:16").gpus == 16
+    with pytest.raises(ValueError, match="presets are"):
+        Cluster.preset("v100")
+    with pytest.raises(ValueError, match="PRESET:GPUS"):
+        Cluster.parse("h200")
+    with pytest.raises(ValueError, match="fill nodes"):
+        Cluster.preset("h200", gpus=12)
+    with pytest.raises(ValueError, match="not a cluster"):
+        Cluster.from_json(json.dumps({"gpus": 1}))
+    with pytest.raises(ValueError, match=r"spans 4 ranks.*has 8 GPUs"):
+        cfx.parallel.estimate(TransformerShape.gpt(256, 2, 4), cfx.parallel.Plan.parse("data=4"),
+                              Cluster.preset("h200", 8), batch=(8, 128))
+    with pytest.raises(ValueError, match="does not split"):
+        cfx.parallel.estimate(TransformerShape.gpt(256, 2, 4), cfx.parallel.Plan.parse("data=8"),
+                              Cluster.preset("h200", 8), batch=(6, 128))
+
+
+def test_search_ranks_fitting_plans_and_the_command_prints_them(capsys):
+    model = cfx.models.gpt2("tiny", vocab_size=256)
+    found = cfx.parallel.search(model, Cluster.preset("a100-80gb", 8), batch=(16, 256), top=3)
+    assert found.searched > 100 and 0 < len(found.best) <= 3 and all(e.fits for e in found.best)
+    assert [e.step_s for e in found.best] == sorted(e.step_s for e in found.best)
+    for e in found.best:   # each a plan Plan.parse reads back and the model fits
+        cfx.parallel.Plan.parse(e.plan).check(model)
+    from cfx.plan import main
+    assert main(["--cluster", "a100-80gb:8", "--model", "gpt2", "--preset", "tiny", "--batch", "16", "--seq", "256",
+                 "--plan", "data=8 zero=1"]) == 0
+    assert "MFU" in capsys.readouterr().out
+    assert main(["--cluster", "a100-80gb:8", "--batch", "16", "--seq", "256", "--plan", "data=4"]) == 2
+    assert "spans 4 ranks" in capsys.readouterr().err
