@@ -10,6 +10,10 @@
 - The local mesh: each plan's activations as the estimate counts them against ``Plan.describe(batch=)``'s
   rehearsal of the step on shapes (printed; the model state is the same accounting on both sides).
 
+- Two hosts for real: two network namespaces joined by a veth pair shaped to 1 Gbit/s
+  (``twohost``); gloo's all-reduce / all-gather / reduce-scatter across them against the estimate's
+  collective model for that link.
+
 ``--quick``: the search over 64 GPUs; ``--smoke``: two published rows of each table, GPT-2 tiny for the
 H200 row and a search over 8 GPUs, one local plan.
 """
@@ -104,7 +108,38 @@ def local_rows(size: str) -> list[Row]:
     return rows
 
 
+# the two hosts' link as a cluster spec would state it: tc's rate, TCP/IPv4 over Ethernet's payload share
+# of what tc meters (1448 of 1514 bytes a frame), and a latency per ring step (veth + gloo: 0.1 ms)
+TWOHOST_RATE, TWOHOST_LATENCY, TCP_PAYLOAD = "1gbit", 1e-4, 1448 / 1514
+
+
+def twohost_rows(size: str) -> list[Row]:
+    """Collectives between two network-namespace hosts (``twohost``) against ``collective_s`` for that link
+    (gloo's algorithms: its reduce-scatter is an all-reduce)."""
+    from cfx._src.estimate.estimate import collective_s
+    from cfx.bench import twohost
+    why = twohost.available()
+    target = "0.85-1.15"
+    if why is not None:
+        return [Row("two-host collectives vs estimate", 0.0, f"skipped: {why}", target, False)]
+    sizes = {"smoke": "1048576", "quick": "8388608", "full": "1048576,8388608,33554432"}[size]
+    with twohost.Hosts(rate=TWOHOST_RATE) as hosts:
+        out = hosts.run(["-m", "cfx.bench.twohost_worker", "--sizes", sizes, "--reps", "3" if size == "smoke" else "5",
+                         "--steps", "0"])
+    bw, latency = 125e6 * TCP_PAYLOAD, TWOHOST_LATENCY
+    rows = []
+    for r in out["collectives"]:
+        est = collective_s(r["op"], 2, r["bytes"], latency, bw, backend="gloo")
+        ratio = r["seconds"] / est
+        rows.append(Row(f"two hosts ({TWOHOST_RATE} veth, tbf; gloo): {r['op']} of "
+                        f"{r['bytes'] / 2**20:g} MiB measured {r['seconds'] * 1e3:.2f} ms / estimate {est * 1e3:.2f} ms",
+                        ratio, "x", target, size == "smoke" or 0.85 <= ratio <= 1.15))
+    return rows
+
+
 def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
     size = size_of(quick=quick, smoke=smoke)
     rows = published_rows(size) + h200_rows(size) + speed_rows(size) + local_rows(size)
+    if not smoke:  # the smoke form runs in test_bench_twohost, with its training check
+        rows += twohost_rows(size)
     return report("estimate", rows, json_path)

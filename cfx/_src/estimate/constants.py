@@ -62,6 +62,11 @@ LINKS = {
     "pcie5": dict(bandwidth=50 * GB, efficiency=1.0, latency=10e-6),
 }
 
+# -- how a collective backend runs each collective, where it is not the ring of NCCL ---------------
+# torch's ProcessGroupGloo reduces-and-scatters by an all-reduce, then keeps its own part (measured over
+# two namespace hosts: reduce_scatter within 5% of all_reduce at 1-32 MiB; ``cfx.bench estimate``).
+ALGORITHMS = {"nccl": {}, "gloo": {"reduce_scatter": "all_reduce"}}
+
 # -- the presets: a node of 8 GPUs, its links, its host and disks (DGX A100 / DGX H100 / DGX H200) -----
 # nvme: per node, sequential (DGX A100 and H100: 8 and 8 U.2 NVMe drives, about 25-50 GB/s in RAID 0;
 # 25 GB/s is what one node reads back at once).

@@ -150,14 +150,8 @@ class _Step:
 
     def collective(self, axis: str, kind: str, nbytes: float) -> float:
         """Seconds of one ring collective over ``axis`` whose whole (gathered / summed) tensor is ``nbytes``."""
-        n = self.plan.size(axis)
-        if n == 1 or nbytes <= 0:
-            return 0.0
         link, bw = self.link(axis)
-        if kind == "p2p":
-            return link.latency + nbytes / bw
-        steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}[kind]
-        return steps * ((n - 1) * link.latency + (n - 1) / n * nbytes / bw)
+        return collective_s(kind, self.plan.size(axis), nbytes, link.latency, bw)
 
     # -- one layer, one microbatch ----------------------------------------------------------------------
     @functools.cached_property
@@ -314,6 +308,21 @@ class _Step:
         return out
 
 
+def collective_s(kind: str, n: int, nbytes: float, latency: float, busbw: float, backend: str = "nccl") -> float:
+    """Seconds of one collective over ``n`` ranks in a ring (NCCL's algorithm for large tensors) whose
+    whole tensor -- summed, gathered, scattered -- is ``nbytes``, each of its ``n - 1`` steps ``latency`` s,
+    ``busbw`` bytes/s per rank and direction: an all-reduce is a reduce-scatter and an all-gather, each
+    moving ``(n - 1) / n`` of the tensor through every rank; ``p2p`` one message. ``backend``'s own
+    algorithms (``constants.ALGORITHMS``: gloo's reduce-scatter is an all-reduce) replace the ring's."""
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    kind = C.ALGORITHMS[backend].get(kind, kind)
+    if kind == "p2p":
+        return latency + nbytes / busbw
+    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}[kind]
+    return steps * ((n - 1) * latency + (n - 1) / n * nbytes / busbw)
+
+
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, p: int, m: int, v: int):
     """The plan's schedule (``cfx.pipeline``'s), validated once: the estimate runs it under many costs."""
@@ -344,18 +353,34 @@ def _pipeline(name: str, p: int, m: int, v: int, f: float, b: float, hf: float, 
               send: float) -> float:
     """The makespan of the schedule with a chunk's forward ``f`` and backward ``b`` (the last stage
     adds the head's ``hf`` / ``hb``; ZB-H1's I and W half a backward each), each message ``send`` s
-    (``cfx.pipeline``'s simulator). A long run is simulated for ``n`` and ``n + p`` microbatches (``n``: ``(v + 1) p``
-    and the remainder of ``m`` over ``p``) and each further group of ``p`` adds what the last added: the
-    schedule's steady state, in which every rank repeats one pattern per group of ``p`` microbatches
-    (exact in nearly every case, within 0.3% of the whole simulation where a message takes at most half
-    a chunk's forward; about 1% off for interleaved 1F1B with messages of twice a forward: ``test_estimate``)."""
+    (``cfx.pipeline``'s simulator). A makespan scales with its costs, so it is simulated for the costs
+    over ``f`` (each ratio to 4 significant digits: within 0.05%) and remembered: a search asks for the
+    same schedule under the same ratios for every ZeRO stage and sequence method of a mesh."""
+    if f <= 0:
+        return _span(name, p, m, v, f, b, hf, hb, send)
+    key = tuple(float(f"{x / f:.4g}") for x in (b, hf, hb, send))
+    return f * _span_ratios(name, p, m, v, *key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _span_ratios(name: str, p: int, m: int, v: int, b: float, hf: float, hb: float, send: float) -> float:
+    return _span(name, p, m, v, 1.0, b, hf, hb, send)
+
+
+def _span(name: str, p: int, m: int, v: int, f: float, b: float, hf: float, hb: float, send: float) -> float:
+    """``_pipeline``'s makespan, simulated. A long run is simulated for ``n`` and ``n + p`` microbatches
+    (``n``: ``(v + 1) p`` and the remainder of ``m`` over ``p``) and each further group of ``p`` adds what
+    the last added: the schedule's steady state, in which every rank repeats one pattern per group of
+    ``p`` microbatches (exact in nearly every case, within 0.3% of the whole simulation where a message
+    takes at most half a chunk's forward; about 1% off for interleaved 1F1B with messages of twice a
+    forward: ``test_estimate``)."""
     from cfx._src.pipeline.simulate import run_validated
     last = p * v - 1
     plain = {"F": f, "B": b, "I": b / 2, "W": b / 2, "SEND_F": send, "SEND_B": send, "RECV_F": 0.0, "RECV_B": 0.0}
     head = dict(plain, F=f + hf, B=b + hb, I=(b + hb) / 2, W=(b + hb) / 2)
 
-    def span(n: int) -> float:
-        return run_validated(_schedule(name, p, n, v), lambda a: head[a.kind] if a.stage == last else plain[a.kind]).makespan
+    def span(k: int) -> float:
+        return run_validated(_schedule(name, p, k, v), lambda a: head[a.kind] if a.stage == last else plain[a.kind]).makespan
 
     n = (v + 1) * p + m % p
     if m <= n + p:
