@@ -144,3 +144,14 @@ def test_search_ranks_fitting_plans_and_the_command_prints_them(capsys):
     assert "MFU" in capsys.readouterr().out
     assert main(["--cluster", "a100-80gb:8", "--batch", "16", "--seq", "256", "--plan", "data=4"]) == 2
     assert "spans 4 ranks" in capsys.readouterr().err
+
+
+def test_this_machine_as_a_cluster_from_the_cost_model():
+    from cfx._src.autoshard.cost import CostModel
+    cost = CostModel(flops_per_s=2e10, bandwidth={"data": 1e9, "model": 5e8}, latency={"data": 1e-5, "model": 2e-5},
+                     memory_bandwidth=4e9, measured=True)
+    c = Cluster.cpu(cost, gpus=4)
+    assert c.gpus == c.gpus_per_node == 4 and c.intra.busbw == 5e8 and c.intra.latency == 2e-5  # the slowest axis
+    assert c.gpu.matmul_s(2e10, "fp32") == pytest.approx(1.0) and c.gpu.memory_s(8e9) == pytest.approx(1.0)
+    e = cfx.parallel.estimate(TransformerShape.gpt(256, 2, 4, 512), cfx.parallel.Plan.parse("data=4"), c, batch=(8, 64))
+    assert e.breakdown["data (gradients)"] > 0 and e.step_s > 0

@@ -14,7 +14,10 @@
   (``twohost``); gloo's all-reduce / all-gather / reduce-scatter across them against the estimate's
   collective model for that link.
 
-``--quick``: the search over 64 GPUs; ``--smoke``: two published rows of each table, GPT-2 tiny for the
+- Step time on this machine: 10 plans on 8 local ranks, measured against the estimate for the ``cpu``
+  cluster (``Cluster.cpu`` of ``cfx.autoshard.calibrate``), as a rank correlation.
+
+``--quick``: the search over 64 GPUs, 5 of the local plans; ``--smoke``: two published rows of each table, GPT-2 tiny for the
 H200 row and a search over 8 GPUs, one local plan.
 """
 from __future__ import annotations
@@ -137,9 +140,40 @@ def twohost_rows(size: str) -> list[Row]:
     return rows
 
 
+TIMED_PLANS = ("data=8", "data=8 zero=1", "data=8 zero=3", "data=4,model=2", "data=2,model=4 zero=1",
+               "pipe=2,data=4 microbatches=4", "pipe=2,data=2,model=2 zero=1 remat=blocks microbatches=2",
+               "pipe=2,data=2,model=2 zero=3 microbatches=2", "pipe=2,data=4 zero=2 schedule=interleaved microbatches=2",
+               "data=2,model=4 remat=blocks")
+
+
+def local_time_rows(size: str) -> list[Row]:
+    """Predicted against measured step time of 10 plans on 8 local ranks (this machine as a cluster:
+    ``Cluster.cpu`` of ``cfx.autoshard.calibrate``'s cost model on the same mesh): Spearman's rank
+    correlation, the plans as ``python -m cfx.bench plans --quick`` times them."""
+    from scipy.stats import spearmanr
+
+    from cfx.bench import plans as plans_bench
+    model, batch, seq, steps = plans_bench._setup("quick")
+    with cfx.Mesh({"data": 8}) as mesh:
+        cost = cfx.autoshard.calibrate(mesh, repeats=3)
+    cluster = cfx.parallel.Cluster.cpu(cost, gpus=8)
+    rows, predicted, measured = [], [], []
+    for text in TIMED_PLANS if size == "full" else TIMED_PLANS[:5]:
+        m = plans_bench.measure(text, model, batch, seq, steps)
+        e = cfx.parallel.estimate(model, cfx.parallel.Plan.parse(text), cluster, batch=(batch, seq))
+        predicted.append(e.step_s)
+        measured.append(m["step_s"])
+        rows.append(Row(f"local {text}: measured {m['step_s'] * 1e3:.1f} ms / estimated {e.step_s * 1e3:.1f} ms "
+                        f"(cpu preset, GPT-2 tiny, {batch} x {seq})", m["step_s"] / e.step_s, "x", "printed"))
+    rho = float(spearmanr(predicted, measured).statistic)
+    rows.append(Row(f"local: rank correlation of predicted and measured step times over {len(measured)} plans", rho,
+                    "Spearman", ">= 0.8", rho >= 0.8))
+    return rows
+
+
 def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
     size = size_of(quick=quick, smoke=smoke)
     rows = published_rows(size) + h200_rows(size) + speed_rows(size) + local_rows(size)
     if not smoke:  # the smoke form runs in test_bench_twohost, with its training check
-        rows += twohost_rows(size)
+        rows += twohost_rows(size) + local_time_rows(size)
     return report("estimate", rows, json_path)

@@ -71,20 +71,13 @@ def setup():
 def training(steps: int, plan_text: str = "data=2") -> tuple[list[float], list[float]]:
     """``steps`` steps of ``plan_text`` (one process: ``"single-device"``; under torchrun: over its world):
     the losses and the final params, flat, as float lists."""
+    import contextlib
+
     import cfx
     model, tokens, tx = setup()
     plan = cfx.parallel.Plan.parse(plan_text)
-    if plan.world_size > 1:
-        with plan.make_mesh() as mesh:
-            step = plan.step(model, tx, mesh=mesh)
-            state = step.init(cfx.random.key(0))
-            losses = []
-            for t in tokens[:steps]:
-                state, metrics = step(state, (t[:, :-1], t[:, 1:]))
-                losses.append(float(metrics["loss"]))
-            params = cfx.device_get(state.params)
-    else:
-        step = plan.step(model, tx)
+    with plan.make_mesh() if plan.world_size > 1 else contextlib.nullcontext() as mesh:
+        step = plan.step(model, tx, mesh=mesh)
         state = step.init(cfx.random.key(0))
         losses = []
         for t in tokens[:steps]:
