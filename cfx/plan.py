@@ -1,7 +1,7 @@
 """``python -m cfx.plan``: a plan's step time, MFU and memory per GPU on a cluster, or the best plans
 for one (``cfx.parallel.estimate`` / ``cfx.parallel.search``).
 
-    python -m cfx.plan --cluster h100-80gb:1024 --model gpt2 --preset xl --batch 1024 --seq 2048
+    python -m cfx.plan --cluster h100-80gb:1024 --model gpt2 --preset xl --batch 1024 --seq 1024
 """
 import sys
 

@@ -144,6 +144,8 @@ def test_search_ranks_fitting_plans_and_the_command_prints_them(capsys):
     assert "MFU" in capsys.readouterr().out
     assert main(["--cluster", "a100-80gb:8", "--batch", "16", "--seq", "256", "--plan", "data=4"]) == 2
     assert "spans 4 ranks" in capsys.readouterr().err
+    assert main(["--cluster", "a100-80gb:8", "--preset", "tiny", "--batch", "16", "--seq", "512", "--plan", "data=8"]) == 2
+    assert "n_positions=512" in capsys.readouterr().err
 
 
 def test_this_machine_as_a_cluster_from_the_cost_model():

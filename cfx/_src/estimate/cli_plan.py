@@ -1,7 +1,7 @@
 """``python -m cfx.plan``: the best plans for a cluster one does not have.
 
-    python -m cfx.plan --cluster h100-80gb:1024 --model gpt2 --preset xl --batch 1024 --seq 2048
-    python -m cfx.plan --cluster a100-80gb:64 --model gpt2 --preset xl --batch 64 --seq 2048 \\
+    python -m cfx.plan --cluster h100-80gb:1024 --model gpt2 --preset xl --batch 1024 --seq 1024
+    python -m cfx.plan --cluster a100-80gb:64 --model gpt2 --preset xl --batch 64 --seq 1024 \\
         --plan "pipe=8,model=8 remat=dots sp=megatron microbatches=64"
 
 Without ``--plan`` it searches every plan over pipe x data x seq x model (``search``) and prints the

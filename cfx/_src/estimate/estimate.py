@@ -94,6 +94,12 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
         raise ValueError(f"cfx.parallel.estimate: plan {str(plan)!r}: 2D / 2.5D / 3D tensor parallelism is not "
                          "estimated yet; estimate the 1D form (model=N) instead.")
     plan.check_batch(rows, seq)
+    name = getattr(model, "max_len_name", None)
+    limit = getattr(getattr(model, "config", None), name, None) if name else None
+    if isinstance(limit, int) and seq > limit:
+        raise ValueError(f"cfx.parallel.estimate: sequences of {seq} positions are longer than "
+                         f"{type(model).__name__}'s {name}={limit}; build the model with {name}={seq} (python -m "
+                         f"cfx.plan: --preset NAME,{name}={seq}) or estimate a shorter --seq.")
     if state is None:
         state = model_state(plan, model, tx) if not isinstance(model, TransformerShape) else None
     step = _Step(shape, plan, cluster, rows, seq, C.STACKS[stack])
