@@ -146,6 +146,8 @@ def test_search_ranks_fitting_plans_and_the_command_prints_them(capsys):
     assert "spans 4 ranks" in capsys.readouterr().err
     assert main(["--cluster", "a100-80gb:8", "--preset", "tiny", "--batch", "16", "--seq", "512", "--plan", "data=8"]) == 2
     assert "n_positions=512" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="n_positions=512"):
+        cfx.parallel.search(model, Cluster.preset("a100-80gb", 8), batch=(16, 512))
 
 
 def test_this_machine_as_a_cluster_from_the_cost_model():

@@ -58,7 +58,7 @@ def published_rows(size: str) -> list[Row]:
 
 
 def h200_rows(size: str) -> list[Row]:
-    model = cfx.models.gpt2("tiny" if size == "smoke" else "medium")
+    model = cfx.models.gpt2("tiny", n_positions=1024) if size == "smoke" else cfx.models.gpt2("medium")
     e = cfx.parallel.estimate(model, cfx.parallel.Plan.parse("precision=bf16"), cfx.parallel.Cluster.preset("h200", 1),
                               batch=(8, 1024))
     ratio = e.step_s / H200_GPT2_MEDIUM_STEP_S
@@ -85,7 +85,7 @@ def speed_rows(size: str) -> list[Row]:
                         dt, "s", "< 1", dt < 1))
     rows[0].ok = rows[0].value < 1
     gpus, rows_ = {"smoke": (8, 8), "quick": (64, 64), "full": (1024, 1536)}[size]
-    model = (cfx.models.gpt2("tiny") if size == "smoke" else
+    model = (cfx.models.gpt2("tiny", n_positions=2048) if size == "smoke" else
              cfx.models.gpt2("small", n_embd=12288, n_layer=96, n_head=96, vocab_size=51200, n_positions=2048))
     found = cfx.parallel.search(model, cfx.parallel.Cluster.preset("a100-80gb", gpus), batch=(rows_, 2048))
     best = (f"best {found.best[0].plan} ({found.best[0].step_s:.3g} s, {found.best[0].mfu:.1%} MFU)" if found.best

@@ -94,12 +94,7 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
         raise ValueError(f"cfx.parallel.estimate: plan {str(plan)!r}: 2D / 2.5D / 3D tensor parallelism is not "
                          "estimated yet; estimate the 1D form (model=N) instead.")
     plan.check_batch(rows, seq)
-    name = getattr(model, "max_len_name", None)
-    limit = getattr(getattr(model, "config", None), name, None) if name else None
-    if isinstance(limit, int) and seq > limit:
-        raise ValueError(f"cfx.parallel.estimate: sequences of {seq} positions are longer than "
-                         f"{type(model).__name__}'s {name}={limit}; build the model with {name}={seq} (python -m "
-                         f"cfx.plan: --preset NAME,{name}={seq}) or estimate a shorter --seq.")
+    check_length(model, seq)
     if state is None:
         state = model_state(plan, model, tx) if not isinstance(model, TransformerShape) else None
     step = _Step(shape, plan, cluster, rows, seq, C.STACKS[stack])
@@ -112,6 +107,16 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
     return Estimate(str(plan), str(cluster), cluster.gpus, (rows, seq), total, model_flops, hardware,
                     model_flops / total / cluster.gpus / 1e12, model_flops / total / peak, hardware / total / peak,
                     int(sum(memory.values())), memory, int(cluster.gpu.memory), breakdown)
+
+
+def check_length(model: Any, seq: int) -> None:
+    """ValueError where ``seq`` is longer than the positions ``model`` takes (its config's ``max_len_name``)."""
+    name = getattr(model, "max_len_name", None)
+    limit = getattr(getattr(model, "config", None), name, None) if name else None
+    if isinstance(limit, int) and seq > limit:
+        raise ValueError(f"cfx.parallel.estimate: sequences of {seq} positions are longer than "
+                         f"{type(model).__name__}'s {name}={limit}; build the model with {name}={seq} (python -m "
+                         f"cfx.plan: --preset NAME,{name}={seq}) or estimate a shorter --seq.")
 
 
 def model_state(plan: Any, model: Any, tx: Any = None) -> Any:
@@ -212,6 +217,8 @@ class _Step:
 
     # -- the step ---------------------------------------------------------------------------------------
     def times(self, overlap_dp: bool, state: Any) -> dict[str, float]:
+        """The step's seconds by item (``Estimate.breakdown``): a pipeline's busiest rank's work by kind and
+        the rest of its makespan as the bubble, then what follows backward."""
         layer, sh = self.layer, self.shape
         per_layer = {k: layer["fwd"].get(k, 0) + layer["bwd"].get(k, 0) + layer["re"].get(k, 0)
                      for k in ("matmul", "attention", "memory-bound", "model", "seq")}
@@ -224,8 +231,7 @@ class _Step:
         if self.p > 1:
             split = self.sp or self.stack["p2p_split"]
             send = self.collective("pipe", "p2p", self.tokens * sh.hidden * self.bytes / (self.t if split else 1))
-            span = _pipeline(self.plan.schedule, self.p, self.m, self.v, per_chunk * f1, per_chunk * b1,
-                                   hf, hb, send)
+            span = _pipeline(self.plan.schedule, self.p, self.m, self.v, per_chunk * f1, per_chunk * b1, hf, hb, send)
             layers_on_rank = per_chunk * self.v
             busy = self.m * (layers_on_rank * (f1 + b1))
             for k, v in per_layer.items():
@@ -239,7 +245,7 @@ class _Step:
         out["data (gradients)"] = 0.0 if overlap_dp else self.data_reduce(state)
         out["optimizer"] = self.optimizer(state)
         out["offload traffic"] = self.offload(state)
-        return {k: v for k, v in out.items()}
+        return out
 
     def state_bytes(self, state: Any, kind: str) -> float:
         """Per-rank bytes of ``kind``: the plan's accounting, or for a bare ``TransformerShape`` shape as that

@@ -14,7 +14,7 @@ import time
 from typing import Any, Iterator
 
 from cfx._src.estimate.cluster import Cluster
-from cfx._src.estimate.estimate import Estimate, estimate
+from cfx._src.estimate.estimate import Estimate, check_length, estimate
 from cfx._src.estimate.workload import TransformerShape
 
 
@@ -78,6 +78,7 @@ def search(model: Any, cluster: Cluster, *, batch: tuple[int, int], top: int = 5
     start = time.perf_counter()
     shape = model if isinstance(model, TransformerShape) else TransformerShape.of(model)
     rows, seq = batch
+    check_length(model, seq)
     rough = []
     searched = 0
     for plan in candidates(shape, cluster.gpus, rows, seq, gpus_per_node=cluster.gpus_per_node, precision=precision):
