@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import cfx
 from cfx._src.estimate import published
-from cfx._src.estimate.estimate import _pipeline, _schedule
+from cfx._src.estimate.schedule_time import makespan, schedule_of
 from cfx._src.pipeline.simulate import simulate
 from cfx.parallel import Cluster, TransformerShape
 
@@ -69,8 +69,8 @@ def test_pipeline_steady_state_extension_equals_the_whole_simulation(name, p, k,
         return {"F": f + (head if h else 0), "B": b + (2 * head if h else 0), "I": (b + (2 * head if h else 0)) / 2,
                 "W": (b + (2 * head if h else 0)) / 2}.get(a.kind, send if a.kind.startswith("SEND") else 0.0)
 
-    whole = simulate(_schedule(name, p, m, v), cost=cost).makespan
-    assert _pipeline(name, p, m, v, f, b, head, 2 * head, send) == pytest.approx(whole, rel=5e-3)
+    whole = simulate(schedule_of(name, p, m, v), cost=cost).makespan
+    assert makespan(name, p, m, v, f, b, head, 2 * head, send) == pytest.approx(whole, rel=5e-3)
 
 
 def test_model_state_is_the_plans_own_accounting():

@@ -33,9 +33,11 @@ def available() -> str | None:
     """None where two namespaces can be made here, else why not."""
     if os.name != "posix" or not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "making network namespaces needs root"
-    for tool in ("ip", "tc", "torchrun"):
-        if shutil.which(tool) is None and not (tool == "torchrun" and _torchrun()):
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
             return f"{tool} is not installed"
+    if not _torchrun():
+        return "torchrun is not installed"
     name = f"cfxprobe{uuid.uuid4().hex[:6]}"
     made = _ip("netns", "add", name, check=False)
     if made.returncode:
@@ -88,7 +90,8 @@ class Hosts:
         """``torchrun`` with one process in each namespace (node ranks 0 and 1, rendezvous on host a's
         address) running ``python args...``; the JSON rank 0 wrote to the file it is handed (``--out``)."""
         port = _free_port()
-        out = tempfile.mktemp(prefix="cfx-twohost-", suffix=".json")
+        folder = tempfile.mkdtemp(prefix="cfx-twohost-")
+        out = os.path.join(folder, "rank0.json")
         procs = []
         try:
             for rank, (ns, dev) in enumerate(zip(self.names, self.devs)):
@@ -113,8 +116,7 @@ class Hosts:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-            if os.path.exists(out):
-                os.remove(out)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _free_port() -> int:

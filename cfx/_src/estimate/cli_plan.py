@@ -19,6 +19,8 @@ from cfx._src.core.text import format_bytes, format_table
 from cfx._src.estimate.cluster import Cluster
 from cfx._src.estimate.estimate import estimate
 from cfx._src.estimate.search import search
+from cfx._src.models import families
+from cfx._src.plan.plan import Plan
 
 
 def parse_args(argv: Sequence[str] | None = None):
@@ -38,7 +40,6 @@ def parse_args(argv: Sequence[str] | None = None):
 
 
 def build_model(args) -> Any:
-    from cfx._src.models import families
     return families.named(args.model, "--model").preset(args.preset)
 
 
@@ -48,7 +49,6 @@ def run(args) -> Any:
     cluster = Cluster.parse(args.cluster)
     model = build_model(args)
     if args.plan is not None:
-        from cfx._src.plan.plan import Plan
         return [estimate(model, Plan.parse(args.plan), cluster, batch=(args.batch, args.seq))], None
     found = search(model, cluster, batch=(args.batch, args.seq), top=args.top, precision=args.precision)
     if not found.best:

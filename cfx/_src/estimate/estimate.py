@@ -24,7 +24,12 @@ from typing import Any
 from cfx._src.core.text import format_bytes, format_table
 from cfx._src.estimate import constants as C
 from cfx._src.estimate.cluster import Cluster, Link
+from cfx._src.estimate.schedule_time import in_flight, makespan
 from cfx._src.estimate.workload import TransformerShape
+from cfx._src.mesh.mesh import AbstractMesh
+from cfx._src.models.parts import max_length
+from cfx._src.optim.alias import adamw
+from cfx._src.plan.build import account, check_model
 
 PRECISION = {"fp32": ("fp32", 4), "bf16": ("bf16", 2), "fp16": ("fp16", 2)}
 
@@ -75,13 +80,12 @@ class Estimate:
 
 
 def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int], tx: Any = None,
-             stack: str = "cfx", overlap_dp: bool = False, state: Any = None) -> Estimate:
+             stack: str = "cfx", overlap_dp: bool = False) -> Estimate:
     """The step of ``plan`` training ``model`` on ``cluster`` with a global ``batch`` of ``(rows, seq)``
     (module doc). ``model``: a cfx decoder (its state then the plan's own accounting) or a bare
     ``TransformerShape`` shape. ``stack``: whose code runs the step, ``"cfx"`` or ``"megatron"`` (Megatron-LM
     as the papers ran it: ``constants.STACKS``); ``overlap_dp``: the gradients' reduction hidden behind
-    backward (peers that overlap it). ``state``: the model state's ``Account`` when already known (a
-    search reuses it across plans that store the same), else the plan's ``account`` on shapes."""
+    backward (peers that overlap it). ``tx``: the optimizer whose state the plan accounts (AdamW)."""
     shape = TransformerShape.of(model) if not isinstance(model, TransformerShape) else model
     rows, seq = batch
     if plan.world_size != cluster.gpus:
@@ -95,8 +99,7 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
                          "estimated yet; estimate the 1D form (model=N) instead.")
     plan.check_batch(rows, seq)
     check_length(model, seq)
-    if state is None:
-        state = model_state(plan, model, tx) if not isinstance(model, TransformerShape) else None
+    state = None if isinstance(model, TransformerShape) else model_state(plan, model, tx)
     step = _Step(shape, plan, cluster, rows, seq, C.STACKS[stack])
     breakdown = step.times(overlap_dp, state)
     memory = step.memory(state)
@@ -110,10 +113,10 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
 
 
 def check_length(model: Any, seq: int) -> None:
-    """ValueError where ``seq`` is longer than the positions ``model`` takes (its config's ``max_len_name``)."""
-    name = getattr(model, "max_len_name", None)
-    limit = getattr(getattr(model, "config", None), name, None) if name else None
-    if isinstance(limit, int) and seq > limit:
+    """ValueError where ``seq`` is longer than the positions ``model`` takes (``max_length``)."""
+    limit = None if isinstance(model, TransformerShape) else max_length(model)
+    if limit is not None and seq > limit:
+        name = model.max_len_name
         raise ValueError(f"cfx.parallel.estimate: sequences of {seq} positions are longer than "
                          f"{type(model).__name__}'s {name}={limit}; build the model with {name}={seq} (python -m "
                          f"cfx.plan: --preset NAME,{name}={seq}) or estimate a shorter --seq.")
@@ -121,9 +124,6 @@ def check_length(model: Any, seq: int) -> None:
 
 def model_state(plan: Any, model: Any, tx: Any = None) -> Any:
     """The plan's own per-rank accounting of ``model``'s state (``Plan.describe``'s), on shapes."""
-    from cfx._src.mesh.mesh import AbstractMesh
-    from cfx._src.optim.alias import adamw
-    from cfx._src.plan.build import account, check_model
     check_model(plan, model)
     return account(plan, model, tx if tx is not None else adamw(1e-3), AbstractMesh(plan.mesh_shape or {"data": 1}))
 
@@ -145,6 +145,7 @@ class _Step:
         self.m = plan.microbatches if self.p > 1 else 1
         self.mb = rows // self.dp // self.m            # rows per microbatch on a rank
         self.tokens = self.mb * seq // self.cp           # its tokens on a rank
+        self.per_chunk = math.ceil(shape.layers / (self.p * self.v))  # layers of the fullest chunk: it sets the pace
 
     # -- links ------------------------------------------------------------------------------------------
     def link(self, axis: str) -> tuple[Link, float]:
@@ -226,12 +227,11 @@ class _Step:
         b1 = sum(layer["bwd"].values()) + sum(layer["re"].values())  # recomputation runs in backward
         hf, hb = self.head()
         out: dict[str, float] = {}
-        chunks = self.p * self.v
-        per_chunk = math.ceil(sh.layers / chunks)       # the fullest chunk sets the pace
+        per_chunk = self.per_chunk
         if self.p > 1:
             split = self.sp or self.stack["p2p_split"]
             send = self.collective("pipe", "p2p", self.tokens * sh.hidden * self.bytes / (self.t if split else 1))
-            span = _pipeline(self.plan.schedule, self.p, self.m, self.v, per_chunk * f1, per_chunk * b1, hf, hb, send)
+            span = makespan(self.plan.schedule, self.p, self.m, self.v, per_chunk * f1, per_chunk * b1, hf, hb, send)
             layers_on_rank = per_chunk * self.v
             busy = self.m * (layers_on_rank * (f1 + b1))
             for k, v in per_layer.items():
@@ -309,10 +309,8 @@ class _Step:
         remat = "blocks" if self.plan.remat == "auto" else self.plan.remat
         per_layer = sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp, dtype=self.bytes,
                                         fused=self.fused, remat=remat)
-        chunks = self.p * self.v
-        per_chunk = math.ceil(sh.layers / chunks)
-        in_flight = _in_flight(self.plan.schedule, self.p, self.m, self.v) if self.p > 1 else 1
-        out["activations"] = int(in_flight * per_chunk * per_layer)
+        held = in_flight(self.plan.schedule, self.p, self.m, self.v) if self.p > 1 else 1
+        out["activations"] = int(held * self.per_chunk * per_layer)
         if remat == "blocks":   # one layer's own activations while it is recomputed
             out["activations"] += int(sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp,
                                                           dtype=self.bytes, fused=self.fused))
@@ -333,69 +331,3 @@ def collective_s(kind: str, n: int, nbytes: float, latency: float, busbw: float,
         return latency + nbytes / busbw
     steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}[kind]
     return steps * ((n - 1) * latency + (n - 1) / n * nbytes / busbw)
-
-
-@functools.lru_cache(maxsize=64)
-def _schedule(name: str, p: int, m: int, v: int):
-    """The plan's schedule (``cfx.pipeline``'s), validated once: the estimate runs it under many costs."""
-    from cfx._src.pipeline import schedule as S
-    from cfx._src.pipeline.validate import validate
-    if name == "gpipe":
-        out = S.gpipe(p, m)
-    elif name == "zb-h1":
-        out = S.zb_h1(p, m)
-    elif name == "interleaved" or v > 1:
-        out = S.interleaved_1f1b(p, m, v)
-    else:
-        out = S.one_f_one_b(p, m)
-    validate(out)
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def _in_flight(name: str, p: int, m: int, v: int) -> int:
-    """Chunk activations rank 0 (the fullest) holds at once under the schedule."""
-    m = min(m, 2 * p * v + p)   # the peak is reached within the first rounds
-    if name == "interleaved" or v > 1:
-        m = max(p, m // p * p)
-    return _schedule(name, p, m, v).peak_in_flight(0)
-
-
-def _pipeline(name: str, p: int, m: int, v: int, f: float, b: float, hf: float, hb: float,
-              send: float) -> float:
-    """The makespan of the schedule with a chunk's forward ``f`` and backward ``b`` (the last stage
-    adds the head's ``hf`` / ``hb``; ZB-H1's I and W half a backward each), each message ``send`` s
-    (``cfx.pipeline``'s simulator). A makespan scales with its costs, so it is simulated for the costs
-    over ``f`` (each ratio to 4 significant digits: within 0.05%) and remembered: a search asks for the
-    same schedule under the same ratios for every ZeRO stage and sequence method of a mesh."""
-    if f <= 0:
-        return _span(name, p, m, v, f, b, hf, hb, send)
-    key = tuple(float(f"{x / f:.4g}") for x in (b, hf, hb, send))
-    return f * _span_ratios(name, p, m, v, *key)
-
-
-@functools.lru_cache(maxsize=4096)
-def _span_ratios(name: str, p: int, m: int, v: int, b: float, hf: float, hb: float, send: float) -> float:
-    return _span(name, p, m, v, 1.0, b, hf, hb, send)
-
-
-def _span(name: str, p: int, m: int, v: int, f: float, b: float, hf: float, hb: float, send: float) -> float:
-    """``_pipeline``'s makespan, simulated. A long run is simulated for ``n`` and ``n + p`` microbatches
-    (``n``: ``(v + 1) p`` and the remainder of ``m`` over ``p``) and each further group of ``p`` adds what
-    the last added: the schedule's steady state, in which every rank repeats one pattern per group of
-    ``p`` microbatches (exact in nearly every case, within 0.3% of the whole simulation where a message
-    takes at most half a chunk's forward; about 1% off for interleaved 1F1B with messages of twice a
-    forward: ``test_estimate``)."""
-    from cfx._src.pipeline.simulate import run_validated
-    last = p * v - 1
-    plain = {"F": f, "B": b, "I": b / 2, "W": b / 2, "SEND_F": send, "SEND_B": send, "RECV_F": 0.0, "RECV_B": 0.0}
-    head = dict(plain, F=f + hf, B=b + hb, I=(b + hb) / 2, W=(b + hb) / 2)
-
-    def span(k: int) -> float:
-        return run_validated(_schedule(name, p, k, v), lambda a: head[a.kind] if a.stage == last else plain[a.kind]).makespan
-
-    n = (v + 1) * p + m % p
-    if m <= n + p:
-        return span(m)
-    one, two = span(n), span(n + p)
-    return two + (m - n - p) // p * (two - one)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from cfx._src.estimate.cluster import Cluster
+from cfx._src.estimate.estimate import estimate
 from cfx._src.estimate.workload import TransformerShape
+from cfx._src.plan.plan import Plan
 
 SEQ, VOCAB = 2048, 51200
 
@@ -82,9 +85,6 @@ def predicted(run: Run, estimate) -> float:
 
 def check(runs: list[Run]) -> list[tuple[Run, float, float]]:
     """``(run, predicted, relative error)`` for each run, estimated as Megatron-LM ran it."""
-    from cfx._src.estimate.cluster import Cluster
-    from cfx._src.estimate.estimate import estimate
-    from cfx._src.plan.plan import Plan
     out = []
     for run in runs:
         plan = Plan.parse(run.plan)

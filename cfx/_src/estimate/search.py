@@ -16,6 +16,7 @@ from typing import Any, Iterator
 from cfx._src.estimate.cluster import Cluster
 from cfx._src.estimate.estimate import Estimate, check_length, estimate
 from cfx._src.estimate.workload import TransformerShape
+from cfx._src.plan.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,6 @@ def candidates(shape: TransformerShape, gpus: int, rows: int, seq: int, *, gpus_
     tensor parallelism within a node (dividing the heads, the MLP and the vocabulary), pipelines of at most one layer per stage,
     a split sequence (ring, Ulysses), ZeRO 0-3, remat none / dots / blocks, Megatron-SP with a model
     axis, microbatches p, 2p or 4p per pipeline and its schedules (1F1B, interleaved, ZB-H1)."""
-    from cfx._src.plan.plan import Plan
     for t in _divisors(min(gpus, gpus_per_node)):
         if shape.heads % t or shape.kv_heads % t or shape.ffn % t or shape.vocab % t or gpus % t:
             continue

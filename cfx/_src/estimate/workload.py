@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from cfx._src.models.parts import hook
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerShape:
@@ -44,8 +46,8 @@ class TransformerShape:
     def of(cls, model: Any) -> "TransformerShape":
         """The shape of a decoder whose ``blocks`` are ``TransformerBlock`` s (each a wrapped one's
         ``.block`` read through), its vocabulary from ``config.vocab_size``."""
-        blocks = getattr(model, "blocks", None)
-        config = getattr(model, "config", None)
+        blocks = getattr(model, "blocks", None)   # a ChainModel's
+        config = hook(model, "config")
         if not blocks or not hasattr(config, "vocab_size"):
             raise ValueError(f"cfx.parallel.estimate: {type(model).__name__} is not a decoder with blocks and "
                              "config.vocab_size (GPT2, Llama, OPT, Mixtral); the estimate reads a transformer's shape.")

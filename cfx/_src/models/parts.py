@@ -103,6 +103,12 @@ def hook(model: Any, name: str, default: Any = None) -> Any:
     return getattr(model, name, default)
 
 
+def max_length(model: Any) -> int | None:
+    """The longest sequence ``model`` takes: its config's field that ``max_len_name`` names (None: no bound)."""
+    name = hook(model, "max_len_name")
+    return getattr(hook(model, "config"), name, None) if name else None
+
+
 def has_hook(model: Any, name: str) -> bool:
     assert name in HOOKS, f"{name!r} is not a member of the model protocol's Hooks (cfx/_src/models/parts.py)"
     return hasattr(model, name)

@@ -29,7 +29,7 @@ import torch
 from cfx._src.core import tree as tree_util
 from cfx._src.generate.pick import whole_vocab
 from cfx._src.mesh.spec import P
-from cfx._src.models.parts import hook
+from cfx._src.models.parts import hook, max_length
 from cfx._src.serve.adapters import Adapters
 from cfx._src.serve.blocks import BlockAllocator
 from cfx._src.serve.paged import KVPool, PagedStep
@@ -62,8 +62,7 @@ class Engine:
             raise ValueError(f"{WHERE}: give num_blocks or kv_bytes, not both.")
         self.model, self.params = model, params
         config = hook(model, "config")
-        name = hook(model, "max_len_name")
-        self.max_len = getattr(config, name, None) if name else None
+        self.max_len = max_length(model)
         self.vocab_size = config.vocab_size
         self.eos_id = getattr(config, "eos_token_id", None) if eos_id is None else eos_id
         device = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))

@@ -14,6 +14,7 @@ from cfx._src.lora.config import LoraConfig
 from cfx._src.lora.frozen import frozen_base
 from cfx._src.lora.model import LoraModel
 from cfx._src.models import families
+from cfx._src.models.parts import max_length
 from cfx._src.optim.alias import adamw
 from cfx._src.optim.base import GradientTransformation, chain, identity
 from cfx._src.optim.clipping import clip_by_global_norm
@@ -35,8 +36,8 @@ def build_model(cfg: TrainConfig) -> Any:
 
 def check_context(cfg: TrainConfig, model: Any, what: str) -> Any:
     """``model``, or a ValueError unless ``--seq`` fits its context (``what`` names it)."""
-    max_len = getattr(model.config, model.max_len_name)
-    if cfg.seq > max_len:
+    max_len = max_length(model)
+    if max_len is not None and cfg.seq > max_len:
         raise ValueError(f"--seq {cfg.seq} exceeds the {what} context of {max_len}; use --seq {max_len} or less.")
     return model
 
