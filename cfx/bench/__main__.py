@@ -5,9 +5,9 @@ import argparse
 import sys
 
 from cfx._src.core.runtime import keep_host_memory
-from cfx.bench import autoshard, checkpoint, diffusion, estimate, evoformer, gemini, generate, gpu, gpu_all, kernels, large_batch, lora, memory, moe, overhead, pipeline, plans, remat, sequence, serve, serve_http, spmd, tensor_parallel, zero
+from cfx.bench import autoshard, capacity, checkpoint, diffusion, estimate, evoformer, gemini, generate, gpu, gpu_all, kernels, large_batch, lora, memory, moe, overhead, pipeline, plans, remat, sequence, serve, serve_http, spmd, tensor_parallel, zero
 
-BENCHES = {"autoshard": autoshard.run, "checkpoint": checkpoint.run, "diffusion": diffusion.run, "estimate": estimate.run, "evoformer": evoformer.run, "gemini": gemini.run, "generate": generate.run, "gpu": gpu.run, "kernels": kernels.run, "large_batch": large_batch.run, "lora": lora.run, "memory": memory.run, "moe": moe.run, "overhead": overhead.run, "pipeline": pipeline.run, "plans": plans.run, "remat": remat.run, "sequence": sequence.run, "serve": serve.run, "spmd": spmd.run, "tensor_parallel": tensor_parallel.run, "zero": zero.run}
+BENCHES = {"autoshard": autoshard.run, "capacity": capacity.run, "checkpoint": checkpoint.run, "diffusion": diffusion.run, "estimate": estimate.run, "evoformer": evoformer.run, "gemini": gemini.run, "generate": generate.run, "gpu": gpu.run, "kernels": kernels.run, "large_batch": large_batch.run, "lora": lora.run, "memory": memory.run, "moe": moe.run, "overhead": overhead.run, "pipeline": pipeline.run, "plans": plans.run, "remat": remat.run, "sequence": sequence.run, "serve": serve.run, "spmd": spmd.run, "tensor_parallel": tensor_parallel.run, "zero": zero.run}
 
 
 def main(argv=None) -> int:
@@ -22,7 +22,11 @@ def main(argv=None) -> int:
     p.add_argument("--http", action="store_true", help="serve: measure the HTTP server under load instead")
     p.add_argument("--all", action="store_true",
                    help="gpu: every GPU figure and gpu-marked test in one device lease (cfx.bench.gpu_all)")
+    p.add_argument("--cap", default=None, help="capacity: the memory cap of every candidate (default 2GiB)")
+    p.add_argument("--dir", default=None, help="capacity: where the offloaded state's files go (a disk, not tmpfs)")
     a = p.parse_args(argv)
+    if (a.cap or a.dir) and a.name != "capacity":
+        p.error("--cap and --dir are the capacity bench's (python -m cfx.bench capacity --cap 2GiB --dir DIR)")
     if a.http and a.name != "serve":
         p.error("--http is the serve bench's (python -m cfx.bench serve --http)")
     if a.all and (a.name != "gpu" or a.quick):
@@ -30,6 +34,9 @@ def main(argv=None) -> int:
     keep_host_memory()  # the same setting as python -m cfx.train; applies to both sides of a comparison
     if a.all:
         gpu_all.run_all(smoke=a.smoke, json_path=a.json)
+        return 0
+    if a.name == "capacity":
+        capacity.run(quick=a.quick, smoke=a.smoke, json_path=a.json, cap=a.cap, directory=a.dir)
         return 0
     bench = serve_http.run_http if a.http else BENCHES[a.name]
     bench(quick=a.quick, smoke=a.smoke, json_path=a.json)

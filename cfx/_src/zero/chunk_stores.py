@@ -1,10 +1,25 @@
 """Where a ``GeminiEngine``'s chunks live: params, fp32 masters, optimizer state and gradients,
 each kind in the tier store of its ``Offload`` home (``gemini.store``: device, host, NVMe), keyed
-by kind and chunk, with the bytes moved between tiers counted (``traffic``, by ``"src->dst"``)."""
+by kind, chunk and *slice*, with the bytes moved between tiers counted (``traffic``, by ``"src->dst"``).
+
+A chunk is stored as ``n_slices`` slices of ``slice`` elements (the last one shorter): one slice
+(the whole chunk) in memory tiers; in files, slices of at most ``slice_bytes`` of fp32, so that the
+optimizer step streams a chunk a slice at a time and never holds a whole chunk's params, gradient
+and moments at once. Each slice has its own optimizer state (``tx.init`` of that slice): with an
+elementwise optimizer, stepping slices one by one is stepping the chunk.
+
+Every file operation runs on one I/O thread per engine (``IoThread``), in the order submitted: a
+read submitted after a write of the same slice sees what was written; reads submitted ahead
+(``read_async``) overlap the caller's compute.
+"""
 from __future__ import annotations
 
 import collections
-from typing import Any
+import contextvars
+import functools
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 
@@ -13,67 +28,200 @@ from cfx._src.gemini.store import make_stores
 from cfx._src.mesh import memory
 from cfx._src.zero.offload import Offload
 
+SLICE_BYTES = 32 << 20  # files: at most this many bytes of fp32 per slice
+
+
+class IoThread:
+    """One background thread running file operations in submission order (module doc). Writes hold
+    their tensors until done: once more than ``max_pending`` bytes of them wait, ``submit`` waits
+    for the oldest operations first, so a producer faster than the disk cannot fill memory."""
+
+    def __init__(self, max_pending: int = 4 * SLICE_BYTES):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cfx-nvme-io")
+        self._pending: collections.deque[tuple[Future, int]] = collections.deque()
+        self.max_pending, self._bytes = max_pending, 0
+
+    def submit(self, fn: Callable, *args: Any, nbytes: int = 0) -> Future:
+        ctx = contextvars.copy_context()  # memory bookings go to the caller's tracker
+        fut = self._pool.submit(ctx.run, fn, *args)
+        self._pending.append((fut, nbytes))
+        self._bytes += nbytes
+        while self._pending and (self._pending[0][0].done() or self._bytes > self.max_pending):
+            self._pop()  # a failed write raises here, at the next submission
+        return fut
+
+    def _pop(self) -> None:
+        fut, nbytes = self._pending.popleft()
+        self._bytes -= nbytes
+        fut.result()
+
+    def drain(self) -> None:
+        """Wait for every submitted operation; raise the first one's error."""
+        while self._pending:
+            self._pop()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
+
 
 class ChunkStores:
-    """One engine's tier stores (``stores``: ``{"device": ..., "host": ..., "nvme": ...}``)."""
+    """One engine's tier stores (``stores``: ``{"device": ..., "host": ..., "nvme": ...}``) for
+    chunks of ``size`` elements (module doc)."""
 
-    def __init__(self, offload: Offload, *, nvme_dir: str | None):
+    def __init__(self, offload: Offload, *, nvme_dir: str | None, size: int, slice_bytes: int = SLICE_BYTES):
         self.cfg = offload
         self.stores = make_stores(nvme_dir=nvme_dir)
         self.traffic: collections.Counter = collections.Counter()  # bytes by "src->dst"
-        self._inner_defs: dict[int, Any] = {}  # per chunk: its optimizer state's structure
+        self.size = size
+        files = nvme_dir is not None
+        self.slice = max(1, min(size, slice_bytes // 4)) if files else size
+        self.n_slices = math.ceil(size / self.slice)
+        self.io = IoThread(max_pending=4 * self.slice * 4) if files else None
+        self._inner_def = None  # the optimizer state's structure (the same for every slice)
+        self._files: dict[tuple, torch.dtype] = {}  # what has been submitted to the files: key -> dtype
 
+    def bounds(self, s: int) -> tuple[int, int]:
+        return s * self.slice, min(self.size, (s + 1) * self.slice)
+
+    # -- one slice ------------------------------------------------------------------------------------
     def put(self, tier: str, key: tuple, x: torch.Tensor, kind: str) -> None:
-        self.stores[tier].put(key, x, kind=kind)
+        """``x`` stored under ``key`` (a file: written on the I/O thread)."""
+        if tier == "nvme":
+            self.traffic["host->nvme"] += x.numel() * x.element_size()
+            self._files[key] = x.dtype
+            self.io.submit(functools.partial(self.stores["nvme"].put, key, x, kind=kind),
+                           nbytes=x.numel() * x.element_size())
+        else:
+            self.stores[tier].put(key, x, kind=kind)
+
+    def read_async(self, tier: str, key: tuple) -> Future | torch.Tensor:
+        """``key``'s tensor: a Future of it for a file (read on the I/O thread), else the stored tensor."""
+        if tier != "nvme":
+            return self.stores[tier].get(key)
+        fut = self.io.submit(self.stores["nvme"].get, key)
+        return fut
 
     def get(self, tier: str, key: tuple) -> torch.Tensor:
-        x = self.stores[tier].get(key)
-        if tier == "nvme":
-            self.traffic["nvme->host"] += x.numel() * x.element_size()
-        return x
+        return value_of(self.read_async(tier, key), self, tier)
 
     def write(self, tier: str, key: tuple, x: torch.Tensor, kind: str) -> None:
         """``x`` as the new value of ``key``: copied into the tensor there (a file: written anew)."""
         if tier == "nvme":
-            self.traffic["host->nvme"] += x.numel() * x.element_size()
             self.put(tier, key, x, kind)
         else:
             self.stores[tier].get(key).copy_(x)
 
-    # -- optimizer state: one stored tensor per leaf --------------------------------------------
-    def put_inner(self, c: int, inner: Any) -> None:
-        leaves, self._inner_defs[c] = tree_util.flatten(inner)
+    # -- whole chunks -----------------------------------------------------------------------------------
+    def put_chunk(self, tier: str, kind: str, c: int, x: torch.Tensor) -> None:
+        for s in range(self.n_slices):
+            a, b = self.bounds(s)
+            self.put(tier, (kind, c, s), x[a:b], kind)
+
+    def chunk_async(self, tier: str, kind: str, c: int) -> Future | torch.Tensor:
+        """Chunk ``c`` of ``kind`` whole: a Future of a new tensor read slice by slice from files,
+        or the stored tensor of a memory tier (one slice)."""
+        if tier != "nvme":
+            return self.stores[tier].get((kind, c, 0))
+        store, dtype = self.stores["nvme"], self._files[(kind, c, 0)]
+
+        def read() -> torch.Tensor:
+            with memory.ops_unwatched():
+                out = torch.empty(self.size, dtype=dtype)
+            for s in range(self.n_slices):
+                a, b = self.bounds(s)
+                store.get((kind, c, s), out=out[a:b])
+            return out
+        self.traffic["nvme->host"] += self.size * dtype.itemsize
+        return self.io.submit(read)
+
+    def get_chunk(self, tier: str, kind: str, c: int) -> torch.Tensor:
+        got = self.chunk_async(tier, kind, c)
+        return got.result() if isinstance(got, Future) else got
+
+    # -- optimizer state: one stored tensor per leaf and slice ------------------------------------------
+    def put_inner(self, c: int, s: int, inner: Any) -> None:
+        leaves, self._inner_def = tree_util.flatten(inner)
         for j, x in enumerate(leaves):
-            self.put(self.cfg.optim_home, ("optim", c, j), x, "optim")
+            self.put(self.cfg.optim_home, ("optim", c, s, j), x, "optim")
 
-    def load_inner(self, c: int) -> Any:
-        td = self._inner_defs[c]
-        return tree_util.unflatten(td, [self.get(self.cfg.optim_home, ("optim", c, j))
-                                        for j in range(td.num_leaves)])
+    def inner_async(self, c: int, s: int) -> list:
+        return [self.read_async(self.cfg.optim_home, ("optim", c, s, j)) for j in range(self._inner_def.num_leaves)]
 
-    def write_inner(self, c: int, inner: Any) -> None:
+    def inner_of(self, got: list) -> Any:
+        return tree_util.unflatten(self._inner_def, [value_of(x, self, self.cfg.optim_home) for x in got])
+
+    def load_inner(self, c: int, s: int = 0) -> Any:
+        return self.inner_of(self.inner_async(c, s))
+
+    def write_inner(self, c: int, s: int, inner: Any) -> None:
         for j, x in enumerate(tree_util.leaves(inner)):
-            self.write(self.cfg.optim_home, ("optim", c, j), x, "optim")
+            self.write(self.cfg.optim_home, ("optim", c, s, j), x, "optim")
 
-    # -- gradients ---------------------------------------------------------------------------------
-    def grad_chunk(self, c: int, arriving: torch.Tensor, size: int) -> torch.Tensor:
-        """Chunk ``c``'s gradient in its home (zeros of ``size`` elements at first), into which
-        ``arriving`` is about to be added (its bytes counted as moved there)."""
-        home, key = self.cfg.grad_home, ("grad", c)
+    # -- gradients: accumulated in memory, a complete chunk's written to its files -----------------------
+    def grad_chunk(self, c: int, arriving: torch.Tensor) -> torch.Tensor:
+        """Chunk ``c``'s gradient in memory (zeros at first), into which ``arriving`` is about to be
+        added (its bytes counted as moved there)."""
+        home, key = self.grad_memory, ("grad", c)
         if home == "host":
             self.traffic["device->host"] += arriving.numel() * arriving.element_size()
         if key not in self.stores[home]:
             with memory.ops_unwatched():  # booked by the store as "grad", not as an op output
-                zeros = torch.zeros(size, dtype=arriving.dtype)
-            self.put(home, key, zeros, "grad")
+                zeros = torch.zeros(self.size, dtype=arriving.dtype)
+            self.stores[home].put(key, zeros, kind="grad")
             del zeros
         return self.stores[home].get(key)
 
-    def take_grad(self, c: int, size: int) -> torch.Tensor:
-        """Chunk ``c``'s gradient in fp32 (zeros where none arrived), dropped from its store."""
-        key, store = ("grad", c), self.stores[self.cfg.grad_home]
+    @property
+    def grad_memory(self) -> str:
+        return "device" if self.cfg.grad_home == "device" else "host"
+
+    def in_memory_grads(self) -> list[int]:
+        return sorted(k[1] for k in self.stores[self.grad_memory].keys() if k[0] == "grad")
+
+    def flush_grad(self, c: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Files only: chunk ``c``'s gradient in memory added to what its files hold (micro-batches)
+        and written there, slice by slice; ``[(sum of squares, non-finite count)]`` per slice, in fp32."""
+        store = self.stores[self.grad_memory]
+        g = store.get(("grad", c))
+        store.delete(("grad", c))
+        norms = []
+        for s in range(self.n_slices):
+            a, b = self.bounds(s)
+            part = g[a:b].to(torch.float32)
+            if ("grad", c, s) in self._files:
+                part = self.get("nvme", ("grad", c, s)) + part
+            norms.append((part.pow(2).sum(), (~torch.isfinite(part)).sum().to(torch.float32)))
+            self.put("nvme", ("grad", c, s), part, "grad")
+        return norms
+
+    def has_file(self, key: tuple) -> bool:
+        return key in self._files
+
+    def delete_file(self, key: tuple) -> None:
+        del self._files[key]
+        self.io.submit(self.stores["nvme"].delete, key)
+
+    def take_grad(self, c: int) -> torch.Tensor:
+        """Memory tiers: chunk ``c``'s gradient in fp32 (zeros where none arrived), dropped from its store."""
+        key, store = ("grad", c), self.stores[self.grad_memory]
         if key not in store:
-            return torch.zeros(size, dtype=torch.float32)
+            return torch.zeros(self.size, dtype=torch.float32)
         g = store.get(key).to(torch.float32)
         store.delete(key)
         return g
+
+    def close(self) -> None:
+        if self.io is not None:
+            self.io.close()
+        for store in self.stores.values():
+            store.close()
+
+
+def value_of(x: Future | torch.Tensor, stores: ChunkStores, tier: str) -> torch.Tensor:
+    if isinstance(x, Future):
+        x = x.result()
+        stores.traffic["nvme->host"] += x.numel() * x.element_size()
+    return x

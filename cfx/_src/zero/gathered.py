@@ -97,7 +97,8 @@ class ShardSource:
             rows = rows[order]  # (n, S): the n shards, in requested order
         self.after_gather(backward=backward)
         with memory.ops_unwatched():  # booked as "gathered", not as an op output
-            full = self.layout.full_from_rows(rows)
+            # one rank: the row is already the leaf-major buffer (no second gathered-size copy)
+            full = rows.reshape(-1) if self.layout.n == 1 else self.layout.full_from_rows(rows)
         memory.watch(full, tier="device", kind="gathered")
         return full
 
@@ -136,6 +137,9 @@ class _GatherFn(torch.autograd.Function):
             src._started = None
         rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
         ax = groups.axes((src.axis,), "cfx.zero.gathered")
+        if ax.size == 1:  # nothing to reduce: the row is the gradient (no copy of a gathered-size buffer)
+            ax.record("reduce_scatter", rows[0])
+            return (None,) + src.deliver(rows[0])
         if not src.deferred:  # the gradient is read at once
             return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax).div_(ax.size))
         # the pieces' gradients are returned by the backward (not accumulated into .grad), so
