@@ -1,5 +1,6 @@
 """``python -m cfx.bench capacity``: its memory cap really kills and really measures, its directory
 and size parsing, its ladder's parameter count, and the smoke run's rows (where cgroups can be written)."""
+import json
 import os
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 
 import cfx
 from cfx.bench import capacity, cgroup
+from cfx_tests.test_bench_smoke import check_well_formed
 
 MiB = 1 << 20
 WHY = cgroup.version()[1]
@@ -43,13 +45,21 @@ def test_the_cap_kills_what_exceeds_it_and_measures_what_fits():
 
 
 @pytest.mark.skipif(cgroup.version()[0] is None, reason=f"memory cgroups: {WHY}")
-@pytest.mark.timeout(120)
-def test_capped_files_equal_uncapped_memory_bit_for_bit(tmp_path):
-    # the rows themselves are checked for form by test_bench_smoke; here the equality behind one of them
-    cfg = capacity.LADDERS["smoke"]
-    uncapped = capacity.run_one(None, "cfx", cfg["same"], cfg, str(tmp_path), digest=True)
-    capped = capacity.run_one(cgroup.MemoryCap(cfg["cap"]), "nvme", cfg["same"], cfg, str(tmp_path), digest=True)
-    assert uncapped["trained"] and capped["trained"] and len(capped["losses"]) == 3
-    assert capped["digest"] == uncapped["digest"] and capped["losses"] == uncapped["losses"]
-    assert 0 < capped["anon_peak"] <= cfg["cap"] and capped["io"][-1]["read_bytes"] > 0
-    assert not os.path.exists(tmp_path / "state")  # the state's files removed with the run
+@pytest.mark.timeout(180)
+def test_smoke_rows(tmp_path):
+    # this bench's smoke runs here only (test_bench_smoke.OWN_SMOKE): its form, then what its rows say
+    out = capacity.run(smoke=True, json_path=str(tmp_path / "c.json"), directory=str(tmp_path))
+    check_well_formed("capacity", json.loads((tmp_path / "c.json").read_text()))
+    rows = {r["metric"]: r for r in out["rows"]}
+    assert rows["capped_equals_uncapped"]["ok"]  # the nvme engine under the cap: the in-memory Program's bits
+    assert rows["largest_cfx_nvme"]["value"] > 0 and rows["largest_pytorch"]["value"] > 0
+    assert 0 < rows["anon_peak_vs_cap"]["value"] <= 1.0 and rows["largest_loss_goes_down"]["ok"]
+    assert rows["io_seconds_per_step"]["value"] > 0 and rows["disk_read_bandwidth"]["value"] > 0
+    assert os.listdir(tmp_path) == ["c.json"]  # its working directory (and the state's files) removed
+
+
+def test_without_cgroups_it_says_why_in_one_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(cgroup, "version", lambda: (None, "no memory cgroup is mounted"))
+    out = capacity.run(smoke=True, json_path=str(tmp_path / "c.json"), directory=str(tmp_path))
+    check_well_formed("capacity", json.loads((tmp_path / "c.json").read_text()))
+    assert [r["unit"] for r in out["rows"]] == ["skipped: no memory cgroup is mounted"]

@@ -164,3 +164,23 @@ def test_nvme_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
         store.put("x", torch.ones(4))
     monkeypatch.undo()
     assert len(os.listdir(tmp_path)) == 1 and torch.equal(store.get("x"), torch.zeros(4))  # the old bytes
+
+
+def test_nvme_overwrite_in_place_rewrites_the_same_file_and_detects_a_torn_write(tmp_path, monkeypatch):
+    store = NvmeStore(tmp_path, overwrite=True)
+    store.put("x", torch.zeros(4))
+    inode = os.stat(store._path("x")).st_ino
+    store.put("x", torch.ones(4))  # same size: in place
+    assert os.stat(store._path("x")).st_ino == inode and torch.equal(store.get("x"), torch.ones(4))
+    store.put("x", torch.ones(8))  # another size: a new file
+    assert torch.equal(store.get("x"), torch.ones(8))
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        store.put("x", torch.full((8,), 2.0))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [os.path.basename(store._path("x"))]
+    with pytest.raises(ChecksumMismatch, match="corrupted"):
+        store.get("x")

@@ -73,7 +73,7 @@ class ChunkStores:
 
     def __init__(self, offload: Offload, *, nvme_dir: str | None, size: int, slice_bytes: int = SLICE_BYTES):
         self.cfg = offload
-        self.stores = make_stores(nvme_dir=nvme_dir)
+        self.stores = make_stores(nvme_dir=nvme_dir, overwrite=True)  # the engine's own scratch files
         self.traffic: collections.Counter = collections.Counter()  # bytes by "src->dst"
         self.size = size
         files = nvme_dir is not None

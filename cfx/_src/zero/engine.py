@@ -36,28 +36,21 @@ builds the engine from ``init(key)`` one leaf at a time, so no process ever hold
 """
 from __future__ import annotations
 
-import math
-import os
-from concurrent.futures import Future
 
 import torch
 
 from cfx._src.core import tree as tree_util
-from cfx._src.gemini.placer import Placer
-from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, WarmupRecord
+from cfx._src.gemini.policy import DevicePolicy, WarmupRecord
 from cfx._src.gemini.states import TensorState as S, transition
 from cfx._src.lax import collectives as lax
-from cfx._src.mesh import memory
-from cfx._src.zero.chunk_stores import SLICE_BYTES, ChunkStores, value_of
-from cfx._src.zero.chunking import check_budget, pack_groups
-from cfx._src.zero.flat import GroupLayout, piece_of, piece_size
-from cfx._src.zero.offload import ChunkRef, Offload, gather_groups
-from cfx._src.optim import reduction
+from cfx._src.zero import engine_build as build, engine_update
+from cfx._src.zero.chunk_stores import SLICE_BYTES
+from cfx._src.zero.flat import GroupLayout
+from cfx._src.zero.offload import Offload
 from cfx._src.zero.params import ShardedLeaf, ZeroParams, check_axis_size
 
 
-NO_LEAF_NORMS = ("cfx.zero.GeminiEngine steps flat chunks that pack many leaves; train with "
-                 "cfx.parallel.Plan(zero=3, offload=...) instead, whose optimizer sees each leaf's pieces")
+from cfx._src.zero.engine_update import NO_LEAF_NORMS  # noqa: F401 (its home was here)
 
 
 class GeminiEngine:
@@ -70,9 +63,9 @@ class GeminiEngine:
                              f"them with cfx.zero.shard_params(params, axis={axis!r}) inside shard_map.")
         check_axis_size(zparams, axis, "GeminiEngine")
         items, treedef = tree_util.flatten_with_path(zparams.pieces)
-        self._setup(model, items, treedef, zparams.shapes, zparams.n, tx, axis=axis, offload=offload,
+        build.setup(self, model, items, treedef, zparams.shapes, zparams.n, tx, axis=axis, offload=offload,
                     max_chunk_size=max_chunk_size, slice_bytes=slice_bytes)
-        self._fill(enumerate(x.detach() for _, x in items))
+        build.fill(self, enumerate(x.detach() for _, x in items))
 
     @classmethod
     def from_init(cls, model, init, key, tx, *, axis: str, offload: Offload, max_chunk_size: int | None = None,
@@ -82,101 +75,10 @@ class GeminiEngine:
         leaf computed alone (``cfx.init_sharded``'s lazy record), cut to this rank's piece and packed
         into its chunk, each chunk written to its tier as soon as it is full: peak memory is one leaf
         and the chunks still being filled, not the model."""
-        from cfx._src.spmd import lazy
-        from cfx._src.transforms.shapes import eval_shape
-        shapes = eval_shape(init, key)
-        items, treedef = tree_util.flatten_with_path(shapes)
-        n, r = lax.axis_size(axis), lax.axis_index(axis)
-        for path, x in items:
-            if not x.dtype.is_floating_point:
-                raise ValueError(f"GeminiEngine.from_init: leaf {path or '<root>'!r} is {x.dtype}; ZeRO shards "
-                                 "floating-point tensors only. Keep other values out of the params.")
         self = cls.__new__(cls)
-        self._setup(model, items, treedef, tuple(tuple(x.shape) for _, x in items), n, tx, axis=axis,
-                    offload=offload, max_chunk_size=max_chunk_size, slice_bytes=slice_bytes)
-        recorded = lazy.record(init, key)
-        leaves = tree_util.leaves(recorded.out)
-
-        def pieces():
-            with torch.no_grad():
-                for i, x in enumerate(leaves):
-                    value = recorded.materialise(x).reshape(-1)
-                    yield i, value if n == 1 else piece_of(value, piece_size(value.numel(), n), r)
-                    del value
-        self._fill(pieces())
+        build.from_init(self, model, init, key, tx, axis=axis, offload=offload, max_chunk_size=max_chunk_size,
+                        slice_bytes=slice_bytes)
         return self
-
-    def _setup(self, model, items, treedef, shapes, n, tx, *, axis, offload, max_chunk_size, slice_bytes) -> None:
-        if not isinstance(offload, Offload):
-            raise ValueError("GeminiEngine: pass offload=cfx.zero.offload(cfx.gemini.host(), ...).")
-        self.tx, self.axis, self.cfg, self.n, self.treedef = tx, axis, offload, n, treedef
-        self.paths, self.shapes = [p for p, _ in items], tuple(shapes)
-        self.groups = gather_groups(model, self.paths)
-        self.layouts = [GroupLayout(tuple(self.paths[i] for i in g), tuple(self.shapes[i] for i in g), self.n)
-                        for g in self.groups]
-        dtypes = {items[g[0]][1].dtype for g in self.groups}
-        if len(dtypes) > 1:
-            raise ValueError(f"GeminiEngine: chunks are flat buffers of one dtype; the params mix {sorted(map(str, dtypes))}.")
-        self.dtype = dtypes.pop()
-        self.chunks = pack_groups([lay.size for lay in self.layouts], max_size=max_chunk_size)
-        self.chunk_search = self.chunks.search
-        self.chunk_bytes = [self.chunks.size * self.dtype.itemsize] * self.chunks.n_chunks
-        if isinstance(offload.policy, AutoPolicy):  # before any store or collective, on every rank
-            check_budget(self.chunks, self.dtype.itemsize, self.n, offload.policy.device_budget_bytes,
-                         [self.paths[self.groups[gs[0]][0]] for gs in self.chunks.groups])
-        nvme = offload.nvme_dir and os.path.join(offload.nvme_dir, f"rank{lax.axis_index(axis)}-{id(self):x}")
-        self.tiers = ChunkStores(offload, nvme_dir=nvme, size=self.chunks.size,
-                                 slice_bytes=slice_bytes)  # params, state and grads
-        self.stores, self.traffic = self.tiers.stores, self.tiers.traffic
-        self.files = self.tiers.io is not None
-        self.refs = [ChunkRef(self, g) for g in range(len(self.groups))]
-        self.states = {g: S.FREE for g in range(len(self.groups))}  # per group (layer)
-        self.placer = Placer(offload.policy, self.chunk_bytes, fetch=self._fetch, evict=self._evict)
-        self.anchor: torch.Tensor | None = None
-        self._order: list[int] = []        # files: the chunks of the last backward's accesses, in order
-        self._seen: list[int] = []         # ... and of this one's
-        self._ahead: dict[int, Future] = {}  # files: chunk reads started ahead of their access
-        self._arrived: dict[int, set] = {}   # files: per chunk, the groups whose gradient arrived
-        self._norms: dict[tuple[int, int], tuple] = {}  # files: per (chunk, slice), its gradient's (sq, bad)
-
-    def _fill(self, pieces) -> None:
-        """Every chunk packed from ``pieces`` (``(leaf index, this rank's piece)``, in any order), each
-        piece copied straight to its place, and stored at its home as soon as all its leaves have
-        arrived: params, fp32 master (low precision) and the optimizer state of each slice."""
-        where = {}  # leaf -> (chunk, offset in the chunk)
-        for g, idx in enumerate(self.groups):
-            at = self.chunks.offset[g]
-            for i in idx:
-                where[i] = (self.chunks.chunk_of[g], at)
-                at += piece_size(math.prod(self.shapes[i]), self.n)
-        filled: dict[int, torch.Tensor] = {}
-        left = {c: {i for g in gs for i in self.groups[g]} for c, gs in enumerate(self.chunks.groups)}
-        with torch.no_grad():
-            for i, piece in pieces:
-                c, at = where[i]
-                if c not in filled:
-                    with memory.ops_unwatched():
-                        filled[c] = torch.zeros(self.chunks.size, dtype=self.dtype)
-                filled[c][at:at + piece.numel()].copy_(piece.reshape(-1))
-                del piece
-                left[c].discard(i)
-                if not left[c]:
-                    self._store_chunk(c, filled.pop(c))
-        if self.files:
-            self.tiers.io.drain()
-        if isinstance(self.cfg.policy, DevicePolicy):
-            for c in range(self.chunks.n_chunks):
-                self.placer.fetch(c)
-
-    def _store_chunk(self, c: int, chunk: torch.Tensor) -> None:
-        self.tiers.put_chunk(self.cfg.param_home, "param", c, chunk)
-        low = self.dtype != torch.float32
-        for s in range(self.tiers.n_slices):
-            a, b = self.tiers.bounds(s)
-            master = chunk[a:b].to(torch.float32, copy=True) if low else chunk[a:b]
-            if low:
-                self.tiers.put(self.cfg.optim_home, ("master", c, s), master, "optim")
-            self.tiers.put_inner(c, s, self.tx.init((master,)))
 
     @property
     def record(self) -> WarmupRecord | None:
@@ -294,32 +196,8 @@ class GeminiEngine:
         return loss.detach()
 
     def update(self) -> None:
-        """One optimizer step over every chunk, then drop the gradients."""
-        units = [(c, s) for c in range(self.chunks.n_chunks) for s in range(self.tiers.n_slices)]
-        with torch.no_grad():
-            if self.files:
-                zero = torch.zeros(())
-                norms = [self._norms.get(u, (zero, zero)) for u in units]
-                grads = None
-            else:
-                grads = [self.tiers.take_grad(c) for c in range(self.chunks.n_chunks)]
-                norms = [(g.pow(2).sum(), (~torch.isfinite(g)).sum().to(torch.float32)) for g in grads]
-            # one all-reduce for the whole model's norm and inf/nan count; each unit is stepped
-            # inside cfx.optim.sharded with the rest of them, so clipping and the loss scaler
-            # see every chunk of every rank
-            sq, bad = [n[0] for n in norms], [n[1] for n in norms]
-            total = lax.psum(torch.stack([sum(sq), sum(bad)]), self.axis)
-            ahead = self._read_unit(*units[0]) if self.files else None
-            for k, (c, s) in enumerate(units):
-                got = ahead
-                if self.files and k + 1 < len(units):
-                    ahead = self._read_unit(*units[k + 1])  # the next slice read while this one steps
-                with reduction.sharded([()], every=(), psum=lax.psum, rest_sq=(total[0] - sq[k]).clamp_min(0.0),
-                                       rest_bad=total[1] - bad[k], no_leaf_norms=NO_LEAF_NORMS):
-                    self._update_unit(c, s, got if self.files else self._memory_unit(c, grads[c]))
-            self._norms.clear()
-            if self.files:
-                self.tiers.io.drain()  # the step's state is in its files before the step returns
+        """One optimizer step over every chunk (``engine_update``), then drop the gradients."""
+        engine_update.update(self)
         for c in sorted(self.resident):
             if isinstance(self.cfg.policy, DevicePolicy):
                 if self.cfg.param_home != "device":
@@ -327,43 +205,6 @@ class GeminiEngine:
                     self.traffic["host->device"] += self.chunk_bytes[c]
             else:
                 self.placer.evict(c)
-
-    def _read_unit(self, c: int, s: int) -> dict:
-        """Slice ``s`` of chunk ``c`` from the files: params, gradient (zeros where none arrived),
-        master (low precision) and optimizer state, read on the I/O thread."""
-        home, ohome = self.cfg.param_home, self.cfg.optim_home
-        got = {"param": self.tiers.read_async(home, ("param", c, s)), "inner": self.tiers.inner_async(c, s)}
-        if self.tiers.has_file(("grad", c, s)):
-            got["grad"] = self.tiers.read_async("nvme", ("grad", c, s))
-        if self.dtype != torch.float32:
-            got["master"] = self.tiers.read_async(ohome, ("master", c, s))
-        return got
-
-    def _memory_unit(self, c: int, grad: torch.Tensor) -> dict:
-        home, ohome = self.cfg.param_home, self.cfg.optim_home
-        got = {"param": self.tiers.get(home, ("param", c, 0)), "inner": self.tiers.inner_async(c, 0), "grad": grad}
-        if self.dtype != torch.float32:
-            got["master"] = self.tiers.get(ohome, ("master", c, 0))
-        return got
-
-    def _update_unit(self, c: int, s: int, got: dict) -> None:
-        home, ohome = self.cfg.param_home, self.cfg.optim_home
-        p = value_of(got["param"], self.tiers, home)
-        a, b = self.tiers.bounds(s)
-        g = value_of(got["grad"], self.tiers, "nvme") if "grad" in got else torch.zeros(b - a, dtype=torch.float32)
-        if self.files and "grad" in got:
-            self.tiers.delete_file(("grad", c, s))
-        low = self.dtype != torch.float32
-        master = value_of(got["master"], self.tiers, ohome) if low else p
-        (u,), inner = self.tx.update((g,), self.tiers.inner_of(got["inner"]), (master,))
-        if low:
-            new_master = master + u
-            self.tiers.write(ohome, ("master", c, s), new_master, "optim")
-            new_p = new_master.to(self.dtype)
-        else:
-            new_p = p + u
-        self.tiers.write(home, ("param", c, s), new_p, "param")
-        self.tiers.write_inner(c, s, inner)
 
     @property
     def io(self) -> dict:

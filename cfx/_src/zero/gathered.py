@@ -73,6 +73,7 @@ class ShardSource:
         self.before: ShardSource | None = None  # gathered just before this one in forward (prefetched after it in backward)
         self._started: tuple | None = None      # a gather started ahead: (rows, done, order)
         self.prefetch = False                    # may its gathers start ahead (Gathered.prefetch)
+        self.saved = 0                           # saved tensors of its buffer backward has yet to unpack
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.pieces)
@@ -173,12 +174,18 @@ class _RegatherHooks:
 
     def pack(self, t: torch.Tensor):
         if t.device == self.device and t.untyped_storage()._cdata == self.ptr:
+            self.src.saved += 1
             return _Ref(self.src, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
         return self.outer[0](t) if self.outer is not None else t
 
     def unpack(self, h):
         if isinstance(h, _Ref):
-            return h.src.get_regathered().as_strided(h.size, h.stride, h.offset)
+            src = h.src
+            view = src.get_regathered().as_strided(h.size, h.stride, h.offset)
+            src.saved -= 1
+            if src.saved <= 0:  # backward has read every saved view: the buffer lives only in them now
+                src.regathered = None  # (a tied embedding's, read by the head first, is not held to the end)
+            return view
         return self.outer[1](h) if self.outer is not None else h
 
     def __enter__(self):
