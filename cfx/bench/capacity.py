@@ -19,13 +19,16 @@ is trained twice more, uncapped in memory and capped in files, and must match bi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from cfx.bench import cgroup
@@ -195,6 +198,22 @@ def io_rows(best: dict, bw: dict) -> list[Row]:
     ]
 
 
+@contextlib.contextmanager
+def _terminated_as_exit():
+    """SIGTERM raises SystemExit here (in the main thread), so ``finally`` blocks clean up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None, cap: str | None = None,
         directory: str | None = None) -> dict:
     size = size_of(quick=quick, smoke=smoke)
@@ -211,18 +230,19 @@ def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = Non
     work = tempfile.mkdtemp(prefix="cfx-capacity-", dir=base)
     limit = cgroup.MemoryCap(cfg["cap"])
     runs: list[dict] = []
-    try:
-        bw = disk_bandwidth(work, cfg["probe"])
-        print(f"{work}: {filesystem_of(work)}, write {bw['write'] / GiB:.2f} GiB/s, read {bw['read'] / GiB:.2f} GiB/s"
-              f"{' (O_DIRECT)' if bw['direct'] else ''}; cap {cfg['cap'] / GiB:.2f} GiB", file=sys.stderr)
-        torch_best = climb(limit, "pytorch", cfg, work, runs)
-        memory_best = climb(limit, "cfx", cfg, work, runs)
-        nvme_best = descend(limit, "nvme", cfg, work, runs)
-        uncapped = run_one(None, "cfx", cfg["same"], cfg, work, digest=True)
-        capped = next((r for r in runs if r["kind"] == "nvme" and "digest" in r), None) or \
-            run_one(limit, "nvme", cfg["same"], cfg, work, digest=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with _terminated_as_exit():  # a SIGTERM still removes the cgroup and the state's files
+        try:
+            bw = disk_bandwidth(work, cfg["probe"])
+            print(f"{work}: {filesystem_of(work)}, write {bw['write'] / GiB:.2f} GiB/s, read {bw['read'] / GiB:.2f} GiB/s"
+                  f"{' (O_DIRECT)' if bw['direct'] else ''}; cap {cfg['cap'] / GiB:.2f} GiB", file=sys.stderr)
+            torch_best = climb(limit, "pytorch", cfg, work, runs)
+            memory_best = climb(limit, "cfx", cfg, work, runs)
+            nvme_best = descend(limit, "nvme", cfg, work, runs)
+            uncapped = run_one(None, "cfx", cfg["same"], cfg, work, digest=True)
+            capped = next((r for r in runs if r["kind"] == "nvme" and "digest" in r), None) or \
+                run_one(limit, "nvme", cfg["same"], cfg, work, digest=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
     def count(r):
         return r["params"] if r else 0

@@ -133,6 +133,7 @@ class MemoryCap:
 
         t0 = time.perf_counter()
         sampler = threading.Thread(target=sample, daemon=True)
+        proc = None
         try:
             proc = subprocess.Popen(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', path, *argv],
                                     env=env, stdout=stdout, stderr=None if stdout is None else subprocess.STDOUT)
@@ -152,6 +153,9 @@ class MemoryCap:
                           time.perf_counter() - t0, timed_out)
         finally:
             done.set()
+            if proc is not None and proc.poll() is None:  # interrupted: the child goes with us
+                proc.kill()
+                proc.wait()
             self._remove(path)
 
     @staticmethod

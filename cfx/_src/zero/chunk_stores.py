@@ -167,11 +167,8 @@ class ChunkStores:
         home, key = self.grad_memory, ("grad", c)
         if home == "host":
             self.traffic["device->host"] += arriving.numel() * arriving.element_size()
-        if key not in self.stores[home]:
-            with memory.ops_unwatched():  # booked by the store as "grad", not as an op output
-                zeros = torch.zeros(self.size, dtype=arriving.dtype)
-            self.stores[home].put(key, zeros, kind="grad")
-            del zeros
+        if key not in self.stores[home]:  # made in the store (no zeros copied into it)
+            self.stores[home].empty(key, (self.size,), arriving.dtype, kind="grad").zero_()
         return self.stores[home].get(key)
 
     @property

@@ -92,6 +92,13 @@ class ShardSource:
         """The padded leaf-major buffer (n * S,) of the group, all-gathered now (or, prefetched,
         finished now)."""
         started, self._started = self._started, None
+        if self.layout.n == 1 and started is None:  # one rank: the shard is the buffer, nothing to copy
+            shard = self.shard(backward=backward).detach()
+            groups.axes((self.axis,), "cfx.zero.gathered").record("all_gather", shard)
+            self.after_gather(backward=backward)
+            if shard._base is None:  # a view of a chunk copy is booked as the chunk already
+                memory.watch(shard, tier="device", kind="gathered")
+            return shard
         rows, done, order = started if started is not None else self._start(backward=backward)
         done()
         if order is not None:
@@ -169,11 +176,15 @@ class _RegatherHooks:
 
     def __init__(self, src: ShardSource, full: torch.Tensor):
         self.src, self.ptr, self.device = src, full.untyped_storage()._cdata, full.device
+        # ``full`` (or its first leaf: where the buffer starts) may be a view -- one rank's is of its
+        # chunk's copy, which holds other groups too: only what lies in this group's range is its
+        self.lo = full.storage_offset()
+        self.hi = self.lo + src.layout.n * src.layout.size
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.ctx = None
 
     def pack(self, t: torch.Tensor):
-        if t.device == self.device and t.untyped_storage()._cdata == self.ptr:
+        if t.device == self.device and t.untyped_storage()._cdata == self.ptr and self.lo <= t.storage_offset() < self.hi:
             self.src.saved += 1
             return _Ref(self.src, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
         return self.outer[0](t) if self.outer is not None else t
