@@ -149,12 +149,14 @@ def run_one(cap: cgroup.MemoryCap | None, kind: str, shape, cfg: dict, work: str
     if os.path.exists(out):
         with open(out) as f:
             got = json.load(f)
+    got.update(kind=kind, width=width, layers=layers)  # also for a run killed before it wrote anything
     got.update(trained=ended.ok and bool(got.get("done")), returncode=ended.returncode, oom_killed=ended.oom_killed,
                anon_peak=ended.anon_peak, total_peak=ended.total_peak, wall_s=ended.seconds,
                params=got.get("params", params_of(width, layers, cfg["vocab"])))
     verdict = "trained" if got["trained"] else ("killed (OOM)" if ended.oom_killed or ended.returncode == -9
                                                  else f"failed (exit {ended.returncode})")
-    print(f"        {verdict}; anon peak {ended.anon_peak / MiB:,.0f} MiB, {ended.seconds:.0f} s", file=log, flush=True)
+    peak = f"anon peak {ended.anon_peak / MiB:,.0f} MiB" if ended.anon_peak >= 0 else "not capped"
+    print(f"        {verdict}; {peak}, {ended.seconds:.0f} s", file=log, flush=True)
     return got
 
 

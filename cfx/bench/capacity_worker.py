@@ -43,8 +43,7 @@ def train_pytorch(a, out: dict) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=a.vocab, n_positions=1024, n_embd=a.width, n_layer=a.layers,
-                     n_head=max(1, a.width // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     loss_type="ForCausalLM")
+                     n_head=max(1, a.width // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg)
     out["params"] = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

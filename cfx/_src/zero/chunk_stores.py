@@ -79,7 +79,7 @@ class ChunkStores:
         files = nvme_dir is not None
         self.slice = max(1, min(size, slice_bytes // 4)) if files else size
         self.n_slices = math.ceil(size / self.slice)
-        self.io = IoThread(max_pending=4 * self.slice * 4) if files else None
+        self.io = IoThread(max_pending=2 * self.slice * 4) if files else None  # two slices' writes in flight
         self._inner_def = None  # the optimizer state's structure (the same for every slice)
         self._files: dict[tuple, torch.dtype] = {}  # what has been submitted to the files: key -> dtype
 
