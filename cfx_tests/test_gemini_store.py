@@ -184,3 +184,14 @@ def test_nvme_overwrite_in_place_rewrites_the_same_file_and_detects_a_torn_write
     assert os.listdir(tmp_path) == [os.path.basename(store._path("x"))]
     with pytest.raises(ChecksumMismatch, match="corrupted"):
         store.get("x")
+
+
+def test_memory_stores_adopt_without_a_copy_where_they_can():
+    for store in [DeviceStore("cpu"), HostStore()]:
+        x = torch.arange(6.0)
+        assert store.adopt("a", x) is x and store.nbytes == 24  # its own now: no second buffer
+        strided = torch.arange(12.0)[::2]
+        kept = store.adopt("b", strided)
+        assert kept is not strided and torch.equal(kept, strided) and kept.is_contiguous()  # a copy
+        store.adopt("a", torch.zeros(2))
+        assert store.nbytes == 8 + 24

@@ -89,7 +89,7 @@ class _MemoryStore(_Store):
     def adopt(self, key, tensor: torch.Tensor, *, kind: str = "chunk") -> torch.Tensor:
         """Store ``tensor`` itself under ``key`` (no copy) when it is contiguous and where this store
         keeps its payloads, else a copy (``put``); returns what is stored."""
-        if not tensor.is_contiguous() or self._alloc(torch.empty(0, device="meta")).device != tensor.device:
+        if not tensor.is_contiguous() or tensor.device != self.device:
             return self.put(key, tensor, kind=kind)
         if key in self._data:
             self.delete(key)
@@ -136,6 +136,7 @@ class HostStore(_MemoryStore):
     """Payloads in host RAM, page-locked when ``pin_memory`` (needs an accelerator backend)."""
 
     tier = "host"
+    device = torch.device("cpu")
 
     def __init__(self, *, pin_memory: bool = False):
         super().__init__()

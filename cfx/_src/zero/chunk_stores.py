@@ -101,11 +101,10 @@ class ChunkStores:
         """``key``'s tensor: a Future of it for a file (read on the I/O thread), else the stored tensor."""
         if tier != "nvme":
             return self.stores[tier].get(key)
-        fut = self.io.submit(self.stores["nvme"].get, key)
-        return fut
+        return self.io.submit(self.stores["nvme"].get, key)
 
     def get(self, tier: str, key: tuple) -> torch.Tensor:
-        return value_of(self.read_async(tier, key), self, tier)
+        return self.value(self.read_async(tier, key))
 
     def write(self, tier: str, key: tuple, x: torch.Tensor, kind: str) -> None:
         """``x`` as the new value of ``key``: copied into the tensor there (a file: written anew)."""
@@ -137,6 +136,13 @@ class ChunkStores:
         self.traffic["nvme->host"] += self.size * dtype.itemsize
         return self.io.submit(read)
 
+    def value(self, x: Future | torch.Tensor) -> torch.Tensor:
+        """What ``read_async`` returned, as a tensor (a file's read waited for and counted)."""
+        if isinstance(x, Future):
+            x = x.result()
+            self.traffic["nvme->host"] += x.numel() * x.element_size()
+        return x
+
     def get_chunk(self, tier: str, kind: str, c: int) -> torch.Tensor:
         got = self.chunk_async(tier, kind, c)
         return got.result() if isinstance(got, Future) else got
@@ -151,7 +157,7 @@ class ChunkStores:
         return [self.read_async(self.cfg.optim_home, ("optim", c, s, j)) for j in range(self._inner_def.num_leaves)]
 
     def inner_of(self, got: list) -> Any:
-        return tree_util.unflatten(self._inner_def, [value_of(x, self, self.cfg.optim_home) for x in got])
+        return tree_util.unflatten(self._inner_def, [self.value(x) for x in got])
 
     def load_inner(self, c: int, s: int = 0) -> Any:
         return self.inner_of(self.inner_async(c, s))
@@ -215,10 +221,3 @@ class ChunkStores:
             self.io.close()
         for store in self.stores.values():
             store.close()
-
-
-def value_of(x: Future | torch.Tensor, stores: ChunkStores, tier: str) -> torch.Tensor:
-    if isinstance(x, Future):
-        x = x.result()
-        stores.traffic["nvme->host"] += x.numel() * x.element_size()
-    return x

@@ -36,7 +36,6 @@ builds the engine from ``init(key)`` one leaf at a time, so no process ever hold
 """
 from __future__ import annotations
 
-
 import torch
 
 from cfx._src.core import tree as tree_util
@@ -49,8 +48,6 @@ from cfx._src.zero.flat import GroupLayout
 from cfx._src.zero.offload import Offload
 from cfx._src.zero.params import ShardedLeaf, ZeroParams, check_axis_size
 
-
-from cfx._src.zero.engine_update import NO_LEAF_NORMS  # noqa: F401 (its home was here)
 
 
 class GeminiEngine:

@@ -12,7 +12,6 @@ import torch
 
 from cfx._src.lax import collectives as lax
 from cfx._src.optim import reduction
-from cfx._src.zero.chunk_stores import value_of
 
 NO_LEAF_NORMS = ("cfx.zero.GeminiEngine steps flat chunks that pack many leaves; train with "
                  "cfx.parallel.Plan(zero=3, offload=...) instead, whose optimizer sees each leaf's pieces")
@@ -58,6 +57,7 @@ def read_unit(engine, c: int, s: int) -> dict:
         got["master"] = engine.tiers.read_async(ohome, ("master", c, s))
     return got
 
+
 def memory_unit(engine, c: int, grad: torch.Tensor) -> dict:
     home, ohome = engine.cfg.param_home, engine.cfg.optim_home
     got = {"param": engine.tiers.get(home, ("param", c, 0)), "inner": engine.tiers.inner_async(c, 0), "grad": grad}
@@ -65,15 +65,16 @@ def memory_unit(engine, c: int, grad: torch.Tensor) -> dict:
         got["master"] = engine.tiers.get(ohome, ("master", c, 0))
     return got
 
+
 def update_unit(engine, c: int, s: int, got: dict) -> None:
     home, ohome = engine.cfg.param_home, engine.cfg.optim_home
-    p = value_of(got["param"], engine.tiers, home)
+    p = engine.tiers.value(got["param"])
     a, b = engine.tiers.bounds(s)
-    g = value_of(got["grad"], engine.tiers, "nvme") if "grad" in got else torch.zeros(b - a, dtype=torch.float32)
+    g = engine.tiers.value(got["grad"]) if "grad" in got else torch.zeros(b - a, dtype=torch.float32)
     if engine.files and "grad" in got:
         engine.tiers.delete_file(("grad", c, s))
     low = engine.dtype != torch.float32
-    master = value_of(got["master"], engine.tiers, ohome) if low else p
+    master = engine.tiers.value(got["master"]) if low else p
     (u,), inner = engine.tx.update((g,), engine.tiers.inner_of(got["inner"]), (master,))
     if low:
         new_master = master + u

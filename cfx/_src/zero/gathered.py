@@ -9,7 +9,7 @@ passes down -- and:
    the leaves (``flat``);
 2. *frees after*: while the layer runs, a saved-tensor hook replaces every tensor autograd saves
    that lives in that buffer (a weight kept for the input gradient, its transpose, ...) by a
-   small ``_Ref(offset, size, stride)``, so when ``apply`` returns nothing holds the buffer;
+   small ``_Ref(offset, size, stride)`` (``regather.py``), so when ``apply`` returns nothing holds the buffer;
 3. *re-gathers in backward*: the first ``_Ref`` unpacked in backward all-gathers the shard
    again and every ``_Ref`` of the layer is served from that one buffer (except, inside
    ``ztx.value_and_grad``, for the step's outermost gathered layer: its backward begins where
@@ -47,6 +47,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
 from cfx._src.lax import comm, groups
 from cfx._src.mesh.context import in_backward
+from cfx._src.zero.regather import RegatherHooks
 from cfx._src.zero import prefetch
 from cfx._src.zero.flat import GroupLayout, concat_flat
 from cfx._src.zero.params import ShardedLeaf, ZeroParams
@@ -163,51 +164,6 @@ class _GatherFn(torch.autograd.Function):
         return (None,) + src.deliver(grad)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ref:
-    src: ShardSource
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-class _RegatherHooks:
-    """Saved-tensor hooks: tensors in ``full`` become ``_Ref``s; others go to the outer hooks."""
-
-    def __init__(self, src: ShardSource, full: torch.Tensor):
-        self.src, self.ptr, self.device = src, full.untyped_storage()._cdata, full.device
-        # ``full`` (or its first leaf: where the buffer starts) may be a view -- one rank's is of its
-        # chunk's copy, which holds other groups too: only what lies in this group's range is its
-        self.lo = full.storage_offset()
-        self.hi = self.lo + src.layout.n * src.layout.size
-        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self.ctx = None
-
-    def pack(self, t: torch.Tensor):
-        if t.device == self.device and t.untyped_storage()._cdata == self.ptr and self.lo <= t.storage_offset() < self.hi:
-            self.src.saved += 1
-            return _Ref(self.src, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
-        return self.outer[0](t) if self.outer is not None else t
-
-    def unpack(self, h):
-        if isinstance(h, _Ref):
-            src = h.src
-            view = src.get_regathered().as_strided(h.size, h.stride, h.offset)
-            src.saved -= 1
-            if src.saved <= 0:  # backward has read every saved view: the buffer lives only in them now
-                src.regathered = None  # (a tied embedding's, read by the head first, is not held to the end)
-            return view
-        return self.outer[1](h) if self.outer is not None else h
-
-    def __enter__(self):
-        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        return self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        ctx, self.ctx = self.ctx, None  # no cycle through the bound methods: pieces die on time
-        return ctx.__exit__(*exc)
-
-
 @contextlib.contextmanager
 def frozen_gathered(src: ShardSource):
     """The leaves of a group no gradient flows to (a LoRA adapter's frozen base) from this rank's
@@ -218,7 +174,7 @@ def frozen_gathered(src: ShardSource):
         yield _gather_traced(src)
         return
     full = src.gather(backward=False)
-    with _RegatherHooks(src, full):
+    with RegatherHooks(src, full):
         yield src.layout.leaves_of_full(full)
 
 
@@ -351,7 +307,7 @@ class Gathered:
             step.expect(self._child_groups(items, children))
         for i, view in zip(own, views):
             leaves[i] = view
-        with contextlib.nullcontext() if root else _RegatherHooks(src, views[0]):
+        with contextlib.nullcontext() if root else RegatherHooks(src, views[0]):
             out = fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
         src.after_forward()
         return out
