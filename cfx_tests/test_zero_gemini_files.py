@@ -35,6 +35,8 @@ def files_engine(model, tx, directory, *, micro=1, from_init=False):
             losses.append(loss.reshape(1))
         io = engine.io
         assert io["read_bytes"] > 0 and io["write_bytes"] > 0 and io["read_s"] > 0 and io["write_s"] > 0
+        buffers = engine.tiers.buffers  # reads land in buffers used before (no fresh pages faulted in)
+        assert buffers.reused > buffers.made > 0
         assert not engine.stores["host"].keys() or all(k[0] != "grad" for k in engine.stores["host"].keys())
         out = torch.cat(losses), zero.gather_params(engine.params(), axis="data"), engine.traffic["nvme->host"]
         engine.close()

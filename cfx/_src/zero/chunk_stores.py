@@ -10,7 +10,9 @@ elementwise optimizer, stepping slices one by one is stepping the chunk.
 
 Every file operation runs on one I/O thread per engine (``IoThread``), in the order submitted: a
 read submitted after a write of the same slice sees what was written; reads submitted ahead
-(``read_async``) overlap the caller's compute.
+(``read_async``) overlap the caller's compute. Files are read into reused page-aligned buffers
+(``ReadBuffers``: no fresh pages faulted in while a read runs, ``O_DIRECT`` straight into them), and
+a gradient file, once stepped, is kept to be overwritten in place by the next step's.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from typing import Any, Callable
 import torch
 
 from cfx._src.core import tree as tree_util
+from cfx._src.gemini.read_buffers import ReadBuffers
 from cfx._src.gemini.store import make_stores
-from cfx._src.mesh import memory
 from cfx._src.zero.offload import Offload
 
 SLICE_BYTES = 32 << 20  # files: at most this many bytes of fp32 per slice
@@ -80,6 +82,9 @@ class ChunkStores:
         self.slice = max(1, min(size, slice_bytes // 4)) if files else size
         self.n_slices = math.ceil(size / self.slice)
         self.io = IoThread(max_pending=2 * self.slice * 4) if files else None  # two slices' writes in flight
+        # what files are read into (and gradients summed in): reused, so the kernel faults no fresh
+        # pages in while a read runs; one chunk's bytes may wait idle between uses
+        self.buffers = ReadBuffers(max_idle=4 * size) if files else None
         self._inner_def = None  # the optimizer state's structure (the same for every slice)
         self._files: dict[tuple, torch.dtype] = {}  # what has been submitted to the files: key -> dtype
 
@@ -101,7 +106,11 @@ class ChunkStores:
         """``key``'s tensor: a Future of it for a file (read on the I/O thread), else the stored tensor."""
         if tier != "nvme":
             return self.stores[tier].get(key)
-        return self.io.submit(self.stores["nvme"].get, key)
+        return self.io.submit(self._read, key)
+
+    def _read(self, key: tuple) -> torch.Tensor:
+        shape, dtype = self.stores["nvme"].spec(key)
+        return self.stores["nvme"].get(key, out=self.buffers.empty(math.prod(shape), dtype).reshape(shape))
 
     def get(self, tier: str, key: tuple) -> torch.Tensor:
         return self.value(self.read_async(tier, key))
@@ -127,8 +136,7 @@ class ChunkStores:
         store, dtype = self.stores["nvme"], self._files[(kind, c, 0)]
 
         def read() -> torch.Tensor:
-            with memory.ops_unwatched():
-                out = torch.empty(self.size, dtype=dtype)
+            out = self.buffers.empty(self.size, dtype)
             for s in range(self.n_slices):
                 a, b = self.bounds(s)
                 store.get((kind, c, s), out=out[a:b])
@@ -173,7 +181,11 @@ class ChunkStores:
         home, key = self.grad_memory, ("grad", c)
         if home == "host":
             self.traffic["device->host"] += arriving.numel() * arriving.element_size()
-        if key not in self.stores[home]:  # made in the store (no zeros copied into it)
+        if key in self.stores[home]:
+            pass
+        elif home == "host" and self.buffers is not None:  # a reused buffer, zeroed (touched already)
+            self.stores[home].adopt(key, self.buffers.empty(self.size, arriving.dtype).zero_(), kind="grad")
+        else:  # made in the store (no zeros copied into it)
             self.stores[home].empty(key, (self.size,), arriving.dtype, kind="grad").zero_()
         return self.stores[home].get(key)
 
@@ -203,9 +215,9 @@ class ChunkStores:
     def has_file(self, key: tuple) -> bool:
         return key in self._files
 
-    def delete_file(self, key: tuple) -> None:
+    def discard_file(self, key: tuple) -> None:
+        """Forget what ``key``'s file holds; the file stays, to be overwritten in place by the next ``put``."""
         del self._files[key]
-        self.io.submit(self.stores["nvme"].delete, key)
 
     def take_grad(self, c: int) -> torch.Tensor:
         """Memory tiers: chunk ``c``'s gradient in fp32 (zeros where none arrived), dropped from its store."""

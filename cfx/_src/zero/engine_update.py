@@ -72,7 +72,7 @@ def update_unit(engine, c: int, s: int, got: dict) -> None:
     a, b = engine.tiers.bounds(s)
     g = engine.tiers.value(got["grad"]) if "grad" in got else torch.zeros(b - a, dtype=torch.float32)
     if engine.files and "grad" in got:
-        engine.tiers.delete_file(("grad", c, s))
+        engine.tiers.discard_file(("grad", c, s))
     low = engine.dtype != torch.float32
     master = engine.tiers.value(got["master"]) if low else p
     (u,), inner = engine.tx.update((g,), engine.tiers.inner_of(got["inner"]), (master,))
