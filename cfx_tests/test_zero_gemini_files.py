@@ -77,3 +77,32 @@ def test_accumulated_and_clipped_gradients_through_files_match_memory(tmp_path):
                                                           out_specs=(P("data"), P(), P()))(params, batches))
         torch.testing.assert_close(losses, ref_losses)
         cfx.tree.assert_tree_close(got, ref)
+
+
+@pytest.mark.timeout(120)
+def test_a_corrupted_state_file_stops_the_next_step(tmp_path):
+    """Checksums are taken and checked off the I/O thread (by the thread that waits for the bytes):
+    a flipped bit in a param file still raises ``ChecksumMismatch`` rather than training on it."""
+    model, tx, batches = gathered_model(gpt2()), cfx.optim.adamw(1e-3), data(2)
+
+    def body(batches):
+        engine = zero.GeminiEngine.from_init(model, gpt2().init, cfx.random.key(0), tx, axis="data",
+                                             offload=zero.offload(cfx.gemini.host(), nvme_dir=tmp_path / "nvme"),
+                                             slice_bytes=SLICE)
+        try:
+            t = batches[0]
+            engine.step(lambda p: model.loss(p, t[:, :-1], t[:, 1:]))
+            store = engine.stores["nvme"]
+            path = store._path(("param", 0, 0))
+            with open(path, "r+b") as f:
+                f.seek(5)
+                byte = f.read(1)
+                f.seek(5)
+                f.write(bytes([byte[0] ^ 0x10]))
+            with pytest.raises(cfx.gemini.ChecksumMismatch, match=r"\('param', 0, 0\).*corrupted"):
+                engine.step(lambda p: model.loss(p, t[:, :-1], t[:, 1:]))
+        finally:
+            engine.close()
+        return torch.zeros(1)
+    with cfx.Mesh({"data": 1}) as mesh:
+        cfx.shard_map(body, mesh=mesh, in_specs=(P(),), out_specs=P())(batches)

@@ -220,10 +220,11 @@ class NvmeStore(_Store):
     def _path(self, key) -> str:
         return os.path.join(self.directory, urllib.parse.quote(str(key), safe="") + ".chunk")
 
-    def put(self, key, tensor: torch.Tensor, *, kind: str = "chunk") -> None:
-        """Write ``tensor``'s bytes to ``key``'s file (replacing any)."""
+    def put(self, key, tensor: torch.Tensor, *, kind: str = "chunk", crc: int | None = None) -> None:
+        """Write ``tensor``'s bytes to ``key``'s file (replacing any). ``crc``: their ``checksum``, where
+        the caller took it already (e.g. on a thread that would otherwise wait for this one)."""
         t = tensor.detach().to("cpu").contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        raw = _bytes_of(t)
         path = self._path(key)
         in_place = self.overwrite and key in self._data and self._data[key][3] == raw.nbytes
         tmp = path if in_place else f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -250,7 +251,7 @@ class NvmeStore(_Store):
             raise
         if key in self._data:
             self._unbook(key)
-        self._data[key] = (path, t.dtype, tuple(t.shape), raw.nbytes, zlib.crc32(memoryview(raw)))
+        self._data[key] = (path, t.dtype, tuple(t.shape), raw.nbytes, _crc(raw) if crc is None else crc)
         self._book(key, raw.nbytes, kind)
 
     def spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
@@ -288,6 +289,13 @@ class NvmeStore(_Store):
     def get(self, key, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A CPU tensor with the bytes of ``key`` (read into ``out`` when given: a contiguous CPU
         tensor of the stored dtype and element count); raises ``ChecksumMismatch`` if corrupted."""
+        x, crc = self.read(key, out=out)
+        self.verify(key, x, crc)
+        return x
+
+    def read(self, key, *, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """``get`` without the check: the bytes as read and the checksum they must have, for the
+        caller to ``verify`` (e.g. on a thread that would otherwise wait for this one)."""
         if key not in self._data:
             raise self._missing(key)
         path, dtype, shape, nbytes, crc = self._data[key]
@@ -296,30 +304,31 @@ class NvmeStore(_Store):
                 raise ValueError(f"NvmeStore.get({key!r}, out=...): out must be a contiguous {dtype} tensor of "
                                  f"{nbytes} bytes, got {out.dtype} {tuple(out.shape)}.")
         if nbytes == 0:
-            return torch.empty(shape, dtype=dtype) if out is None else out
+            return (torch.empty(shape, dtype=dtype) if out is None else out), crc
         raw = np.empty(nbytes, dtype=np.uint8) if out is None else out.reshape(-1).view(torch.uint8).numpy()
         t0 = time.perf_counter()
         fd = self._open_for_read(path)
         try:
             if os.fstat(fd).st_size != nbytes:
-                got = -1
-            elif self._direct:
-                got = _read_direct(fd, raw, self._staging())
-            else:
-                got = _read_all(fd, memoryview(raw))
+                raise ChecksumMismatch(f"NvmeStore: {path} for key {key!r} has the wrong size (expected "
+                                       f"{nbytes} bytes); the file was truncated or overwritten.")
+            got = _read_direct(fd, raw, self._staging()) if self._direct else _read_all(fd, memoryview(raw))
+            if not self._direct:
                 _drop_cached(fd)
         finally:
             os.close(fd)
         self.io["read_s"] += time.perf_counter() - t0
         self.io["read_bytes"] += got
         if got != nbytes:
-            raise ChecksumMismatch(f"NvmeStore: {path} for key {key!r} has the wrong size (expected "
-                                   f"{nbytes} bytes); the file was truncated or overwritten.")
-        found = zlib.crc32(memoryview(raw))
+            raise ChecksumMismatch(f"NvmeStore: {path} for key {key!r} ended after {got} of its {nbytes} bytes.")
+        return (torch.from_numpy(raw).view(dtype).reshape(shape) if out is None else out), crc
+
+    def verify(self, key, x: torch.Tensor, crc: int) -> None:
+        """Raise ``ChecksumMismatch`` unless ``x`` (what ``read`` gave for ``key``) has checksum ``crc``."""
+        found = _crc(_bytes_of(x))
         if found != crc:
-            raise ChecksumMismatch(f"NvmeStore: {path} for key {key!r} is corrupted (crc32 {found:#010x}, "
+            raise ChecksumMismatch(f"NvmeStore: {self._path(key)} for key {key!r} is corrupted (crc32 {found:#010x}, "
                                    f"written {crc:#010x}).")
-        return torch.from_numpy(raw).view(dtype).reshape(shape) if out is None else out
 
     def delete(self, key) -> None:
         if key not in self._data:
@@ -327,6 +336,19 @@ class NvmeStore(_Store):
         path = self._data.pop(key)[0]
         os.remove(path)
         self._unbook(key)
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """The CRC-32 of a contiguous CPU tensor's bytes: what ``NvmeStore`` keeps for a file and checks."""
+    return _crc(_bytes_of(tensor))
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+def _crc(raw: np.ndarray) -> int:
+    return zlib.crc32(memoryview(raw))
 
 
 _ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory on this boundary

@@ -12,7 +12,9 @@ Every file operation runs on one I/O thread per engine (``IoThread``), in the or
 read submitted after a write of the same slice sees what was written; reads submitted ahead
 (``read_async``) overlap the caller's compute. Files are read into reused page-aligned buffers
 (``ReadBuffers``: no fresh pages faulted in while a read runs, ``O_DIRECT`` straight into them), and
-a gradient file, once stepped, is kept to be overwritten in place by the next step's.
+a gradient file, once stepped, is kept to be overwritten in place by the next step's. Checksums are
+taken by the thread that submits a write and checked by the thread that waits for a read (``value``,
+``chunk_value``), so the I/O thread only moves bytes.
 """
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ import contextvars
 import functools
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from cfx._src.core import tree as tree_util
 from cfx._src.gemini.read_buffers import ReadBuffers
-from cfx._src.gemini.store import make_stores
+from cfx._src.gemini.store import checksum, make_stores
 from cfx._src.zero.offload import Offload
 
 SLICE_BYTES = 32 << 20  # files: at most this many bytes of fp32 per slice
@@ -69,6 +71,12 @@ class IoThread:
             self._pool.shutdown(wait=True)
 
 
+class _Unverified(NamedTuple):
+    """A file read's tensor and, for each file it came from, ``(key, the part read, the checksum it must have)``."""
+    tensor: torch.Tensor
+    checks: list
+
+
 class ChunkStores:
     """One engine's tier stores (``stores``: ``{"device": ..., "host": ..., "nvme": ...}``) for
     chunks of ``size`` elements (module doc)."""
@@ -97,7 +105,9 @@ class ChunkStores:
         if tier == "nvme":
             self.traffic["host->nvme"] += x.numel() * x.element_size()
             self._files[key] = x.dtype
-            self.io.submit(functools.partial(self.stores["nvme"].put, key, x, kind=kind),
+            # the checksum taken here, so that the I/O thread only moves bytes
+            crc = checksum(x) if x.device.type == "cpu" and x.is_contiguous() else None
+            self.io.submit(functools.partial(self.stores["nvme"].put, key, x, kind=kind, crc=crc),
                            nbytes=x.numel() * x.element_size())
         else:
             self.stores[tier].put(key, x, kind=kind)
@@ -108,9 +118,10 @@ class ChunkStores:
             return self.stores[tier].get(key)
         return self.io.submit(self._read, key)
 
-    def _read(self, key: tuple) -> torch.Tensor:
+    def _read(self, key: tuple) -> _Unverified:
         shape, dtype = self.stores["nvme"].spec(key)
-        return self.stores["nvme"].get(key, out=self.buffers.empty(math.prod(shape), dtype).reshape(shape))
+        x, crc = self.stores["nvme"].read(key, out=self.buffers.empty(math.prod(shape), dtype).reshape(shape))
+        return _Unverified(x, [(key, x, crc)])
 
     def get(self, tier: str, key: tuple) -> torch.Tensor:
         return self.value(self.read_async(tier, key))
@@ -135,25 +146,35 @@ class ChunkStores:
             return self.stores[tier].get((kind, c, 0))
         store, dtype = self.stores["nvme"], self._files[(kind, c, 0)]
 
-        def read() -> torch.Tensor:
-            out = self.buffers.empty(self.size, dtype)
+        def read() -> _Unverified:
+            out, checks = self.buffers.empty(self.size, dtype), []
             for s in range(self.n_slices):
                 a, b = self.bounds(s)
-                store.get((kind, c, s), out=out[a:b])
-            return out
+                checks.append(((kind, c, s), *store.read((kind, c, s), out=out[a:b])))
+            return _Unverified(out, checks)
         self.traffic["nvme->host"] += self.size * dtype.itemsize
         return self.io.submit(read)
 
     def value(self, x: Future | torch.Tensor) -> torch.Tensor:
-        """What ``read_async`` returned, as a tensor (a file's read waited for and counted)."""
+        """What ``read_async`` returned, as a tensor (a file's read waited for, checked and counted)."""
         if isinstance(x, Future):
-            x = x.result()
+            x = self._verified(x)
             self.traffic["nvme->host"] += x.numel() * x.element_size()
         return x
 
+    def chunk_value(self, x: Future | torch.Tensor) -> torch.Tensor:
+        """What ``chunk_async`` returned, as a tensor (a file's read waited for and checked)."""
+        return self._verified(x) if isinstance(x, Future) else x
+
+    def _verified(self, fut: Future) -> torch.Tensor:
+        """A read's result, its checksums computed on this (the waiting) thread, not the I/O thread."""
+        got = fut.result()
+        for key, x, crc in got.checks:
+            self.stores["nvme"].verify(key, x, crc)
+        return got.tensor
+
     def get_chunk(self, tier: str, kind: str, c: int) -> torch.Tensor:
-        got = self.chunk_async(tier, kind, c)
-        return got.result() if isinstance(got, Future) else got
+        return self.chunk_value(self.chunk_async(tier, kind, c))
 
     # -- optimizer state: one stored tensor per leaf and slice ------------------------------------------
     def put_inner(self, c: int, s: int, inner: Any) -> None:

@@ -98,7 +98,7 @@ class GeminiEngine:
         if self.cfg.param_home == "device":
             return
         ahead = self._ahead.pop(c, None)
-        x = ahead.result() if ahead is not None else self.tiers.get_chunk(self.cfg.param_home, "param", c)
+        x = self.tiers.chunk_value(ahead) if ahead is not None else self.tiers.get_chunk(self.cfg.param_home, "param", c)
         if self.files:
             self.stores["device"].adopt(("copy", c), x, kind="chunk")  # read for this copy: no second one
         else:
