@@ -108,6 +108,9 @@ def _checkpoint_flags(p, d: TrainConfig) -> None:
                         "torchrun --max-restarts: a restarted job continues where it was saved)")
     p.add_argument("--metrics", default=d.metrics,
                    help="append every step's train loss (and each eval) to this file as JSON lines")
+    p.add_argument("--log", default=d.log, metavar="tensorboard:DIR",
+                   help="also write the train and eval losses and tokens/s as TensorBoard scalars into DIR "
+                        "(pip install 'cfx[tensorboard]'; view with: tensorboard --logdir DIR)")
     p.add_argument("--plot", default=d.plot,
                    help="at the end, draw this run's train and eval loss curves into this PNG file (matplotlib)")
     p.add_argument("--stop-after", type=int, default=d.stop_after,

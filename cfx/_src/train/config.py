@@ -35,6 +35,7 @@ class TrainConfig:
     async_save: bool = False       # write checkpoints on a background thread (the loop waits for the host copy)
     resume: str | None = None      # checkpoint to continue from; "auto": --save's newest, if any
     metrics: str | None = None     # append every step's losses here as JSON lines (process 0)
+    log: str | None = None         # "tensorboard:DIR": the losses and throughput as TensorBoard scalars (process 0)
     stop_after: int = 0            # stop (and save) after N steps of this run; 0 runs to --steps
     sample_bytes: int = 200        # bytes of text to sample from the trained model at the end
     remat: str = "none"            # none | blocks (nothing_saveable per block) | dots (dots_saveable) | auto

@@ -36,6 +36,7 @@ from cfx._src.train import data as data_lib
 from cfx._src.train import saving
 from cfx._src.train.config import TrainConfig, check_flags, plan_of
 from cfx._src.train.local import program_for
+from cfx._src.train.loggers import check_log, make_log
 from cfx._src.train.model import build_optimizer
 from cfx._src.transforms.shapes import eval_shape
 
@@ -94,6 +95,7 @@ def _checked(cfg: TrainConfig) -> tuple[TrainConfig, Plan]:
         torch.set_num_threads(cfg.threads)
     plan = plan_of(cfg)
     saving.check_save(cfg)  # a checkpoint that cannot be written fails now, not after the last step
+    check_log(cfg.log)
     return cfg, plan
 
 
@@ -187,55 +189,33 @@ def _fit(run: Run) -> Tally:
     bar = tqdm(range(run.start, tally.end), initial=run.start, total=cfg.steps,
                disable=not (cfg.progress and run.is_main), desc=f"{cfg.model}-{cfg.preset}", unit="step",
                mininterval=0.5)
-    log = _metrics_log(cfg, run)
-    log(step=run.start, eval=tally.history["eval"][-1][1])
-    for step in bar:
-        x, y = data_lib.sample_batch(run.train_data, jr.fold_in(run.k_data, step), cfg.batch, cfg.seq)
-        t0 = time.perf_counter()
-        loss = run.step(x, y, step)
-        tally.add(step, loss, x.numel(), time.perf_counter() - t0)
-        if not math.isfinite(loss) and not scaled:
-            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or use --precision fp32.")
-        done = step + 1
-        log(step=done, loss=loss)
-        if done == tally.end or (cfg.eval_every and done % cfg.eval_every == 0):
-            tally.history["eval"].append((done, run.evaluate()))
-            log(step=done, eval=tally.history["eval"][-1][1])
-        if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done != tally.end:
-            tally.save_time += run.save(done)
-        bar.set_postfix(loss=f"{tally.ema:.3f}", eval=f"{tally.history['eval'][-1][1]:.3f}",
-                        tok_s=f"{tally.tokens / max(tally.time, 1e-9):,.0f}", refresh=False)
+    log = make_log(metrics=cfg.metrics, log=cfg.log, start=run.start, is_main=run.is_main)
+    try:
+        log(step=run.start, eval=tally.history["eval"][-1][1])
+        for step in bar:
+            x, y = data_lib.sample_batch(run.train_data, jr.fold_in(run.k_data, step), cfg.batch, cfg.seq)
+            t0 = time.perf_counter()
+            loss = run.step(x, y, step)
+            seconds = time.perf_counter() - t0
+            tally.add(step, loss, x.numel(), seconds)
+            if not math.isfinite(loss) and not scaled:
+                raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or use --precision fp32.")
+            done = step + 1
+            log(step=done, loss=loss, tok_s=x.numel() / max(seconds, 1e-9))
+            if done == tally.end or (cfg.eval_every and done % cfg.eval_every == 0):
+                tally.history["eval"].append((done, run.evaluate()))
+                log(step=done, eval=tally.history["eval"][-1][1])
+            if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done != tally.end:
+                tally.save_time += run.save(done)
+            bar.set_postfix(loss=f"{tally.ema:.3f}", eval=f"{tally.history['eval'][-1][1]:.3f}",
+                            tok_s=f"{tally.tokens / max(tally.time, 1e-9):,.0f}", refresh=False)
+    finally:
+        log.close()
     bar.close()
     if cfg.save:
         tally.save_time += run.save(tally.end)
         background.wait()  # the last checkpoint is committed before the run reports it saved
     return tally
-
-
-def _metrics_log(cfg: TrainConfig, run: Run):
-    """``log(**fields)``: a JSON line appended to ``--metrics`` (process 0, flushed each time: a run
-    killed mid-way keeps every line written), or nothing without it."""
-    if not (cfg.metrics and run.is_main):
-        return lambda **fields: None
-    if run.start > 0 and os.path.exists(cfg.metrics):
-        _drop_lines_after(cfg.metrics, run.start)
-
-    def log(**fields) -> None:
-        with open(cfg.metrics, "a") as f:
-            f.write(json.dumps(fields) + "\n")
-    return log
-
-
-def _drop_lines_after(path: str, start: int) -> None:
-    """A resumed run rewrites the steps after its checkpoint's ``start``: drop the lines a killed run wrote
-    for them (and its evaluation at ``start``, which this run logs again), so each step appears once."""
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    kept = [r for r in records if r.get("step", 0) < start or (r.get("step") == start and "eval" not in r)]
-    if len(kept) < len(records):
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(path + ".tmp", path)
 
 
 def _finish(run: Run, tally: Tally) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""Where ``python -m cfx.train`` writes its numbers as it goes (process 0 only): ``--metrics FILE``, a
+JSON line per record, and ``--log tensorboard:DIR``, the same numbers as TensorBoard scalars (torch's
+``SummaryWriter``: ``loss/train``, ``loss/eval``, ``tokens_per_s``). Both are flushed as they are written,
+so a killed run keeps what it logged, and both forget what a killed run logged past the step a resumed
+run starts from, so each step appears once."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+LOG_KINDS = ("tensorboard",)
+SCALARS = {"loss": "loss/train", "eval": "loss/eval", "tok_s": "tokens_per_s"}  # record field -> tag
+
+
+def parse_log(spec: str | None) -> tuple[str, str] | None:
+    """``--log KIND:PATH`` as ``(kind, path)``; ValueError naming the forms it takes."""
+    if spec is None:
+        return None
+    kind, sep, path = spec.partition(":")
+    if not sep or kind not in LOG_KINDS or not path:
+        raise ValueError(f"--log {spec!r}: expected one of {', '.join(k + ':DIR' for k in LOG_KINDS)} "
+                         "(e.g. --log tensorboard:runs/tb; --metrics FILE writes JSON lines).")
+    return kind, path
+
+
+def check_log(spec: str | None) -> None:
+    """ValueError before step 0 if ``--log`` is malformed or its writer cannot be imported."""
+    if parse_log(spec) is not None:
+        _summary_writer()
+
+
+def _summary_writer():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ValueError(f"--log tensorboard needs the tensorboard package ({e}): "
+                         "pip install 'cfx[tensorboard]'.") from None
+    return SummaryWriter
+
+
+def make_log(*, metrics: str | None, log: str | None, start: int, is_main: bool) -> Callable[..., None]:
+    """``log(step=, **fields)`` writing to every destination asked for (module doc); ``log.close()``."""
+    sinks = []
+    if is_main and metrics:
+        sinks.append(_jsonl(metrics, start))
+    if is_main and parse_log(log) is not None:
+        sinks.append(_tensorboard(parse_log(log)[1], start))
+
+    def write(**fields) -> None:
+        for sink in sinks:
+            sink(**fields)
+
+    def close() -> None:
+        for sink in sinks:
+            getattr(sink, "close", lambda: None)()
+    write.close = close
+    return write
+
+
+def _jsonl(path: str, start: int):
+    if start > 0 and os.path.exists(path):
+        _drop_lines_after(path, start)
+
+    def write(**fields) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+    return write
+
+
+def _tensorboard(directory: str, start: int):
+    # purge_step: what a killed run wrote after ``start`` (the resumed checkpoint's step) is dropped when
+    # TensorBoard reads the logs; its train loss at ``start`` stays (the resumed run does not compute it)
+    writer = _summary_writer()(log_dir=directory, purge_step=start + 1 if start > 0 else None)
+
+    def write(step: int, **fields) -> None:
+        for name, value in fields.items():
+            if name in SCALARS and value is not None:
+                writer.add_scalar(SCALARS[name], value, step)
+        writer.flush()
+    write.close = writer.close
+    return write
+
+
+def _drop_lines_after(path: str, start: int) -> None:
+    """A resumed run rewrites the steps after its checkpoint's ``start``: drop the lines a killed run wrote
+    for them (and its evaluation at ``start``, which this run logs again), so each step appears once."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    kept = [r for r in records if r.get("step", 0) < start or (r.get("step") == start and "eval" not in r)]
+    if len(kept) < len(records):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(path + ".tmp", path)
