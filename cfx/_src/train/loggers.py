@@ -1,6 +1,7 @@
 """Where ``python -m cfx.train`` writes its numbers as it goes (process 0 only): ``--metrics FILE``, a
 JSON line per record, and ``--log tensorboard:DIR``, the same numbers as TensorBoard scalars (torch's
-``SummaryWriter``: ``loss/train``, ``loss/eval``, ``tokens_per_s``). Both are flushed as they are written,
+``SummaryWriter``: ``loss/train``, ``loss/eval``, ``tokens_per_s``; an MoE model's ``moe/max_load`` and
+``moe/dropped`` at the end, ``moe_stats``). Both are flushed as they are written,
 so a killed run keeps what it logged, and both forget what a killed run logged past the step a resumed
 run starts from, so each step appears once."""
 from __future__ import annotations
@@ -10,7 +11,8 @@ import os
 from typing import Callable
 
 LOG_KINDS = ("tensorboard",)
-SCALARS = {"loss": "loss/train", "eval": "loss/eval", "tok_s": "tokens_per_s"}  # record field -> tag
+SCALARS = {"loss": "loss/train", "eval": "loss/eval", "tok_s": "tokens_per_s",  # record field -> tag
+           "router_max_load": "moe/max_load", "router_dropped": "moe/dropped"}
 
 
 def parse_log(spec: str | None) -> tuple[str, str] | None:

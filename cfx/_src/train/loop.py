@@ -37,6 +37,7 @@ from cfx._src.train import saving
 from cfx._src.train.config import TrainConfig, check_flags, plan_of
 from cfx._src.train.local import program_for
 from cfx._src.train.loggers import check_log, make_log
+from cfx._src.train.moe_stats import router_summary
 from cfx._src.train.model import build_optimizer
 from cfx._src.transforms.shapes import eval_shape
 
@@ -80,7 +81,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg, plan = _checked(cfg)
     with contextlib.ExitStack() as stack:  # closes the mesh, if any, however the run ends
         run = _start(cfg, plan, stack)
-        return _finish(run, _fit(run))
+        log = make_log(metrics=cfg.metrics, log=cfg.log, start=run.start, is_main=run.is_main)
+        stack.callback(log.close)
+        return _finish(run, _fit(run, log), log)
 
 
 def _checked(cfg: TrainConfig) -> tuple[TrainConfig, Plan]:
@@ -179,7 +182,7 @@ class Tally:
         self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
 
 
-def _fit(run: Run) -> Tally:
+def _fit(run: Run, log) -> Tally:
     """The steps from ``run.start`` to ``--steps`` (or ``--stop-after``), evaluating and saving on
     the way, under a progress bar."""
     cfg = run.cfg
@@ -189,28 +192,24 @@ def _fit(run: Run) -> Tally:
     bar = tqdm(range(run.start, tally.end), initial=run.start, total=cfg.steps,
                disable=not (cfg.progress and run.is_main), desc=f"{cfg.model}-{cfg.preset}", unit="step",
                mininterval=0.5)
-    log = make_log(metrics=cfg.metrics, log=cfg.log, start=run.start, is_main=run.is_main)
-    try:
-        log(step=run.start, eval=tally.history["eval"][-1][1])
-        for step in bar:
-            x, y = data_lib.sample_batch(run.train_data, jr.fold_in(run.k_data, step), cfg.batch, cfg.seq)
-            t0 = time.perf_counter()
-            loss = run.step(x, y, step)
-            seconds = time.perf_counter() - t0
-            tally.add(step, loss, x.numel(), seconds)
-            if not math.isfinite(loss) and not scaled:
-                raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or use --precision fp32.")
-            done = step + 1
-            log(step=done, loss=loss, tok_s=x.numel() / max(seconds, 1e-9))
-            if done == tally.end or (cfg.eval_every and done % cfg.eval_every == 0):
-                tally.history["eval"].append((done, run.evaluate()))
-                log(step=done, eval=tally.history["eval"][-1][1])
-            if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done != tally.end:
-                tally.save_time += run.save(done)
-            bar.set_postfix(loss=f"{tally.ema:.3f}", eval=f"{tally.history['eval'][-1][1]:.3f}",
-                            tok_s=f"{tally.tokens / max(tally.time, 1e-9):,.0f}", refresh=False)
-    finally:
-        log.close()
+    log(step=run.start, eval=tally.history["eval"][-1][1])
+    for step in bar:
+        x, y = data_lib.sample_batch(run.train_data, jr.fold_in(run.k_data, step), cfg.batch, cfg.seq)
+        t0 = time.perf_counter()
+        loss = run.step(x, y, step)
+        seconds = time.perf_counter() - t0
+        tally.add(step, loss, x.numel(), seconds)
+        if not math.isfinite(loss) and not scaled:
+            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or use --precision fp32.")
+        done = step + 1
+        log(step=done, loss=loss, tok_s=x.numel() / max(seconds, 1e-9))
+        if done == tally.end or (cfg.eval_every and done % cfg.eval_every == 0):
+            tally.history["eval"].append((done, run.evaluate()))
+            log(step=done, eval=tally.history["eval"][-1][1])
+        if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done != tally.end:
+            tally.save_time += run.save(done)
+        bar.set_postfix(loss=f"{tally.ema:.3f}", eval=f"{tally.history['eval'][-1][1]:.3f}",
+                        tok_s=f"{tally.tokens / max(tally.time, 1e-9):,.0f}", refresh=False)
     bar.close()
     if cfg.save:
         tally.save_time += run.save(tally.end)
@@ -218,7 +217,7 @@ def _fit(run: Run) -> Tally:
     return tally
 
 
-def _finish(run: Run, tally: Tally) -> dict[str, Any]:
+def _finish(run: Run, tally: Tally, log) -> dict[str, Any]:
     """The summary (returned by every process; rank 0 prints it, the sample and ``--json``)."""
     cfg, history = run.cfg, tally.history
     summary = {
@@ -247,6 +246,10 @@ def _finish(run: Run, tally: Tally) -> dict[str, Any]:
         summary["sample"] = text.decode("utf-8", errors="replace")
     if not run.is_main:
         return summary
+    router = router_summary(run.model, summary["params"], run.val_batches)  # an MoE model's routing, held out
+    if router is not None:
+        summary["router"] = router
+        log(step=tally.end, router_max_load=router["max_load"], router_dropped=router["dropped"])
     print_summary(summary)
     if cfg.plot:
         plot_losses(history, cfg.plot, title=f"{summary['model']}: {summary['strategy']}")
@@ -351,6 +354,10 @@ def print_summary(s: dict[str, Any]) -> None:
         ("eval loss (first -> last)", f"{s['eval_loss_first']:.3f} -> {s['eval_loss_last']:.3f}"),
         ("tokens/s (train steps)", f"{s['tokens_per_s']:,.0f}"), ("train time", f"{s['train_time_s']:.1f} s"),
     ]
+    if s.get("router"):
+        r = s["router"]
+        rows.append(("MoE routers (held-out batches)", f"busiest expert {r['max_load']:.2f}x an even share; "
+                                                       f"{r['dropped']:.1%} of rows dropped over capacity"))
     if s.get("saved"):
         rows.append(("saved", f"{s['saved']} (continue with --resume {s['saved']}; saves held the loop "
                               f"{s['save_blocked_s']:.2f} s)"))
