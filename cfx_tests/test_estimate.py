@@ -10,8 +10,9 @@ from hypothesis import given, settings, strategies as st
 
 import cfx
 from cfx._src.estimate import published
-from cfx._src.estimate.schedule_time import makespan, schedule_of
-from cfx._src.pipeline.simulate import simulate
+from cfx._src.estimate.schedule_time import Program, makespan, schedule_of
+from cfx._src.pipeline.schedule import KINDS
+from cfx._src.pipeline.simulate import run_validated, simulate
 from cfx.parallel import Cluster, TransformerShape
 
 
@@ -71,6 +72,19 @@ def test_pipeline_steady_state_extension_equals_the_whole_simulation(name, p, k,
 
     whole = simulate(schedule_of(name, p, m, v), cost=cost).makespan
     assert makespan(name, p, m, v, f, b, head, 2 * head, send) == pytest.approx(whole, rel=5e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]), p=st.integers(1, 6), k=st.integers(1, 4),
+       costs=st.lists(st.floats(0, 3, allow_subnormal=False), min_size=2 * len(KINDS), max_size=2 * len(KINDS)))
+def test_the_compiled_schedule_gives_the_simulators_makespan_bit_for_bit(name, p, k, costs):
+    """``Program.makespan`` (what the estimate and the search run) is ``run_validated``'s clock: any costs by
+    kind, the last stage's (the head) their own."""
+    v = 2 if name == "interleaved" else 1
+    sched = schedule_of(name, p, p * k, v)
+    last, slot = p * v - 1, {kind: i for i, kind in enumerate(KINDS)}
+    want = run_validated(sched, lambda a: costs[slot[a.kind] + (len(KINDS) if a.stage == last else 0)]).makespan
+    assert Program(sched).makespan(costs) == want
 
 
 def test_model_state_is_the_plans_own_accounting():

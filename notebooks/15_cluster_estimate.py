@@ -62,7 +62,7 @@ plt.show()
 #
 # Every plan over pipe x data x seq x model with ZeRO-1, selective recomputation (`remat=dots`) and the 1F1B
 # schedule (`cfx.parallel.search` also tries ZeRO 0/2/3, remat none / blocks, interleaving and ZB-H1: 13,311
-# plans in about 40 s), estimated on the model's shape: MFU against memory per GPU.
+# plans in about 10 s), estimated on the model's shape: MFU against memory per GPU.
 
 # %%
 from cfx._src.estimate.search import candidates

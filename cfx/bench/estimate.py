@@ -26,7 +26,7 @@ import statistics
 import time
 
 import cfx
-from cfx._src.estimate import published
+from cfx._src.estimate import published, schedule_time
 from cfx.bench.common import Row, report, size_of
 
 # cfx eager GPT-2 medium, B8 x 1024, bf16 autocast, fused AdamW, on one H200 (torch 2.11, 2026-11-28):
@@ -73,12 +73,14 @@ def speed_rows(size: str) -> list[Row]:
     shape = cfx.parallel.TransformerShape.gpt(25600, 128, 160)
     plan = cfx.parallel.Plan.parse("pipe=64,data=6,model=8 zero=1 remat=dots sp=megatron microbatches=512 precision=bf16")
     cluster = cfx.parallel.Cluster.preset("a100-80gb", 3072)
+    schedule_time.clear_caches()  # each a first call: no schedule or makespan remembered from the rows before
     t = time.perf_counter()
     cfx.parallel.estimate(shape, plan, cluster, batch=(3072, 2048))
     dt = time.perf_counter() - t
     rows = [Row("estimate of a 1T config (its shape), 3,072 GPUs", dt, "s", "< 1", dt < 1)]
     if size != "smoke":
         model = cfx.models.gpt2("small", n_embd=25600, n_layer=128, n_head=160, vocab_size=51200, n_positions=2048)
+        schedule_time.clear_caches()
         t = time.perf_counter()
         cfx.parallel.estimate(model, plan, cluster, batch=(3072, 2048))
         dt = time.perf_counter() - t
@@ -87,6 +89,7 @@ def speed_rows(size: str) -> list[Row]:
     gpus, rows_ = {"smoke": (8, 8), "quick": (64, 64), "full": (1024, 1536)}[size]
     model = (cfx.models.gpt2("tiny", n_positions=2048) if size == "smoke" else
              cfx.models.gpt2("small", n_embd=12288, n_layer=96, n_head=96, vocab_size=51200, n_positions=2048))
+    schedule_time.clear_caches()
     found = cfx.parallel.search(model, cfx.parallel.Cluster.preset("a100-80gb", gpus), batch=(rows_, 2048))
     best = (f"best {found.best[0].plan} ({found.best[0].step_s:.3g} s, {found.best[0].mfu:.1%} MFU)" if found.best
             else "none fits")

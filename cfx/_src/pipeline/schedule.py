@@ -125,6 +125,31 @@ def _check_args(fn: str, **sizes: int) -> None:
                              f"pass a positive integer.")
 
 
+def check_sizes(name: str, p: int, m: int, v: int = 1) -> None:
+    """ValueError where schedule ``name`` (a generator's name) refuses ``p`` ranks, ``m`` microbatches and
+    ``v`` chunks, without building it (a 64-rank, 512-microbatch schedule has 200,000 actions)."""
+    _check_args(name, p=p, m=m, v=v)
+    if name == "interleaved_1f1b" and m % p:
+        fits = " or ".join(f"m={k * p}" for k in sorted({max(m // p, 1), m // p + 1}))
+        raise ValueError(f"interleaved_1f1b: n_microbatches m={m} must be a multiple of n_ranks "
+                         f"p={p} (microbatches run in groups of p); use {fits}.")
+
+
+def _made(kind: str, microbatch: int, stage: int, peer: int | None) -> Action:
+    """An ``Action`` a generator here made from non-negative ints and a kind of ``KINDS``: the fields
+    set without ``Action``'s per-field checks (a 64-rank schedule has ~10^5 of them; ``validate``
+    still checks every schedule as a whole)."""
+    a = object.__new__(Action)
+    _set(a, "kind", kind)
+    _set(a, "microbatch", microbatch)
+    _set(a, "stage", stage)
+    _set(a, "peer", peer)
+    return a
+
+
+_set = object.__setattr__
+
+
 def _with_messages(name: str, p: int, m: int, v: int, orders: list[list[tuple]]) -> Schedule:
     """Turns per-rank compute orders [(kind, microbatch, stage), ...] into a Schedule, inserting
     RECV right before the compute that needs the data and SEND right after the one producing it."""
@@ -139,14 +164,14 @@ def _with_messages(name: str, p: int, m: int, v: int, orders: list[list[tuple]])
         for kind, mb, s in order:
             assert rank(s) == r, (name, kind, mb, s, r)
             if kind == "F" and s > 0 and rank(s - 1) != r:
-                acts.append(Action("RECV_F", mb, s - 1, peer=rank(s - 1)))
+                acts.append(_made("RECV_F", mb, s - 1, rank(s - 1)))
             if kind in ("B", "I") and s < last and rank(s + 1) != r:
-                acts.append(Action("RECV_B", mb, s + 1, peer=rank(s + 1)))
-            acts.append(Action(kind, mb, s))
+                acts.append(_made("RECV_B", mb, s + 1, rank(s + 1)))
+            acts.append(_made(kind, mb, s, None))
             if kind == "F" and s < last and rank(s + 1) != r:
-                acts.append(Action("SEND_F", mb, s, peer=rank(s + 1)))
+                acts.append(_made("SEND_F", mb, s, rank(s + 1)))
             if kind in ("B", "I") and s > 0 and rank(s - 1) != r:
-                acts.append(Action("SEND_B", mb, s, peer=rank(s - 1)))
+                acts.append(_made("SEND_B", mb, s, rank(s - 1)))
         out.append(tuple(acts))
     return Schedule(name, p, m, v, tuple(out))
 
@@ -206,11 +231,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     Costs per chunk (F = B = 1 for a 1/v slice of a stage): idle / compute == (p-1) / (v*m),
     the textbook bubble (p-1)/m shrunk v times. Requires m % p == 0.
     """
-    _check_args("interleaved_1f1b", p=p, m=m, v=v)
-    if m % p:
-        fits = " or ".join(f"m={k * p}" for k in sorted({max(m // p, 1), m // p + 1}))
-        raise ValueError(f"interleaved_1f1b: n_microbatches m={m} must be a multiple of n_ranks "
-                         f"p={p} (microbatches run in groups of p); use {fits}.")
+    check_sizes("interleaved_1f1b", p, m, v)
     if v == 1:
         return _with_messages("interleaved_1f1b", p, m, 1,
                               [_one_f_one_b_order(p, m, r) for r in range(p)])

@@ -15,6 +15,16 @@ from cfx._src.plan.strategy import Built, Strategy
 from cfx._src.zero.params import ZeroParams
 
 
+GENERATORS = {"gpipe": "gpipe", "1f1b": "one_f_one_b", "interleaved": "interleaved_1f1b", "zb-h1": "zb_h1"}
+
+
+def check_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> None:
+    """ValueError where ``make_schedule`` would refuse these, without building the schedule."""
+    if name not in GENERATORS:
+        raise ValueError(f"schedule {name!r}: expected gpipe, 1f1b, interleaved or zb-h1.")
+    schedules.check_sizes(GENERATORS[name], pipe, microbatches, chunks if name == "interleaved" else 1)
+
+
 def make_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> schedules.Schedule:
     """The pipeline schedule named ``name`` for ``pipe`` ranks."""
     if name == "gpipe":
@@ -54,7 +64,7 @@ class Pipe(Strategy):
         if getattr(hook(model, "config"), "dropout", 0.0) > 0:
             raise ValueError(f"{where}: pipeline stages run without dropout; build the model with dropout=0.")
         stored_order(len(model.blocks), plan.size("pipe"), plan.chunks, type(model).__name__)
-        make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
+        check_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
 
     def place_frozen(self, plan, placer, model) -> Any:
         """Each block's frozen weights held by the stage that runs it (the stored order's stages)."""
