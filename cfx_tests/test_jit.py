@@ -213,6 +213,28 @@ def test_only_the_signature_recompiles():
     assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (5, 5, 0, 24)
 
 
+@pytest.mark.timeout(300)
+def test_dynamic_compiles_one_graph_for_every_batch_size():
+    """``dynamic=True``: a model's loss and gradient over batches of 2 to 7 rows and 6 to 9 positions is
+    one compile (the sizes are symbols), equal to eager (without it each new shape compiles:
+    ``test_only_the_signature_recompiles``)."""
+    model = MODELS["gpt2"]()
+    params = model.init(cfx.random.key(0))
+    f = cfx.value_and_grad(model.loss)
+    shapes = [(2, 8), (3, 8), (5, 6), (7, 9), (4, 8)]
+    batches = [cfx.random.randint(cfx.random.key(i), (b, t + 1), 0, 64) for i, (b, t) in enumerate(shapes)]
+    jf = cfx.jit(f, backend="aot_eager", dynamic=True, verbose=False)
+    for tokens in batches:
+        loss, grads = jf(params, tokens[:, :-1], tokens[:, 1:])
+        ref_loss, ref_grads = f(params, tokens[:, :-1], tokens[:, 1:])
+        torch.testing.assert_close(loss, ref_loss)
+        cfx.tree.assert_tree_close(grads, ref_grads)
+    stats = jf.stats()
+    assert (stats.signatures, stats.compiles, stats.recompiles, stats.calls) == (1, 1, 0, len(shapes)), stats
+    with pytest.raises(ValueError, match="dynamic must be True .* or False"):
+        cfx.jit(f, dynamic="batch")
+
+
 def test_each_compile_says_so_on_stderr_unless_silenced(capfd):
     jf = cfx.jit(lambda x: torch.tanh(x) * 2, backend="aot_eager")
     jf(torch.randn(3))

@@ -110,7 +110,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         k_ = k_.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
         v_ = v_.repeat_interleave(H // Hkv, dim=1)
     if mask is None and (not causal or T == S or T == 1):  # one query at the end sees every key
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal and T > 1, scale=scale)
+        is_causal = False
+        if causal and T > 1:  # a branch, not a value: under dynamic shapes a guard on T, not a SymBool argument
+            is_causal = True
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=is_causal, scale=scale)
         return out.transpose(1, 2)  # (B, T, H, D)
     allowed = _allowed(mask, causal, B, T, S, q.device)  # (B, 1, T, S)
     row_ok = allowed.any(dim=-1, keepdim=True)  # (B, 1, T, 1)

@@ -87,7 +87,7 @@ class Jitted:
 
     def __init__(self, fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = (),
                  static_argnums: int | Sequence[int] = (), backend: str | Callable = "inductor",
-                 compile: bool | str = True, verbose: bool = True):
+                 compile: bool | str = True, verbose: bool = True, dynamic: bool = False):
         if compile not in (True, False, "blocks"):
             raise ValueError(f"cfx.jit: compile must be True (the whole function), 'blocks' (each distinct block "
                              f"once, the rest eager) or False, got {compile!r}.")
@@ -100,7 +100,10 @@ class Jitted:
             raise ValueError(f"cfx.jit({self.name}): argument(s) {sorted(set(self.donate) & set(self.static))} "
                              "are both static and donated; a static argument is a value of the graph, not "
                              "a buffer. Drop one of the two.")
-        self.backend, self.compile = backend, compile
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"cfx.jit({self.name}): dynamic must be True (one graph for every size of the "
+                             f"arguments) or False (a graph per shape), got {dynamic!r}.")
+        self.backend, self.compile, self.dynamic = backend, compile, dynamic
         self._entries = jit_ranks.Entries()  # one per signature, shared by rank threads where they can
         self._last: list = []  # the last eager call's argument structures (``signature.split``)
         self._outs = tree_recurring.Recurring()  # the outputs' structure, the same every step
@@ -110,7 +113,7 @@ class Jitted:
     # -- calling ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate,
-                               keyed=self.compile is True, last=self._last)
+                               keyed=self.compile is True, last=self._last, shapes=not self.dynamic)
         if not self.compile:
             return self._eager(call)
         if self.compile == "blocks":  # regional: the blocks compiled, the rest eager (``regional``)
@@ -184,7 +187,7 @@ class Jitted:
         entry = jit_ranks.Entry(None, code, graphs)
         context.mark_constants()  # what the rank context bakes into the graph (cfx._src.core.context)
         backend = jit_ranks.Recorder(self.backend, entry)  # keeps the graphs and what the trace read
-        entry.run = torch.compile(own, fullgraph=True, dynamic=False, backend=backend)
+        entry.run = torch.compile(own, fullgraph=True, dynamic=self.dynamic, backend=backend)
         return entry
 
     def _eager(self, call: signature.Call):
@@ -249,7 +252,8 @@ class Jitted:
         if self.compile is not True:
             raise ValueError(f"cfx.jit({self.name}, compile={self.compile!r}) compiles no whole graph; nothing "
                              "to lower.")
-        call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate)
+        call = signature.split(self.name, args, kwargs, static=self.static, donate=self.donate,
+                               shapes=not self.dynamic)
         self._check_context()
         entry = self._entry(call)
         if entry.compile_seconds is None:
@@ -292,7 +296,7 @@ def _fits(out: Any, buf: torch.Tensor) -> bool:
 
 def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[int] = (),
         static_argnums: int | Sequence[int] = (), backend: str | Callable = "inductor",
-        compile: bool | str = True, verbose: bool = True) -> Any:
+        compile: bool | str = True, verbose: bool = True, dynamic: bool = False) -> Any:
     """Compile ``fn`` (a pure function of pytrees of tensors) with ``torch.compile``.
 
     ``donate_argnums``: arguments whose buffers the outputs may take (they are deleted after the
@@ -303,11 +307,15 @@ def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[
     compilation, ``cfx._src.transforms.regional``: compile time that does not grow with depth).
     ``verbose``: a line
     on stderr when a new signature compiles and when it is done (a compile takes seconds to
-    minutes; ``False`` silences it). Usable as a decorator, bare or through ``functools.partial``.
+    minutes; ``False`` silences it). ``dynamic=True``: one graph whose sizes are symbols, so a new
+    batch size (or sequence length) runs without compiling again -- dynamo still compiles once more
+    where code branches on a size (sizes 0 and 1 are specialised), and ``stats()`` counts it; without
+    it each new shape is a new signature and compiles (said on stderr, with the size that changed).
+    Usable as a decorator, bare or through ``functools.partial``.
     """
     if fn is None:
         return functools.partial(jit, donate_argnums=donate_argnums, static_argnums=static_argnums,
-                                 backend=backend, compile=compile, verbose=verbose)
+                                 backend=backend, compile=compile, verbose=verbose, dynamic=dynamic)
     if not callable(fn):
         raise ValueError(f"cfx.jit: expected a function, got {type(fn).__name__}.")
     with_body = getattr(fn, "cfx_with_body", None)
@@ -316,12 +324,12 @@ def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[
 
         def transform(f):
             body.append(Jitted(f, donate_argnums=donate_argnums, static_argnums=static_argnums, backend=backend,
-                               compile=compile, verbose=verbose))
+                               compile=compile, verbose=verbose, dynamic=dynamic))
             return body[0]
         mapped = with_body(transform, body_donates=signature.argnums("jit", "donate_argnums", donate_argnums))
         return JittedShardMap(mapped, body[0])
     return Jitted(fn, donate_argnums=donate_argnums, static_argnums=static_argnums, backend=backend,
-                  compile=compile, verbose=verbose)
+                  compile=compile, verbose=verbose, dynamic=dynamic)
 
 
 class JittedShardMap:

@@ -42,12 +42,13 @@ class Call:
 
 
 def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], donate: tuple[int, ...],
-          keyed: bool = True, last: list | None = None) -> Call:
+          keyed: bool = True, last: list | None = None, shapes: bool = True) -> Call:
     """Key the call and take its arguments apart; every mistake raises before anything runs.
     ``keyed=False``: no key (the per-leaf specs are what an eager call would build for nothing);
     the checks are the same. ``last`` (unkeyed calls): a list holding the structures of the last
     call's arguments, read and updated here -- a train step passes the same structures every
-    step, and its arguments' leaves are read through them (``tree.leaves_as``), quickly."""
+    step, and its arguments' leaves are read through them (``tree.leaves_as``), quickly.
+    ``shapes=False`` (``cfx.jit(dynamic=True)``): a tensor is keyed by its number of dims, not its sizes."""
     n = len(args)
     for what, nums in (("static_argnums", static), ("donate_argnums", donate)):
         for i in nums:
@@ -69,7 +70,7 @@ def split(name: str, args: tuple, kwargs: dict, *, static: tuple[int, ...], dona
     treedef = tuple(td for _, td in parts) + (() if kwargs else (_NO_KWARGS,))
     layout = _layout(n, tuple(statics), donate, treedef)
     if keyed or not _plain(leaves):
-        tensors, donated, specs, tensor_leaf = _leaves(name, layout, leaves, keyed)
+        tensors, donated, specs, tensor_leaf = _leaves(name, layout, leaves, keyed, shapes)
     else:  # every leaf a plain tensor, nothing to key: the structure says which are donated
         tensors, donated, specs, tensor_leaf = leaves, layout.donated, None, None
     where = _Where(layout, tensor_leaf)
@@ -101,7 +102,7 @@ def _plain(leaves: list) -> bool:
     return set(map(type, leaves)) <= _PLAIN
 
 
-def _leaves(name: str, layout: "_Layout", leaves: list, keyed: bool) -> tuple:
+def _leaves(name: str, layout: "_Layout", leaves: list, keyed: bool, shapes: bool = True) -> tuple:
     """The tensors among ``leaves`` (raising on leaves jit does not take), the donated ones'
     positions among them, each leaf's spec (``keyed``) and, where constants shift them, each
     tensor's leaf index (else None)."""
@@ -117,7 +118,7 @@ def _leaves(name: str, layout: "_Layout", leaves: list, keyed: bool) -> tuple:
                 tensor_leaf.append(k)
             tensors.append(x)
             if keyed:
-                specs.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+                specs.append((tuple(x.shape) if shapes else x.dim(), x.dtype, x.device, x.requires_grad))
             continue
         if hasattr(type(x), "__cfx_grad_leaf__"):
             raise ValueError(f"cfx.jit({name}): {layout.where(k)} is a {type(x).__name__}; jit takes tensors. Put "
@@ -226,7 +227,8 @@ def what_changed(last: list[tuple], now: list[tuple]) -> str:
         return "the arguments' structure or static values changed"
     for (where, shape, dtype), (_, old_shape, old_dtype) in zip(now, last):
         if shape != old_shape:
-            return f"{where} has shape {shape}, was {old_shape} (each new shape compiles once; keep batches to a few sizes)"
+            return (f"{where} has shape {shape}, was {old_shape} (each new shape compiles once: keep batches to a "
+                    "few sizes, or cfx.jit(..., dynamic=True) compiles one graph for every size)")
         if dtype != old_dtype:
             return f"{where} is {dtype}, was {old_dtype}"
     return "a static argument's value changed"
