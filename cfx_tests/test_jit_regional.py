@@ -12,7 +12,7 @@ from cfx import optim
 from cfx._src.transforms import regional
 
 
-def run(model, compile, steps=3):
+def run(model, compile, steps=3, jitted_out=None):
     tx = optim.adamw(1e-2)
     state = (model.init(cfx.random.key(0)), None)
     state = (state[0], tx.init(state[0]))
@@ -28,6 +28,8 @@ def run(model, compile, steps=3):
         x = cfx.random.randint(cfx.random.key(i + 1), (2, 16), 0, 64)
         state, loss = jitted(state, x, x.roll(-1, 1))
         losses.append(loss)
+    if jitted_out is not None:
+        jitted_out.append(jitted)
     return torch.stack(losses), state[0]
 
 
@@ -41,9 +43,12 @@ def test_blocks_compile_once_whatever_the_depth_and_equal_eager(name):
             hidden_size=32, n_head=4, n_kv_heads=2, intermediate_size=48, max_position_embeddings=16)
         model = build("tiny", n_layer=depth, vocab_size=64, **kw)
         want_losses, want = run(model, False)
-        before = counters["stats"]["unique_graphs"]
-        losses, got = run(model, "blocks")
+        before, jitted = counters["stats"]["unique_graphs"], []
+        losses, got = run(model, "blocks", jitted_out=jitted)
         graphs.append(counters["stats"]["unique_graphs"] - before)
+        stats = jitted[0].stats()  # what it compiled, counted: the graph dynamo made, once
+        assert (stats.signatures, stats.compiles, stats.calls) == (1, graphs[-1], 3), stats
+        assert (stats.compile_seconds > 0) == (graphs[-1] > 0)
         torch.testing.assert_close(losses, want_losses)
         torch.testing.assert_close(got, want)
     assert graphs == [1, 0]  # one block graph for 2 layers; 6 layers of the same block reuse it

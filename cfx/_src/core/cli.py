@@ -23,7 +23,10 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
     try:
         result = run(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # one write of the whole line: under torchrun every rank refuses at once into one unbuffered pipe,
+        # where print's separate write of the newline let two ranks' lines run together
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         return 2
     if report is not None:
         report(args, result)

@@ -54,7 +54,10 @@ class JitStats:
     """``compiles``: graphs dynamo holds, every one a compile (a new batch size is a new signature: one
     more compile, said on stderr with the shape that changed); ``recompiles``: graphs beyond one per
     signature (0 when the guards hold); ``signatures``: distinct call signatures seen;
-    ``compile_seconds``: the first calls' time (tracing, compiling and one run), summed."""
+    ``compile_seconds``: the first calls' time (tracing, compiling and one run), summed. Under
+    ``compile="blocks"`` a signature is a block class run compiled and ``compiles`` the graphs dynamo
+    made during this function's calls (each block configuration, and a recompile, e.g. under
+    ``torch.no_grad``; none where another function compiled the same block first)."""
 
     signatures: int
     compiles: int
@@ -108,6 +111,8 @@ class Jitted:
         self._last: list = []  # the last eager call's argument structures (``signature.split``)
         self._outs = tree_recurring.Recurring()  # the outputs' structure, the same every step
         self._last_compiled: list | None = None  # the last compiled call's (where, shape, dtype) per tensor
+        self._block_codes: set = set()  # compile="blocks": the block codes compiled for this function
+        self._block_calls, self._block_graphs, self._block_compile_s = 0, 0, 0.0
         functools.update_wrapper(self, fn)
 
     # -- calling ---------------------------------------------------------------------------------
@@ -117,8 +122,7 @@ class Jitted:
         if not self.compile:
             return self._eager(call)
         if self.compile == "blocks":  # regional: the blocks compiled, the rest eager (``regional``)
-            with regional.blocks_compiled(self.backend):
-                return self._eager(call)
+            return self._blocks_call(call)
         self._check_context()
         entry = self._entry(call)
         first = not entry.traced.is_set()  # this thread compiles it
@@ -137,6 +141,18 @@ class Jitted:
             self._say(f"compiled in {entry.compile_seconds:.1f} s")
         entry.calls += 1
         return self._finish(call, out, entry)
+
+    def _blocks_call(self, call: signature.Call):
+        """``compile="blocks"``: the call run eagerly, its blocks compiled; its compiles counted for ``stats``."""
+        before, t0 = regional.graphs_made(), time.perf_counter()
+        with regional.blocks_compiled(self.backend, self._block_codes):
+            out = self._eager(call)
+        self._block_calls += 1
+        made = regional.graphs_made() - before
+        if made > 0:
+            self._block_graphs += made
+            self._block_compile_s += time.perf_counter() - t0
+        return out
 
     def _why_again(self, call: signature.Call) -> str:
         """What this signature changes from the last one compiled (``signature.what_changed``)."""
@@ -268,6 +284,10 @@ class Jitted:
         return Lowered(self.name, entry.graphs[-1], entry.compile_seconds, _compiles(entry))
 
     def stats(self) -> JitStats:
+        if self.compile == "blocks":  # a signature per block class; the graphs its calls compiled
+            n = self._block_graphs
+            return JitStats(signatures=len(self._block_codes), compiles=n, recompiles=max(n - len(self._block_codes), 0),
+                            calls=self._block_calls, compile_seconds=self._block_compile_s)
         entries = list(self._entries.values())
         counts = [_compiles(e) for e in entries]
         return JitStats(signatures=len(entries), compiles=sum(counts),

@@ -19,15 +19,16 @@ import torch
 
 from cfx._src.core import context
 
-_BACKEND = context.Var("cfx-compile-blocks", None)  # the backend while a compile="blocks" step runs
+_BACKEND = context.Var("cfx-compile-blocks", None)  # (backend, the codes seen) while a compile="blocks" step runs
 _COMPILED: dict[Any, Callable] = {}  # (block, backend) -> its compiled apply; equal blocks share one
 _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def blocks_compiled(backend: Any) -> Iterator[None]:
-    """While inside, ``block_apply`` gives compiled ``apply`` functions (module doc)."""
-    token = _BACKEND.set(backend)
+def blocks_compiled(backend: Any, seen: set | None = None) -> Iterator[None]:
+    """While inside, ``block_apply`` gives compiled ``apply`` functions (module doc); ``seen`` collects
+    the code objects of the blocks' ``apply`` (one per block class)."""
+    token = _BACKEND.set((backend, set() if seen is None else seen))
     try:
         yield
     finally:
@@ -36,9 +37,11 @@ def blocks_compiled(backend: Any) -> Iterator[None]:
 
 def block_apply(block: Any) -> Callable:
     """``block.apply``, compiled once per distinct block inside ``blocks_compiled``."""
-    backend = _BACKEND.get()
-    if backend is None or torch.compiler.is_dynamo_compiling():
+    running = _BACKEND.get()
+    if running is None or torch.compiler.is_dynamo_compiling():
         return block.apply
+    backend, seen = running
+    seen.add(getattr(block.apply, "__func__", block.apply).__code__)
     try:
         key = (block, backend)
         hash(key)
@@ -54,3 +57,11 @@ def block_apply(block: Any) -> Callable:
 def compiled_blocks() -> int:
     """How many distinct blocks have a compiled ``apply`` (each compiles its forward and backward once)."""
     return len(_COMPILED)
+
+
+
+def graphs_made() -> int:
+    """Graphs dynamo has made in this process (its ``unique_graphs`` counter): a call's difference is
+    what the call compiled."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
