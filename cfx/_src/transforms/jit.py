@@ -111,8 +111,7 @@ class Jitted:
         self._last: list = []  # the last eager call's argument structures (``signature.split``)
         self._outs = tree_recurring.Recurring()  # the outputs' structure, the same every step
         self._last_compiled: list | None = None  # the last compiled call's (where, shape, dtype) per tensor
-        self._block_codes: set = set()  # compile="blocks": the block codes compiled for this function
-        self._block_calls, self._block_graphs, self._block_compile_s = 0, 0, 0.0
+        self._blocks = regional.CompiledBlocks(backend)  # compile="blocks": its calls and what they compiled
         functools.update_wrapper(self, fn)
 
     # -- calling ---------------------------------------------------------------------------------
@@ -122,7 +121,7 @@ class Jitted:
         if not self.compile:
             return self._eager(call)
         if self.compile == "blocks":  # regional: the blocks compiled, the rest eager (``regional``)
-            return self._blocks_call(call)
+            return self._blocks.run(lambda: self._eager(call))
         self._check_context()
         entry = self._entry(call)
         first = not entry.traced.is_set()  # this thread compiles it
@@ -141,18 +140,6 @@ class Jitted:
             self._say(f"compiled in {entry.compile_seconds:.1f} s")
         entry.calls += 1
         return self._finish(call, out, entry)
-
-    def _blocks_call(self, call: signature.Call):
-        """``compile="blocks"``: the call run eagerly, its blocks compiled; its compiles counted for ``stats``."""
-        before, t0 = regional.graphs_made(), time.perf_counter()
-        with regional.blocks_compiled(self.backend, self._block_codes):
-            out = self._eager(call)
-        self._block_calls += 1
-        made = regional.graphs_made() - before
-        if made > 0:
-            self._block_graphs += made
-            self._block_compile_s += time.perf_counter() - t0
-        return out
 
     def _why_again(self, call: signature.Call) -> str:
         """What this signature changes from the last one compiled (``signature.what_changed``)."""
@@ -285,9 +272,9 @@ class Jitted:
 
     def stats(self) -> JitStats:
         if self.compile == "blocks":  # a signature per block class; the graphs its calls compiled
-            n = self._block_graphs
-            return JitStats(signatures=len(self._block_codes), compiles=n, recompiles=max(n - len(self._block_codes), 0),
-                            calls=self._block_calls, compile_seconds=self._block_compile_s)
+            b = self._blocks
+            return JitStats(signatures=len(b.codes), compiles=b.graphs, recompiles=max(b.graphs - len(b.codes), 0),
+                            calls=b.calls, compile_seconds=b.seconds)
         entries = list(self._entries.values())
         counts = [_compiles(e) for e in entries]
         return JitStats(signatures=len(entries), compiles=sum(counts),
@@ -329,7 +316,8 @@ def jit(fn: Callable[..., Any] | None = None, *, donate_argnums: int | Sequence[
     on stderr when a new signature compiles and when it is done (a compile takes seconds to
     minutes; ``False`` silences it). ``dynamic=True``: one graph whose sizes are symbols, so a new
     batch size (or sequence length) runs without compiling again -- dynamo still compiles once more
-    where code branches on a size (sizes 0 and 1 are specialised), and ``stats()`` counts it; without
+    where code branches on a size (sizes 0 and 1 are specialised; sizes equal to each other at the
+    first call are taken as equal, its "duck sizing"), and ``stats()`` counts it; without
     it each new shape is a new signature and compiles (said on stderr, with the size that changed).
     Usable as a decorator, bare or through ``functools.partial``.
     """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -65,3 +66,24 @@ def graphs_made() -> int:
     what the call compiled."""
     from torch._dynamo.utils import counters
     return counters["stats"]["unique_graphs"]
+
+
+class CompiledBlocks:
+    """One ``cfx.jit(f, compile="blocks")``: its calls run with their blocks compiled, and what they
+    compiled counted for its ``stats()`` -- the block classes (``codes``), the graphs dynamo made during
+    its calls and the seconds of those calls."""
+
+    def __init__(self, backend: Any):
+        self.backend, self.codes = backend, set()
+        self.calls, self.graphs, self.seconds = 0, 0, 0.0
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        before, t0 = graphs_made(), time.perf_counter()
+        with blocks_compiled(self.backend, self.codes):
+            out = call()
+        self.calls += 1
+        made = graphs_made() - before
+        if made > 0:
+            self.graphs += made
+            self.seconds += time.perf_counter() - t0
+        return out
