@@ -1,10 +1,8 @@
 """Gemini tier stores: bit-exact round trips, NVMe integrity checks, memory accounting."""
 import errno
 import gc
-import mmap
 import os
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -204,10 +202,11 @@ def test_memory_stores_adopt_without_a_copy_where_they_can():
 def test_nvme_direct_io_round_trips_any_size_alignment_and_staging(tmp_path_factory, n, skew, out_aligned, seed):
     """``O_DIRECT`` writes and reads: from and into memory that starts on a page or not, lengths with a
     partial last block, payloads larger than the staging buffer (shrunk here to two pages)."""
+    from cfx._src.gemini.payload_io import PayloadIo
     from cfx._src.gemini.read_buffers import ReadBuffers
     directory = tmp_path_factory.mktemp("direct")
     store = NvmeStore(directory, overwrite=True)
-    store._bounce = np.frombuffer(mmap.mmap(-1, 8192), np.uint8)  # the staging buffer: two pages
+    store.payload_io = PayloadIo(staging_bytes=8192)  # a staging buffer of two pages
     pool = ReadBuffers(max_idle=0)
     x = random_bits(n + skew, torch.float32, seed)[skew:]  # skew * 4 bytes past an allocation's start
     for _ in range(2):  # a new file, then in place
@@ -215,7 +214,7 @@ def test_nvme_direct_io_round_trips_any_size_alignment_and_staging(tmp_path_fact
         assert os.path.getsize(store._path("k")) == 4 * n
     out = pool.empty(n, torch.float32) if out_aligned else torch.empty(n + 1)[1:]
     assert same_bits(store.get("k", out=out), x) and same_bits(store.get("k"), x)
-    assert store._direct == takes_o_direct(directory)  # the direct paths ran wherever they can
+    assert store.payload_io.direct == takes_o_direct(directory)  # the direct paths ran wherever they can
     store.close()
 
 
@@ -242,5 +241,5 @@ def test_nvme_store_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path
     store = NvmeStore(tmp_path)
     x = torch.arange(1001, dtype=torch.float32)
     store.put("k", x)
-    assert not store._direct and torch.equal(store.get("k"), x)
+    assert not store.payload_io.direct and torch.equal(store.get("k"), x)
     store.close()

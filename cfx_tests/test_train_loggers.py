@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from cfx._src.train.loggers import make_log
+from cfx._src.train.loggers import RunLog
 from cfx.train import TrainConfig, main, train
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -41,18 +41,18 @@ def test_tensorboard_scalars_are_the_logged_losses(tmp_path):
 
 def test_a_resumed_run_replaces_what_a_killed_run_logged_past_its_start(tmp_path):
     metrics, tb = tmp_path / "m.jsonl", tmp_path / "tb"
-    first = make_log(metrics=str(metrics), log=f"tensorboard:{tb}", start=0, is_main=True)
+    first = RunLog(metrics=str(metrics), log=f"tensorboard:{tb}", start=0, is_main=True)
     for step in range(1, 5):  # the killed run got to step 4; its checkpoint is step 2's
         first(step=step, loss=10.0 + step)
     first.close()
-    resumed = make_log(metrics=str(metrics), log=f"tensorboard:{tb}", start=2, is_main=True)
+    resumed = RunLog(metrics=str(metrics), log=f"tensorboard:{tb}", start=2, is_main=True)
     for step in (3, 4):
         resumed(step=step, loss=float(step))
     resumed.close()
     want = {1: 11.0, 2: 12.0, 3: 3.0, 4: 4.0}
     assert scalars(tb)["loss/train"] == want
     assert {r["step"]: r["loss"] for r in jsonl(metrics)} == want and len(jsonl(metrics)) == 4
-    nothing = make_log(metrics=str(metrics), log=f"tensorboard:{tmp_path / 'other'}", start=0, is_main=False)
+    nothing = RunLog(metrics=str(metrics), log=f"tensorboard:{tmp_path / 'other'}", start=0, is_main=False)
     nothing(step=1, loss=1.0)  # not process 0: writes nothing
     nothing.close()
     assert not (tmp_path / "other").exists() and len(jsonl(metrics)) == 4

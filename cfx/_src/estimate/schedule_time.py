@@ -7,6 +7,7 @@ import functools
 
 from cfx._src.pipeline import schedule as S
 from cfx._src.pipeline.schedule import KINDS, Schedule
+from cfx._src.pipeline.simulate import clock_order
 from cfx._src.pipeline.validate import validate
 
 
@@ -26,38 +27,20 @@ def schedule_of(name: str, p: int, m: int, v: int):
 
 
 class Program:
-    """A validated schedule compiled for ``run_validated``'s clock under costs by kind: every action in
-    the order that simulator takes them (it depends on the order of the lists, not on the costs) as
-    ``(rank, cost slot, op, message)`` -- the slot the kind's index in ``KINDS``, plus ``len(KINDS)`` on the
-    last stage (the head); op 0 compute, 1 send, 2 receive; ``message`` the send's number. ``makespan``
-    then does ``run_validated``'s arithmetic, in its order, with none of its bookkeeping: a search runs
-    thousands of these (measured: 5x faster; bit for bit its makespan, ``test_estimate``)."""
+    """A validated schedule under costs by kind: ``clock_order``'s steps (the simulator's order) as
+    ``(rank, cost slot, op, message)`` -- the slot the kind's index in ``KINDS``, plus ``len(KINDS)`` on
+    the last stage (the head). ``makespan`` then does ``run_validated``'s arithmetic, in its order, with
+    none of its bookkeeping: a search runs thousands of these (measured: 5x faster; bit for bit its
+    makespan, ``test_estimate``)."""
 
     def __init__(self, schedule: Schedule):
         self.p, last, n = schedule.n_ranks, schedule.n_stages - 1, len(KINDS)
         slot = {k: i for i, k in enumerate(KINDS)}
-        pos, sent, ops = [0] * self.p, {}, []
-        moved = True
-        while moved:
-            moved = False
-            for r in range(self.p):
-                acts = schedule.actions[r]
-                while pos[r] < len(acts):
-                    a = acts[pos[r]]
-                    key = (a.kind[-1], a.stage, a.microbatch)
-                    cost = slot[a.kind] + (n if a.stage == last else 0)
-                    if a.kind.startswith("RECV"):
-                        if key not in sent:
-                            break  # its SEND is later on another rank's list
-                        ops.append((r, cost, 2, sent[key]))
-                    elif a.kind.startswith("SEND"):
-                        sent[key] = len(sent)
-                        ops.append((r, cost, 1, sent[key]))
-                    else:
-                        ops.append((r, cost, 0, 0))
-                    pos[r] += 1
-                    moved = True
-        self.ops, self.n_messages = tuple(ops), len(sent)
+        self.ops, self.n_messages = [], 0
+        for r, i, op, msg in clock_order(schedule):
+            a = schedule.actions[r][i]
+            self.ops.append((r, slot[a.kind] + (n if a.stage == last else 0), op, msg))
+            self.n_messages += op == 1
 
     def makespan(self, costs: list[float]) -> float:
         """``run_validated(schedule, cost).makespan`` where ``cost(a)`` is ``costs[slot of a]`` (class doc)."""

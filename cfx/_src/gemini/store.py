@@ -11,8 +11,6 @@ caller names another). A store belongs to one rank and is not thread-safe.
 from __future__ import annotations
 
 import contextlib
-import errno
-import mmap
 import os
 import threading
 import time
@@ -24,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cfx._src.gemini.payload_io import PayloadIo
 from cfx._src.mesh import memory
 
 
@@ -167,14 +166,10 @@ class NvmeStore(_Store):
     constructor proves the directory writable (creating it if needed, then writing and removing a
     probe file) before anything else happens.
 
-    Files are written and read with ``O_DIRECT`` where the filesystem takes it: no page cache, so the
-    files cost this process's memory cgroup nothing, and no kernel copy (measured here under training,
-    direct writes ran 1.75 GiB/s against 0.95 buffered). Memory that starts on a page (e.g. from
-    ``ReadBuffers``) goes to and from the disk as it is; other memory through an 8 MiB page-aligned
-    staging buffer (that copy is timed with the I/O). Elsewhere the I/O is buffered and the pages
-    dropped at once (``posix_fadvise DONTNEED`` after the fsync and after each read). ``io`` counts
-    the bytes read and written and the seconds spent (``read_s``, ``write_s``: the write's fsync
-    included).
+    Files are written and read with ``O_DIRECT`` where the filesystem takes it, else buffered with
+    their pages dropped at once (``payload_io``: either way the files cost the memory cgroup nothing
+    between accesses). ``io`` counts the bytes read and written and the seconds spent (``read_s``,
+    ``write_s``: the write's fsync included).
 
     The chunk files are the store's own: ``close()`` removes them, and so does the store's
     garbage collection or the interpreter's exit if nobody called it, together with the
@@ -188,8 +183,7 @@ class NvmeStore(_Store):
         super().__init__()
         self.directory = os.fspath(directory)
         self.keep, self.overwrite = keep, overwrite
-        self._direct = hasattr(os, "O_DIRECT")  # until the filesystem refuses it
-        self._bounce: np.ndarray | None = None  # page-aligned staging for direct writes
+        self.payload_io = PayloadIo()
         self.io = {"read_bytes": 0, "write_bytes": 0, "read_s": 0.0, "write_s": 0.0}
         probe = os.path.join(self.directory, f".cfx-probe-{os.getpid()}-{threading.get_ident()}")
         try:
@@ -230,14 +224,9 @@ class NvmeStore(_Store):
         tmp = path if in_place else f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
             t0 = time.perf_counter()
-            fd = self._open_for_write(tmp, in_place)
+            fd = self.payload_io.open(tmp, os.O_WRONLY | (0 if in_place else os.O_CREAT | os.O_TRUNC))
             try:
-                if self._direct:
-                    _write_direct(fd, raw, self._staging())
-                else:
-                    _write_all(fd, memoryview(raw))
-                os.fsync(fd)
-                _drop_cached(fd)
+                self.payload_io.write(fd, raw)
             finally:
                 os.close(fd)
             if not in_place:
@@ -260,32 +249,6 @@ class NvmeStore(_Store):
             raise self._missing(key)
         return self._data[key][2], self._data[key][1]
 
-    def _open_for_write(self, path: str, in_place: bool) -> int:
-        flags = os.O_WRONLY | (0 if in_place else os.O_CREAT | os.O_TRUNC)
-        if self._direct:
-            try:
-                return os.open(path, flags | os.O_DIRECT, 0o600)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct = False  # this filesystem takes no O_DIRECT (e.g. tmpfs): buffered from now on
-        return os.open(path, flags, 0o600)
-
-    def _open_for_read(self, path: str) -> int:
-        if self._direct:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct = False
-        return os.open(path, os.O_RDONLY)
-
-    def _staging(self) -> np.ndarray:
-        if self._bounce is None:
-            self._bounce = np.frombuffer(mmap.mmap(-1, _STAGING), dtype=np.uint8)
-        return self._bounce
-
     def get(self, key, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A CPU tensor with the bytes of ``key`` (read into ``out`` when given: a contiguous CPU
         tensor of the stored dtype and element count); raises ``ChecksumMismatch`` if corrupted."""
@@ -307,14 +270,12 @@ class NvmeStore(_Store):
             return (torch.empty(shape, dtype=dtype) if out is None else out), crc
         raw = np.empty(nbytes, dtype=np.uint8) if out is None else out.reshape(-1).view(torch.uint8).numpy()
         t0 = time.perf_counter()
-        fd = self._open_for_read(path)
+        fd = self.payload_io.open(path, os.O_RDONLY)
         try:
             if os.fstat(fd).st_size != nbytes:
                 raise ChecksumMismatch(f"NvmeStore: {path} for key {key!r} has the wrong size (expected "
                                        f"{nbytes} bytes); the file was truncated or overwritten.")
-            got = _read_direct(fd, raw, self._staging()) if self._direct else _read_all(fd, memoryview(raw))
-            if not self._direct:
-                _drop_cached(fd)
+            got = self.payload_io.read(fd, raw)
         finally:
             os.close(fd)
         self.io["read_s"] += time.perf_counter() - t0
@@ -349,81 +310,6 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
 
 def _crc(raw: np.ndarray) -> int:
     return zlib.crc32(memoryview(raw))
-
-
-_ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory on this boundary
-_STAGING = 8 << 20  # bytes copied to aligned memory per direct write when a tensor's memory is not aligned
-
-
-def _write_direct(fd: int, raw: np.ndarray, staging: np.ndarray) -> None:
-    """``raw``'s bytes at the start of ``fd`` (opened ``O_DIRECT``): from ``raw``'s own memory where it
-    starts on a page, else copied through ``staging`` a piece at a time; a last partial block is
-    padded with zeros and cut off again (the file ends up ``raw.nbytes`` long)."""
-    n, off = raw.nbytes, 0
-    body = n - n % _ALIGN
-    if body and raw.ctypes.data % _ALIGN == 0:
-        _pwrite_all(fd, memoryview(raw[:body]), 0)
-        off = body
-    while off < n:
-        k = min(len(staging), n - off)
-        padded = -(-k // _ALIGN) * _ALIGN
-        staging[:k] = raw[off:off + k]
-        staging[k:padded] = 0
-        _pwrite_all(fd, memoryview(staging[:padded]), off)
-        off += k
-    if n % _ALIGN:
-        os.ftruncate(fd, n)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        done = os.pwrite(fd, view, offset)
-        view, offset = view[done:], offset + done
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _read_direct(fd: int, raw: np.ndarray, staging: np.ndarray) -> int:
-    """``fd``'s bytes (opened ``O_DIRECT``) into ``raw``: straight into its memory where it starts on a
-    page, else through ``staging`` a piece at a time; the bytes read."""
-    n, got = raw.nbytes, 0
-    body = n - n % _ALIGN
-    if body and raw.ctypes.data % _ALIGN == 0:
-        got = _pread_all(fd, memoryview(raw[:body]), 0)
-        if got < body:
-            return got
-    while got < n:
-        k = min(len(staging), n - got)
-        padded = -(-k // _ALIGN) * _ALIGN
-        r = min(k, _pread_all(fd, memoryview(staging[:padded]), got))
-        raw[got:got + r] = staging[:r]
-        got += r
-        if r < k:
-            break
-    return got
-
-
-def _pread_all(fd: int, view: memoryview, offset: int) -> int:
-    got = 0
-    while got < len(view):
-        r = os.preadv(fd, [view[got:]], offset + got)
-        if not r:
-            break
-        got += r
-    return got
-
-
-def _read_all(fd: int, view: memoryview) -> int:
-    return _pread_all(fd, view, 0)
-
-
-def _drop_cached(fd: int) -> None:
-    """The file's clean pages out of the page cache (where the platform has ``posix_fadvise``)."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _remove_files(entries: dict, tokens: dict, directory: str | None) -> None:

@@ -19,7 +19,7 @@ import dataclasses
 import numbers
 from typing import Callable, Mapping, Union
 
-from cfx._src.pipeline.schedule import COMPUTE, KINDS, Action, Schedule
+from cfx._src.pipeline.schedule import KINDS, Action, Schedule
 from cfx._src.pipeline.validate import validate
 
 DEFAULT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0,
@@ -84,13 +84,13 @@ def simulate(schedule: Schedule, *, cost: Cost = None) -> Timeline:
     return run_validated(schedule, _cost_fn(cost))
 
 
-def run_validated(schedule: Schedule, duration: Callable[[Action], float]) -> Timeline:
-    """``simulate`` of a schedule ``validate`` has passed (a caller that runs one schedule under many
-    costs validates it once), ``duration(action)`` its cost."""
+def clock_order(schedule: Schedule) -> tuple[tuple[int, int, int, int], ...]:
+    """Every action of a validated schedule in the order the clock takes them (each rank its list in
+    turn until a RECV whose SEND has not been issued; it depends on the lists, not on the costs), as
+    ``(rank, index in its list, op, message)``: op 0 compute, 1 send, 2 receive; ``message`` numbers
+    the sends, a receive naming its send's."""
     p = schedule.n_ranks
-    clock, pos = [0.0] * p, [0] * p
-    arrival: dict[tuple, float] = {}  # (family, stage, mb) -> when the data reaches the peer
-    events: list[list] = [[] for _ in range(p)]
+    pos, sent, steps = [0] * p, {}, []
     moved = True
     while moved:
         moved = False
@@ -98,23 +98,40 @@ def run_validated(schedule: Schedule, duration: Callable[[Action], float]) -> Ti
             acts = schedule.actions[r]
             while pos[r] < len(acts):
                 a = acts[pos[r]]
-                t = duration(a)
-                if type(t) is not float and not isinstance(t, numbers.Real) or t < 0:
-                    raise ValueError(f"simulate: cost of {a} must be a real number >= 0, got "
-                                     f"{t!r}.")
                 key = (a.kind[-1], a.stage, a.microbatch)
                 if a.kind.startswith("RECV"):
-                    if key not in arrival:
+                    if key not in sent:
                         break  # its SEND is later on another rank's clock
-                    clock[r] = max(clock[r], arrival[key]) + t
+                    steps.append((r, pos[r], 2, sent[key]))
                 elif a.kind.startswith("SEND"):
-                    arrival[key] = clock[r] + t
+                    sent[key] = len(sent)
+                    steps.append((r, pos[r], 1, sent[key]))
                 else:
-                    assert a.kind in COMPUTE, a
-                    events[r].append((a, clock[r], clock[r] + t))
-                    clock[r] += t
+                    steps.append((r, pos[r], 0, 0))
                 pos[r] += 1
                 moved = True
     assert all(pos[r] == len(schedule.actions[r]) for r in range(p)), "validated, cannot stall"
+    return tuple(steps)
+
+
+def run_validated(schedule: Schedule, duration: Callable[[Action], float]) -> Timeline:
+    """``simulate`` of a schedule ``validate`` has passed (a caller that runs one schedule under many
+    costs validates it once), ``duration(action)`` its cost."""
+    p = schedule.n_ranks
+    steps = clock_order(schedule)
+    clock, arrival = [0.0] * p, [0.0] * sum(op == 1 for _, _, op, _ in steps)
+    events: list[list] = [[] for _ in range(p)]
+    for r, i, op, msg in steps:
+        a = schedule.actions[r][i]
+        t = duration(a)
+        if type(t) is not float and not isinstance(t, numbers.Real) or t < 0:
+            raise ValueError(f"simulate: cost of {a} must be a real number >= 0, got {t!r}.")
+        if op == 2:
+            clock[r] = max(clock[r], arrival[msg]) + t
+        elif op == 1:
+            arrival[msg] = clock[r] + t
+        else:
+            events[r].append((a, clock[r], clock[r] + t))
+            clock[r] += t
     makespan = max(clock)
     return Timeline(schedule, tuple(tuple(ev) for ev in events), makespan)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
-
 LOG_KINDS = ("tensorboard",)
 SCALARS = {"loss": "loss/train", "eval": "loss/eval", "tok_s": "tokens_per_s",  # record field -> tag
            "router_max_load": "moe/max_load", "router_dropped": "moe/dropped"}
@@ -41,47 +39,31 @@ def _summary_writer():
     return SummaryWriter
 
 
-def make_log(*, metrics: str | None, log: str | None, start: int, is_main: bool) -> Callable[..., None]:
-    """``log(step=, **fields)`` writing to every destination asked for (module doc); ``log.close()``."""
-    sinks = []
-    if is_main and metrics:
-        sinks.append(_jsonl(metrics, start))
-    if is_main and parse_log(log) is not None:
-        sinks.append(_tensorboard(parse_log(log)[1], start))
+class RunLog:
+    """``log(step=, **fields)`` writing to every destination asked for (module doc); ``close()`` at the end."""
 
-    def write(**fields) -> None:
-        for sink in sinks:
-            sink(**fields)
+    def __init__(self, *, metrics: str | None, log: str | None, start: int, is_main: bool):
+        self.path, self.writer = (metrics if is_main else None), None
+        if self.path and start > 0 and os.path.exists(self.path):
+            _drop_lines_after(self.path, start)
+        if is_main and parse_log(log) is not None:
+            # purge_step: what a killed run wrote after ``start`` (the resumed checkpoint's step) is dropped
+            # when TensorBoard reads the logs; its train loss at ``start`` stays (this run does not compute it)
+            self.writer = _summary_writer()(log_dir=parse_log(log)[1], purge_step=start + 1 if start > 0 else None)
 
-    def close() -> None:
-        for sink in sinks:
-            getattr(sink, "close", lambda: None)()
-    write.close = close
-    return write
+    def __call__(self, step: int, **fields) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **fields}) + "\n")
+        if self.writer is not None:
+            for name, value in fields.items():
+                if name in SCALARS and value is not None:
+                    self.writer.add_scalar(SCALARS[name], value, step)
+            self.writer.flush()
 
-
-def _jsonl(path: str, start: int):
-    if start > 0 and os.path.exists(path):
-        _drop_lines_after(path, start)
-
-    def write(**fields) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps(fields) + "\n")
-    return write
-
-
-def _tensorboard(directory: str, start: int):
-    # purge_step: what a killed run wrote after ``start`` (the resumed checkpoint's step) is dropped when
-    # TensorBoard reads the logs; its train loss at ``start`` stays (the resumed run does not compute it)
-    writer = _summary_writer()(log_dir=directory, purge_step=start + 1 if start > 0 else None)
-
-    def write(step: int, **fields) -> None:
-        for name, value in fields.items():
-            if name in SCALARS and value is not None:
-                writer.add_scalar(SCALARS[name], value, step)
-        writer.flush()
-    write.close = writer.close
-    return write
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _drop_lines_after(path: str, start: int) -> None:

@@ -36,7 +36,7 @@ from cfx._src.train import data as data_lib
 from cfx._src.train import saving
 from cfx._src.train.config import TrainConfig, check_flags, plan_of
 from cfx._src.train.local import program_for
-from cfx._src.train.loggers import check_log, make_log
+from cfx._src.train.loggers import RunLog, check_log
 from cfx._src.train.moe_stats import router_summary
 from cfx._src.train.model import build_optimizer
 from cfx._src.transforms.shapes import eval_shape
@@ -81,7 +81,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg, plan = _checked(cfg)
     with contextlib.ExitStack() as stack:  # closes the mesh, if any, however the run ends
         run = _start(cfg, plan, stack)
-        log = make_log(metrics=cfg.metrics, log=cfg.log, start=run.start, is_main=run.is_main)
+        log = RunLog(metrics=cfg.metrics, log=cfg.log, start=run.start, is_main=run.is_main)
         stack.callback(log.close)
         return _finish(run, _fit(run, log), log)
 

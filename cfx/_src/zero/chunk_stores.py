@@ -202,12 +202,11 @@ class ChunkStores:
         home, key = self.grad_memory, ("grad", c)
         if home == "host":
             self.traffic["device->host"] += arriving.numel() * arriving.element_size()
-        if key in self.stores[home]:
-            pass
-        elif home == "host" and self.buffers is not None:  # a reused buffer, zeroed (touched already)
-            self.stores[home].adopt(key, self.buffers.empty(self.size, arriving.dtype).zero_(), kind="grad")
-        else:  # made in the store (no zeros copied into it)
-            self.stores[home].empty(key, (self.size,), arriving.dtype, kind="grad").zero_()
+        if key not in self.stores[home]:
+            if home == "host" and self.buffers is not None:  # a reused buffer, zeroed (touched already)
+                self.stores[home].adopt(key, self.buffers.empty(self.size, arriving.dtype).zero_(), kind="grad")
+            else:  # made in the store (no zeros copied into it)
+                self.stores[home].empty(key, (self.size,), arriving.dtype, kind="grad").zero_()
         return self.stores[home].get(key)
 
     @property

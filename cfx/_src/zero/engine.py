@@ -49,7 +49,6 @@ from cfx._src.zero.offload import Offload
 from cfx._src.zero.params import ShardedLeaf, ZeroParams, check_axis_size
 
 
-
 class GeminiEngine:
     """See the module doc."""
 

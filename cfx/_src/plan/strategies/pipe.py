@@ -27,15 +27,9 @@ def check_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> None
 
 def make_schedule(name: str, pipe: int, microbatches: int, chunks: int) -> schedules.Schedule:
     """The pipeline schedule named ``name`` for ``pipe`` ranks."""
-    if name == "gpipe":
-        return schedules.gpipe(pipe, microbatches)
-    if name == "1f1b":
-        return schedules.one_f_one_b(pipe, microbatches)
-    if name == "interleaved":
-        return schedules.interleaved_1f1b(pipe, microbatches, chunks)
-    if name == "zb-h1":
-        return schedules.zb_h1(pipe, microbatches)
-    raise ValueError(f"schedule {name!r}: expected gpipe, 1f1b, interleaved or zb-h1.")
+    check_schedule(name, pipe, microbatches, chunks)
+    build = getattr(schedules, GENERATORS[name])
+    return build(pipe, microbatches, chunks) if name == "interleaved" else build(pipe, microbatches)
 
 
 class Pipe(Strategy):
