@@ -15,7 +15,9 @@ convert weights to and from ``transformers``' ``GPT2LMHeadModel`` / ``LlamaForCa
 ``MixtralForCausalLM`` / ``OPTForCausalLM`` / ``BertForMaskedLM`` / ``BertForSequenceClassification`` /
 ``ViTForImageClassification``;
 ``save_pretrained(directory, model, params)`` / ``from_pretrained(directory, mesh=, specs=)``
-write and read Hugging Face model directories (config.json + safetensors, one file or sharded).
+write and read Hugging Face model directories (config.json + safetensors, one file or sharded);
+``pad_vocab(model, params, multiple=N)`` pads a vocabulary to split over a model axis (the padded ids
+masked: the same loss and tokens), ``unpad_vocab`` strips it (HF export does so itself).
 """
 from cfx._src.models.bert import BERT_PRESETS, Bert, BertConfig, bert
 from cfx._src.nn.loss import cross_entropy
@@ -28,11 +30,12 @@ from cfx._src.models.mixtral import MIXTRAL_PRESETS, Mixtral, MixtralConfig, mix
 from cfx._src.models.opt import OPT, OPT_PRESETS, OPTConfig, opt
 from cfx._src.models.parts import ChainModel, Hooks as ModelHooks, Model, ModelParts
 from cfx._src.models.vit import VIT_PRESETS, ViT, ViTConfig, vit
+from cfx._src.models.vocab_pad import pad_vocab, unpad_vocab
 
 __all__ = [
     "BERT_PRESETS", "Bert", "BertConfig", "EVOFORMER_PRESETS", "Evoformer", "EvoformerBlock", "EvoformerConfig", "GPT2", "GPT2Config", "GPT2_PRESETS", "LLAMA_PRESETS", "Llama", "LlamaConfig",
     "MIXTRAL_PRESETS", "Mixtral", "MixtralConfig", "mixtral",
     "ChainModel", "Model", "ModelHooks", "ModelParts", "OPT", "OPTConfig", "OPT_PRESETS", "cross_entropy",
     "bert", "evoformer", "from_hf", "from_pretrained", "gpt2", "hf_config", "llama", "model_from_hf_config", "opt",
-    "save_pretrained", "to_hf", "VIT_PRESETS", "ViT", "ViTConfig", "vit",
+    "save_pretrained", "to_hf", "VIT_PRESETS", "ViT", "ViTConfig", "vit", "pad_vocab", "unpad_vocab",
 ]

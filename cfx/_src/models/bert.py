@@ -140,7 +140,7 @@ class Bert(DecoderLM):
                token_types: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
         """The last block's output ``(B, T, C)`` (every position, padding included)."""
         c = self.config
-        check_inputs(f"{type(self).__name__}.apply", tokens, mask, vocab_size=c.vocab_size,
+        check_inputs(f"{type(self).__name__}.apply", tokens, mask, vocab_size=self.real_vocab_size,
                      max_len=c.max_position_embeddings, max_len_name="max_position_embeddings")
         self._check_token_types(tokens, token_types)
         check_params(f"{type(self).__name__}.apply", self, params)
@@ -185,7 +185,7 @@ class Bert(DecoderLM):
             p = params["mlm"]
             h = activation("gelu", layers["mlm_dense"].apply(p["dense"], x))
             h = layers["mlm_ln"].apply(p["ln"], h)
-            return layers["wte"].attend(params["wte"], h) + p["b"]
+            return self.mask_padding(layers["wte"].attend(params["wte"], h) + p["b"])
         pooled = torch.tanh(layers["pooler"].apply(params["pooler"], x[:, 0]))  # (B, C): the [CLS] token
         return layers["classifier"].apply(params["classifier"], dropout(pooled, c.dropout, key))  # (B, L)
 
@@ -214,7 +214,7 @@ class Bert(DecoderLM):
     def _check_targets(self, where: str, tokens: torch.Tensor, targets: Any) -> None:
         c = self.config
         if c.head == "mlm":
-            check_targets(where, tokens, targets, vocab_size=c.vocab_size)
+            check_targets(where, tokens, targets, vocab_size=self.real_vocab_size)
             return
         B = tokens.shape[0]
         if (not isinstance(targets, torch.Tensor) or targets.dtype in (torch.bool,) or targets.is_floating_point()
@@ -229,7 +229,7 @@ class Bert(DecoderLM):
 
     def check_batch(self, where: str, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         c = self.config
-        check_inputs(where, tokens, None, vocab_size=c.vocab_size, max_len=c.max_position_embeddings,
+        check_inputs(where, tokens, None, vocab_size=self.real_vocab_size, max_len=c.max_position_embeddings,
                      max_len_name="max_position_embeddings")
         self._check_targets(where, tokens, targets)
 

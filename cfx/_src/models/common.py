@@ -14,6 +14,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.nn.embedding import Embedding
 from cfx._src.nn.lora_weight import is_weight_node, weight_nodes_as_leaves
 from cfx._src.nn.sublayers import keep_sublayers
+from cfx._src.nn.vocab import TokenLoss
 from cfx._src.nn.loss import IGNORE_INDEX
 from cfx._src.remat.chained import chain_runner, take_chain_runner
 from cfx._src.transforms.regional import block_apply
@@ -210,7 +211,8 @@ class DecoderLM:
         elif len(self.blocks) != n_layer:
             raise ValueError(f"{type(self).__name__}: got {len(self.blocks)} blocks for n_layer={n_layer}.")
         built = self._build_layers()
-        unknown = sorted(set(dict(self.layers)) - set(built))
+        padable = {"vocab_pad"} if isinstance(built.get("loss"), TokenLoss) else set()  # (cfx.models.pad_vocab)
+        unknown = sorted(set(dict(self.layers)) - set(built) - padable)
         if unknown:
             raise ValueError(f"{type(self).__name__}: layers= replaces {unknown}, which it does not have; its "
                              f"sublayers are {sorted(built)}.")
@@ -226,6 +228,12 @@ class DecoderLM:
     def with_layers(self, **layers: Any):
         """A copy of the model with the named sublayers replaced (same params, other computation)."""
         return dataclasses.replace(self, layers=tuple({**dict(self.layers), **layers}.items()))
+
+    @property
+    def real_vocab_size(self) -> int:
+        """The ids the vocabulary holds: ``config.vocab_size`` less what ``cfx.models.pad_vocab`` padded."""
+        pad = self._sublayers.get("vocab_pad")
+        return self.config.vocab_size if pad is None else pad.size
 
     @property
     def logits_axis(self) -> str | None:
@@ -266,14 +274,23 @@ class DecoderLM:
         """
         where = f"{type(self).__name__}.loss"
         _check_int_2d(where, "tokens", tokens)
-        check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
+        check_targets(where, tokens, targets, vocab_size=self.real_vocab_size)
         return self.head_loss(params, self.hidden(params, tokens, mask=mask, key=key), targets)
 
     def logits(self, params: Any, x: torch.Tensor) -> torch.Tensor:
         """The head's logits ``(B, T, V)`` (this rank's ``(B, T, V/n)`` under a vocabulary split) for the
         last block's output ``x`` (B, T, C); ``_head_parts`` says what the head is."""
         h, head, p = self._head_parts(params, x)
-        return _head_logits(head, p, h)
+        return self._vocab_logits(head, p, h)
+
+    def _vocab_logits(self, head: Any, params: Any, h: torch.Tensor) -> torch.Tensor:
+        return self.mask_padding(_head_logits(head, params, h))
+
+    def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (B, T, V) -- this rank's (B, T, V/n) under a vocabulary split -- with the ids a padded
+        vocabulary added (``cfx.models.pad_vocab``) masked out of every softmax."""
+        pad = self._sublayers.get("vocab_pad")
+        return logits if pad is None else pad.mask(logits, self.logits_axis)
 
     def head_loss(self, params: Any, x: torch.Tensor, targets: torch.Tensor, *,
                   fused: bool | None = None) -> torch.Tensor:
@@ -287,9 +304,9 @@ class DecoderLM:
         w = p["w"]
         if fused is None:
             fused = h.is_cuda
-        plain = getattr(self._layers().get("loss"), "fusable", False)
+        plain = getattr(self._layers().get("loss"), "fusable", False) and self._layers().get("vocab_pad") is None
         if not fused or not plain or not isinstance(w, torch.Tensor):
-            return self.logits_loss(_head_logits(head, p, h), targets)
+            return self.logits_loss(self._vocab_logits(head, p, h), targets)
         from cfx_kernels.linear_cross_entropy import linear_cross_entropy
 
         weight = w if isinstance(head, Embedding) else w.T  # (V, C): an embedding's rows; a Linear's (C, V).T
@@ -312,16 +329,16 @@ class DecoderLM:
         if cache is not None and cache.validated:
             return
         name = self.max_len_name
-        check_inputs(where, tokens, mask, vocab_size=self.config.vocab_size, max_len=getattr(self.config, name),
+        check_inputs(where, tokens, mask, vocab_size=self.real_vocab_size, max_len=getattr(self.config, name),
                      max_len_name=name)
         check_params(where, self, params)
 
     def check_batch(self, where: str, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """``check_inputs`` and ``check_targets`` against this model's vocabulary and context."""
         name = self.max_len_name
-        check_inputs(where, tokens, None, vocab_size=self.config.vocab_size,
+        check_inputs(where, tokens, None, vocab_size=self.real_vocab_size,
                      max_len=getattr(self.config, name), max_len_name=name)
-        check_targets(where, tokens, targets, vocab_size=self.config.vocab_size)
+        check_targets(where, tokens, targets, vocab_size=self.real_vocab_size)
 
     def embed(self, emb_layer: Any, emb_params: dict, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings (B, T, C) from the embedding layer (from this rank's shard of the rows when

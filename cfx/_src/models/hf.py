@@ -11,11 +11,13 @@ from typing import Any, Mapping
 import torch
 
 from cfx._src.models import families
+from cfx._src.models.vocab_pad import unpad_vocab
 
 
 def hf_config(model: Any) -> Any:
-    """The ``transformers`` config (``GPT2Config``, ``LlamaConfig``, ...) matching ``model``."""
-    return families.of_model(model, "cfx.models.hf_config").hf_config(model)
+    """The ``transformers`` config (``GPT2Config``, ``LlamaConfig``, ...) matching ``model`` (its real
+    vocabulary: ``cfx.models.pad_vocab``'s padding stripped)."""
+    return families.of_model(model, "cfx.models.hf_config").hf_config(unpad_vocab(model))
 
 
 def model_from_hf_config(hf_config: Any, *, head: str = "mlm") -> Any:
@@ -30,9 +32,10 @@ def to_hf(model: Any, params: Any) -> dict[str, torch.Tensor]:
     ``GPT2LMHeadModel``) expects.
 
     Load it with ``hf_model.load_state_dict(sd, strict=True)`` into a model built from
-    ``model.hf_config()``. Tensors are copies in the params' dtype.
+    ``cfx.models.hf_config(model)``. Tensors are copies in the params' dtype; a padded vocabulary
+    (``cfx.models.pad_vocab``) is written without its padding.
     """
-    return families.of_model(model, "cfx.models.to_hf").to_hf(model, params)
+    return families.of_model(model, "cfx.models.to_hf").to_hf(*unpad_vocab(model, params))
 
 
 def from_hf(hf_model_or_state_dict: Any, model: Any = None) -> tuple[Any, dict]:

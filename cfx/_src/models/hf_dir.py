@@ -27,14 +27,14 @@ WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 def save_pretrained(directory: str | os.PathLike, model: Any, params: Any, *,
                     max_shard_bytes: int = 5 * 2**30) -> None:
     """Write ``model`` (its HF config) and ``params`` (tensors or ShardedArrays: written whole,
-    as HF files hold them) to ``directory``; more than ``max_shard_bytes`` of weights are split
+    as HF files hold them; a padded vocabulary without its padding) to ``directory``; more than ``max_shard_bytes`` of weights are split
     into shards with an index, as ``transformers`` does."""
     from safetensors.torch import save_file
 
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     family = families.of_model(model, "cfx.models.save_pretrained")
-    config = family.hf_config(model)
+    config = hf.hf_config(model)
     config.architectures = [family.hf_class(model)]
     config.torch_dtype = str(tree_util.leaves(params)[0].dtype).removeprefix("torch.")
     state = {k: v.contiguous() for k, v in hf.to_hf(model, device_get(params)).items()}
@@ -54,6 +54,16 @@ def from_pretrained(directory: str | os.PathLike, *, mesh=None, specs: Any = P()
     """``(model, params)`` from a Hugging Face directory (``config.json`` and safetensors weights,
     one file or sharded); with ``mesh``, params are ShardedArrays laid out by ``specs`` (a P or a
     pytree prefix, e.g. ``cfx.Rules(cfx.parallel.MEGATRON_RULES).specs(model.axes(), mesh=mesh)``)."""
+    model = model_of_directory(directory)
+    _, params = hf.from_hf(LazyStateDict(os.fspath(directory)), model)
+    if mesh is None:
+        return model, params
+    from cfx._src.spmd.shard_map import shard_map
+    return model, shard_map(lambda t: t, mesh=mesh, in_specs=(specs,), out_specs=specs)(params)
+
+
+def model_of_directory(directory: str | os.PathLike) -> Any:
+    """The cfx model of a Hugging Face directory's ``config.json`` (no weights read)."""
     import transformers
 
     directory = os.fspath(directory)
@@ -62,12 +72,7 @@ def from_pretrained(directory: str | os.PathLike, *, mesh=None, specs: Any = P()
                          "model directory (save_pretrained's output).")
     config = transformers.AutoConfig.from_pretrained(directory)
     family = families.of_model_type(getattr(config, "model_type", None), "cfx.models.from_pretrained")
-    model = family.build(config, family.head_of(config.architectures or []))
-    _, params = hf.from_hf(LazyStateDict(directory), model)
-    if mesh is None:
-        return model, params
-    from cfx._src.spmd.shard_map import shard_map
-    return model, shard_map(lambda t: t, mesh=mesh, in_specs=(specs,), out_specs=specs)(params)
+    return family.build(config, family.head_of(config.architectures or []))
 
 
 class LazyStateDict(Mapping):

@@ -146,7 +146,7 @@ class OPT(DecoderLM):
 
     def _param_layers(self) -> dict:
         """The sublayers with params, in init's order (the loss and the sequence have none)."""
-        return {n: layer for n, layer in self._layers().items() if n not in ("loss", "sequence")}
+        return {n: layer for n, layer in self._layers().items() if n not in ("loss", "sequence", "vocab_pad")}
 
     def _tree(self, blocks: Any, leaf: Any) -> dict:
         """``{name: leaf(name, layer)}`` in init's / axes' order: the embedding side, ``blocks``, the rest."""

@@ -76,6 +76,7 @@ class Hooks(Protocol):
 
     config: Any                # a config with ``vocab_size`` and the field ``max_len_name`` names
     max_len_name: str          # the config field bounding the sequence length (``cfx.generate``'s check)
+    real_vocab_size: int       # the ids its vocabulary holds: config.vocab_size less cfx.models.pad_vocab's padding
     logits_axis: str | None    # the mesh axis its logits' last dim is split over (a vocabulary-parallel head)
     batch_axes: tuple          # the logical axes of its batch's leading leaves (default ("batch", "length"))
     param_specs: Any           # its params' specs over the plan's mesh (a P or a pytree prefix), instead of
@@ -107,6 +108,11 @@ def max_length(model: Any) -> int | None:
     """The longest sequence ``model`` takes: its config's field that ``max_len_name`` names (None: no bound)."""
     name = hook(model, "max_len_name")
     return getattr(hook(model, "config"), name, None) if name else None
+
+
+def vocab_size(model: Any) -> int:
+    """The ids ``model``'s vocabulary holds (a padded vocabulary's real size: ``cfx.models.pad_vocab``)."""
+    return hook(model, "real_vocab_size") or hook(model, "config").vocab_size
 
 
 def has_hook(model: Any, name: str) -> bool:

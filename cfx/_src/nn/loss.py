@@ -44,7 +44,7 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tens
     valid = targets != IGNORE_INDEX
     local = targets - vocab_range_start(v_local, axis)
     mine = (local >= 0) & (local < v_local) & valid
-    picked = l.gather(-1, local.clamp(0, v_local - 1)[..., None])[..., 0] * mine
+    picked = torch.where(mine, l.gather(-1, local.clamp(0, v_local - 1)[..., None])[..., 0], 0.0)
     t = lax.psum(picked, axis)  # (B, T)
     per_token = (torch.log(s) + m - t) * valid
     return per_token.sum() / valid.sum().clamp_min(1)

@@ -12,7 +12,8 @@ import torch
 
 from cfx._src.lax import collectives as lax
 from cfx._src.nn.embedding import Embedding, vocab_parallel_embed
-from cfx._src.nn.loss import IGNORE_INDEX, cross_entropy, mean_over_sequence, vocab_parallel_cross_entropy
+from cfx._src.nn.loss import (IGNORE_INDEX, cross_entropy, mean_over_sequence, vocab_parallel_cross_entropy,
+                              vocab_range_start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,25 @@ class SequenceMeanLoss:
         loss = self.inner(logits, targets)
         count = (targets != IGNORE_INDEX).sum()
         return mean_over_sequence(torch.where(count > 0, loss, 0.0), count, self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedVocab:
+    """A vocabulary of ``size`` ids whose tables were padded past it (``cfx.models.pad_vocab``: to split
+    evenly over a mesh axis): the logits of the padded ids are the dtype's lowest value, so their
+    probability is exactly 0 -- the loss, greedy choices and samples are those of the unpadded
+    vocabulary -- and they pass no gradient back (a model's ``"vocab_pad"`` sublayer)."""
+
+    size: int
+
+    def mask(self, logits: torch.Tensor, axis: str | None = None) -> torch.Tensor:
+        """``logits (..., V)`` with the padded ids' columns masked; ``axis``: the logits are this rank's
+        shard ``(..., V/n)`` of a vocabulary split over it (each rank's ids start at its offset)."""
+        v_local = logits.shape[-1]
+        ids = torch.arange(v_local, device=logits.device)
+        if axis is not None:
+            ids = ids + vocab_range_start(v_local, axis)
+        return logits.masked_fill(ids >= self.size, torch.finfo(logits.dtype).min)
 
 
 @dataclasses.dataclass(frozen=True)

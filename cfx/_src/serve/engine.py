@@ -29,7 +29,7 @@ import torch
 from cfx._src.core import tree as tree_util
 from cfx._src.generate.pick import whole_vocab
 from cfx._src.mesh.spec import P
-from cfx._src.models.parts import hook, max_length
+from cfx._src.models.parts import hook, max_length, vocab_size
 from cfx._src.serve.adapters import Adapters
 from cfx._src.serve.blocks import BlockAllocator
 from cfx._src.serve.paged import KVPool, PagedStep
@@ -63,7 +63,7 @@ class Engine:
         self.model, self.params = model, params
         config = hook(model, "config")
         self.max_len = max_length(model)
-        self.vocab_size = config.vocab_size
+        self.vocab_size = vocab_size(model)  # (a padded vocabulary's real ids)
         self.eos_id = getattr(config, "eos_token_id", None) if eos_id is None else eos_id
         device = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
         self.block_bytes = _block_bytes(model, params, block_size, device)  # the whole model's, per block

@@ -25,6 +25,7 @@ from cfx._src.lax.collectives import axis_index
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.mesh.spec import P
 from cfx._src.models.hf_dir import from_pretrained
+from cfx._src.models.parts import vocab_size
 from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
 from cfx._src.parallel.rules import Rules
 from cfx._src.core.cli import command_parser, parse, run_command
@@ -131,7 +132,7 @@ def load(path: str) -> tuple[Any, Any, Any]:
 
 
 def _bytes_for(model: Any, path: str) -> ByteTokenizer:
-    if model.config.vocab_size < 256:
-        raise ValueError(f"--checkpoint {path!r} has no tokenizer and a vocabulary of {model.config.vocab_size} "
+    if vocab_size(model) < 256:
+        raise ValueError(f"--checkpoint {path!r} has no tokenizer and a vocabulary of {vocab_size(model)} "
                          "(< 256 bytes); save the tokenizer into the directory (tokenizer.save_pretrained).")
     return ByteTokenizer()

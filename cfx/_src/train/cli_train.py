@@ -142,6 +142,10 @@ def _lora_flags(p, d: TrainConfig) -> None:
                    help="a Hugging Face tokenizer directory (often --init-from's own): --data (a text file, or a "
                         "directory of *.txt documents) read as its tokens, documents joined by its end-of-text token; "
                         "default: bytes")
+    p.add_argument("--pad-vocab", default=d.pad_vocab, metavar="auto|N",
+                   help="pad the vocabulary to a multiple of N, the padded ids masked (the same loss and tokens): auto "
+                        "pads only what a --mesh model axis cannot split (GPT-2's 50257 on model=2: 50304); "
+                        "--save-hf writes the real vocabulary")
     p.add_argument("--save-hf", default=d.save_hf,
                    help="at the end, write the trained model (and --tokenizer) to this directory as a Hugging Face "
                         "model directory that transformers' from_pretrained and python -m cfx.generate load")

@@ -63,6 +63,7 @@ class TrainConfig:
     tokenizer: str | None = None   # a Hugging Face tokenizer directory: --data read as its tokens, not bytes
     save_hf: str | None = None     # write the trained model here at the end as a Hugging Face model directory
     plot: str | None = None        # draw the train and eval loss curves into this PNG at the end
+    pad_vocab: str | None = None   # "auto" or N: pad the vocabulary to a multiple of N (cfx.models.pad_vocab)
 
 
 def check_flags(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
@@ -133,6 +134,10 @@ def _check_values(cfg: TrainConfig) -> None:
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ValueError(f"--min-lr-ratio {cfg.min_lr_ratio}: the final learning rate's fraction of --lr must be in "
                          "[0, 1].")
+    if cfg.pad_vocab is not None and cfg.pad_vocab != "auto" and not (
+            str(cfg.pad_vocab).isdigit() and int(cfg.pad_vocab) >= 1):
+        raise ValueError(f"--pad-vocab {cfg.pad_vocab}: give auto (the smallest padding a --mesh model axis splits) "
+                         "or a positive multiple, e.g. --pad-vocab 128.")
     if cfg.nvme_dir is not None:
         parent = os.path.dirname(os.path.abspath(cfg.nvme_dir))
         if not os.path.isdir(parent):

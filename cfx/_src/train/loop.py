@@ -27,6 +27,7 @@ from cfx._src.checkpoint import background
 from cfx._src.core import random as jr
 from cfx._src.lora.model import LoraModel
 from cfx._src.models.hf_dir import save_pretrained
+from cfx._src.models.parts import vocab_size
 from cfx._src.core import tree as tree_util
 from cfx._src.core.text import format_table, printable
 from cfx._src.plan.lora_base import place_base
@@ -116,9 +117,9 @@ def _start(cfg: TrainConfig, plan: Plan, stack: contextlib.ExitStack) -> Run:
         model, pretrained = saving.base_params(cfg)
     else:
         model = saving.trained_model(cfg)  # under --lora: the adapters over the frozen base
-    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+    if tokenizer is not None and len(tokenizer) > vocab_size(model):
         raise ValueError(f"--tokenizer {cfg.tokenizer!r}: {len(tokenizer)} tokens do not fit the model's vocabulary of "
-                         f"{model.config.vocab_size}; give the model's own tokenizer.")
+                         f"{vocab_size(model)}; give the model's own tokenizer.")
     k_init, k_data, k_val, k_drop = data_lib.run_keys(cfg.seed)
     val_batches = [data_lib.sample_batch(val_data, jr.fold_in(k_val, i), cfg.batch, cfg.seq)
                    for i in range(cfg.eval_batches)]

@@ -15,6 +15,7 @@ from cfx._src.lora.frozen import frozen_base
 from cfx._src.lora.model import LoraModel
 from cfx._src.models import families
 from cfx._src.models.parts import max_length
+from cfx._src.models.vocab_pad import pad_vocab
 from cfx._src.optim.alias import adamw
 from cfx._src.optim.base import GradientTransformation, chain, identity
 from cfx._src.optim.clipping import clip_by_global_norm
@@ -22,16 +23,36 @@ from cfx._src.optim.loss_scale import dynamic_loss_scale
 from cfx._src.optim.schedules import warmup_cosine_decay_schedule
 from cfx._src.parallel.megatron import MEGATRON_RULES, tensor_parallel
 from cfx._src.parallel.rules import Rules
+from cfx._src.plan.config import parse_mesh
 from cfx._src.precision.amp import policy
-from cfx._src.train.config import TrainConfig
+from cfx._src.train.config import MESH_FIX, TrainConfig
 from cfx._src.train.data import VOCAB_SIZE
 
 
 def build_model(cfg: TrainConfig) -> Any:
-    """``--model`` (a family's name: ``families.trained()``) at ``--preset`` over bytes; ValueError
-    unless ``--seq`` fits its context."""
+    """``--model`` (a family's name: ``families.trained()``) at ``--preset`` over bytes, its vocabulary
+    padded as ``--pad-vocab`` says; ValueError unless ``--seq`` fits its context."""
     model = families.named(cfg.model, "--model").preset(cfg.preset, vocab_size=VOCAB_SIZE)
-    return check_context(cfg, model, f"{cfg.model} {cfg.preset!r}")
+    return check_context(cfg, padded_vocab(cfg, model), f"{cfg.model} {cfg.preset!r}")
+
+
+def padded_vocab(cfg: TrainConfig, model: Any, params: Any = None) -> Any:
+    """``model`` (and ``params``) with the vocabulary ``--pad-vocab`` pads (``cfx.models.pad_vocab``): to
+    a multiple of N, or under ``auto`` to a multiple of 64 x the ``--mesh`` model axis where that axis
+    does not split it (Megatron-LM's rounding; 64 keeps the head's matmul tiles whole)."""
+    multiple = _pad_multiple(cfg, model)
+    if multiple is None:
+        return model if params is None else (model, params)
+    return pad_vocab(model, params, multiple=multiple)
+
+
+def _pad_multiple(cfg: TrainConfig, model: Any) -> int | None:
+    if cfg.pad_vocab is None:
+        return None
+    if cfg.pad_vocab != "auto":
+        return int(cfg.pad_vocab)
+    n = dict(parse_mesh(cfg.mesh, fix=MESH_FIX)).get("model", 1) if cfg.mesh else 1
+    return None if model.config.vocab_size % n == 0 else 64 * n
 
 
 def check_context(cfg: TrainConfig, model: Any, what: str) -> Any:

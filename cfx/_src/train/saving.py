@@ -36,7 +36,8 @@ from cfx._src.lora.adapters import merge
 from cfx._src.lora.config import LoraConfig
 from cfx._src.lora.model import LoraModel
 from cfx._src.lora.peft import WEIGHTS, check_peft, save_peft
-from cfx._src.models.hf_dir import from_pretrained
+from cfx._src.models.hf_dir import from_pretrained, model_of_directory
+from cfx._src.models.parts import vocab_size
 from cfx._src.optim.base import chain, identity
 from cfx._src.plan.program import Program
 from cfx._src.plan.saving import model_leaves, state_differences
@@ -44,7 +45,7 @@ from cfx._src.precision.quant import dequantize
 from cfx._src.spmd.arrays import device_get
 from cfx._src.train.config import TrainConfig
 from cfx._src.train.data import VOCAB_SIZE, run_keys
-from cfx._src.train.model import build_model, build_optimizer, check_context, job_base, lora_model
+from cfx._src.train.model import build_model, build_optimizer, check_context, job_base, lora_model, padded_vocab
 from cfx._src.transforms.shapes import eval_shape
 
 # the flags that decide the state's leaves (the others -- learning rate, clip, mesh, ... -- do not)
@@ -191,23 +192,44 @@ def base_params(cfg: TrainConfig) -> tuple[Any, Any]:
     if not path:
         model = build_model(cfg)
         return model, model.init(jr.fold_in(run_keys(cfg.seed).init, 1))
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        model, params = from_pretrained(path)
-    elif committed(path):
-        model, params = read_params(path)
+    model, params = from_pretrained(path) if _is_hf(cfg) else read_params(path)
+    model, params = padded_vocab(cfg, model, params)
+    return _checked_base(cfg, model), params
+
+
+def init_model(cfg: TrainConfig) -> Any:
+    """The model of ``--init-from`` from its config alone (no weights read), padded as ``--pad-vocab`` says."""
+    if _is_hf(cfg):
+        model = model_of_directory(cfg.init_from)
     else:
-        raise ValueError(f"--init-from {path!r}: neither a Hugging Face model directory (with config.json) nor a "
-                         "python -m cfx.train checkpoint (a file, or a directory with index.json).")
-    vocab = getattr(model.config, "vocab_size", 0)
+        with open_stored(cfg.init_from) as stored:
+            model = _model_of(cfg.init_from, stored.metadata)[1]
+        model = model.model if isinstance(model, LoraModel) else model  # (read_params merges its adapters)
+    return _checked_base(cfg, padded_vocab(cfg, model))
+
+
+def _is_hf(cfg: TrainConfig) -> bool:
+    """Whether ``--init-from`` is a Hugging Face directory (else a checkpoint); ValueError if neither."""
+    path = cfg.init_from
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return True
+    if committed(path):
+        return False
+    raise ValueError(f"--init-from {path!r}: neither a Hugging Face model directory (with config.json) nor a "
+                     "python -m cfx.train checkpoint (a file, or a directory with index.json).")
+
+
+def _checked_base(cfg: TrainConfig, model: Any) -> Any:
+    """``--init-from``'s ``model``, or a ValueError where the job's data or ``--seq`` cannot feed it."""
+    path, vocab = cfg.init_from, vocab_size(model)
     if not cfg.tokenizer and vocab < VOCAB_SIZE:
         raise ValueError(f"--init-from {path!r}: a vocabulary of {vocab} cannot read the job's {VOCAB_SIZE} byte ids; "
                          f"fine-tune a model of {VOCAB_SIZE} tokens or more, or read --data with its --tokenizer.")
-    if not cfg.tokenizer and os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")) \
-            and vocab > VOCAB_SIZE:
+    if not cfg.tokenizer and _is_hf(cfg) and vocab > VOCAB_SIZE:
         raise ValueError(f"--init-from {path!r}: a pretrained vocabulary of {vocab} tokens, but --data is read as "
                          f"bytes (ids 0-255, another language to it): add --tokenizer DIR (the model's own, e.g. "
                          f"--tokenizer {path}).")
-    return check_context(cfg, model, f"--init-from {path!r}"), params
+    return check_context(cfg, model, f"--init-from {path!r}")
 
 
 def _flags(value, names: list[str]) -> str:
@@ -267,9 +289,9 @@ def _model_of(path: str, meta: dict) -> tuple[TrainConfig, Any]:
 
 
 def trained_model(cfg: TrainConfig) -> Any:
-    """The model a run of ``cfg`` trains: ``--model`` at ``--preset``, or under ``--lora`` the adapters
-    over its frozen base (``base_params``, stored as ``--lora-base`` says)."""
+    """The model a run of ``cfg`` trains: ``--model`` at ``--preset`` (a full fine-tune: ``--init-from``'s),
+    or under ``--lora`` the adapters over its frozen base (``base_params``, stored as ``--lora-base`` says)."""
     if not cfg.lora:
-        return build_model(cfg)
+        return init_model(cfg) if cfg.init_from else build_model(cfg)
     model, params = base_params(cfg)
     return lora_model(model, LoraConfig.parse(cfg.lora), job_base(cfg, model, params))

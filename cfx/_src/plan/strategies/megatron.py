@@ -58,7 +58,9 @@ class Megatron(Strategy):
         vocab = getattr(hook(model, "config"), "vocab_size", None)
         if plan.sp != "megatron" and vocab is not None and vocab % n:
             raise ValueError(f"{where}: the vocabulary of {vocab} does not split over model={n} (vocab-parallel "
-                             "embedding and loss); use a model axis size dividing it, or pad the vocabulary.")
+                             "embedding and loss); use a model axis size dividing it, or pad it: model, params = "
+                             f"cfx.models.pad_vocab(model, params, multiple={64 * n}) (the padded ids masked: the same "
+                             "loss and tokens; python -m cfx.train: --pad-vocab auto).")
 
     def rules(self, plan) -> dict[str, Any]:
         if not plan.has("model"):
