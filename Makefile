@@ -8,7 +8,7 @@ CONSTRAINTS := constraints.txt
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.cfx-installed
 
-.PHONY: demo test bench install lock clean
+.PHONY: demo test bench docs docs-serve install lock clean
 
 install: $(STAMP)
 
@@ -28,6 +28,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# the documentation site (docs/, the notebooks, the API reference from the docstrings) into site/; warnings are errors
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(BIN)/python -m mkdocs serve --strict
 
 bench: $(STAMP)
 	$(BIN)/python -m cfx.bench overhead --quick

@@ -220,8 +220,8 @@ class OPT(DecoderLM):
         return x, layers[name], params[name]
 
     def parts(self) -> ModelParts:
-        """Embeddings (wte [+ project_in] + wpe) | blocks | [ln_f] [+ project_out] + the head + loss
-        (dropout off, no padding mask: positions 0..T-1)."""
+        """Embeddings (wte, project_in where there is one, wpe) | blocks | ln_f and project_out where there
+        are, the head + loss (dropout off, no padding mask: positions 0..T-1)."""
         names = tuple(self._param_layers())
         first = tuple(n for n in names if n in EMBEDDING_SIDE)
         last = tuple(n for n in names if n not in EMBEDDING_SIDE)
