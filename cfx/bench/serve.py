@@ -9,6 +9,8 @@ batch of 8 sequences at a time.
 * ``throughput_vs_hf_static``: the engine's requested output tokens per second over transformers'
   ``generate`` on the same requests in padded batches of 8, in arrival order (each batch left-padded
   to its longest prompt and run to its longest output: what a server without continuous batching does);
+  each side run twice, alternately, its faster run taken (``--smoke``: once): a busy 2-core machine
+  moves either side's time by 20% between runs;
 * ``throughput_vs_hf_continuous``: over transformers' own continuous batching, ``generate_batch``
   (which takes one ``max_new_tokens`` for every request: the longest; tokens past a request's own
   length are not counted);
@@ -166,12 +168,14 @@ def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = Non
     _, params = cfx.models.from_hf(hf, model)
     requests = workload(n, prompts, outputs, model.config.vocab_size)
     wanted = sum(o for _, o in requests)
+    runs = [] if size == "smoke" else [run_engine(model, params, requests)[0], hf_static(hf, requests)]
     t_cfx, engine, tokens, times = run_engine(model, params, requests)
-    t_static = hf_static(hf, requests)
+    t_static = min([hf_static(hf, requests), *runs[1:]])
+    t_cfx = min([t_cfx, *runs[:1]])
     rows = []
     cfx_tps = wanted / t_cfx
     ratio = t_static / t_cfx
-    rows.append(Row(f"throughput_vs_hf_static ({n} requests, batch {BATCH})", ratio,
+    rows.append(Row(f"throughput_vs_hf_static ({n} requests, batch {BATCH}, best of {1 + bool(runs)} each)", ratio,
                     f"x ({cfx_tps:,.0f} vs {wanted / t_static:,.0f} output tok/s)", ">= 2.0", ratio >= 2.0))
     hf.config._attn_implementation = "sdpa"
     try:

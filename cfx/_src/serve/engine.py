@@ -151,7 +151,7 @@ class Engine:
         return [list(s.output) for s in self.seqs[str(request_id)]]
 
     # -- one step -----------------------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Schedule, run the model over the scheduled tokens, pick each finished row's next token."""
         plan = self.scheduler.schedule()
@@ -219,8 +219,10 @@ class Engine:
         a block shared by several counts once."""
         bs, filled = self.blocks.block_size, {}
         for s in self.scheduler.running:
-            for k, b in enumerate(s.table):
-                filled[b] = max(filled.get(b, 0), min(bs, max(0, s.computed - k * bs)))
+            full, part = divmod(s.computed, bs)
+            filled.update(dict.fromkeys(s.table[:full], bs))  # (a full block holds the most a block can)
+            for b in s.table[full:]:
+                filled[b], part = max(filled.get(b, 0), part), 0
         if filled:
             self.stats["occupancy"].append(sum(filled.values()) / (len(filled) * bs))
 
@@ -261,14 +263,11 @@ class Forward:
     def rows(self, pools: dict, rows: list[tuple[Sequence, int]], bs: int, max_len: int | None, params: Any) -> dict:
         """The model over ``rows`` (each its next ``n`` tokens, right-padded): ``{sequence: (last logits,
         greedy token)}`` of the rows whose every token is then computed (the greedy ones picked at once)."""
-        B, T = len(rows), max(n for _, n in rows)
-        tokens = torch.zeros(B, T, dtype=torch.long)
+        T, nb = max(n for _, n in rows), max(math.ceil((s.computed + n) / bs) for s, n in rows)
+        tokens = torch.tensor([s.span(s.computed, n) + [0] * (T - n) for s, n in rows])
         starts = torch.tensor([s.computed for s, _ in rows])
         lengths = torch.tensor([n for _, n in rows])
-        tables = torch.zeros(B, max(math.ceil((s.computed + n) / bs) for s, n in rows), dtype=torch.long)
-        for b, (s, n) in enumerate(rows):
-            tokens[b, :n] = torch.tensor(s.tokens[s.computed:s.computed + n])
-            tables[b, :len(s.table)] = torch.tensor(s.table)
+        tables = torch.tensor([s.table[:nb] + [0] * (nb - len(s.table[:nb])) for s, _ in rows])  # (padded: any block)
         positions = starts[:, None] + torch.arange(T)[None, :]
         if max_len is not None:
             positions = positions.clamp(max=max_len - 1)  # padding's positions: any in range

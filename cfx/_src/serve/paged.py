@@ -10,7 +10,7 @@ engine step over ``B`` rows: row ``b`` has ``starts[b]`` tokens cached already a
 ``lengths[b]`` new ones (right-padded to the call's ``T``). It speaks the model's cache protocol
 (``k``, ``layer(i).update``, ``advance``, ``validated``): each layer writes its new keys and values
 into their slots (padding writes nothing) and attends over the row's blocks, gathered through the
-table (``cfx_kernels.paged_attention``'s ``gather_blocks`` and ``paged_mask``: the plain-PyTorch paged attention, the path a CPU runs), new token ``t`` seeing
+table (``KVPool.gather``, as ``cfx_kernels.paged_attention``'s ``gather_blocks``, and ``paged_mask``: the plain-PyTorch paged attention, the path a CPU runs), new token ``t`` seeing
 the keys at positions ``<= starts[b] + t``. Its layers also ``attend`` themselves (what
 ``cfx.nn.Attention`` asks of a cache that can): with ``impl="triton"`` (``"auto"`` on CUDA) the
 Triton kernel ``cfx_kernels.paged_attention`` reads the blocks in place, nothing gathered.
@@ -18,10 +18,10 @@ Triton kernel ``cfx_kernels.paged_attention`` reads the blocks in place, nothing
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from cfx._src.nn.attention import attention
 from cfx_kernels._common import resolve_impl
-from cfx_kernels.paged_attention import gather_blocks as gather, paged_attention, paged_mask, triton_unsupported
+from cfx_kernels.paged_attention import paged_attention, paged_mask, triton_unsupported
 
 
 class KVPool:
@@ -31,6 +31,7 @@ class KVPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k: list[torch.Tensor | None] = [None] * n_layers
         self.v: list[torch.Tensor | None] = [None] * n_layers
+        self._scratch: list[torch.Tensor | None] = [None, None]  # gathered keys, values (``gather``)
 
     def ensure(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``i``'s blocks, allocated like ``k``, ``v`` ``(B, T, Hkv, D)`` at its first write."""
@@ -43,6 +44,19 @@ class KVPool:
         for t in (*self.k, *self.v):
             if t is not None:
                 t[dst].copy_(t[src])
+
+    def gather(self, blocks: torch.Tensor, tables: torch.Tensor, slot: int) -> torch.Tensor:
+        """Each row's blocks of ``blocks`` (a layer's keys or values) in table order, ``(B, nb * bs, Hkv, D)``
+        (``gather_blocks``), written into scratch memory kept across layers and steps (``slot``: 0 keys,
+        1 values): each layer's attention reads its gather before the next layer's overwrites it, and
+        memory fresh every time would be faulted in page by page -- half the gather's time on a CPU."""
+        B, nb = tables.shape
+        buf = self._scratch[slot]
+        if buf is None or buf.shape[0] < B * nb or buf.shape[1:] != blocks.shape[1:] or buf.dtype != blocks.dtype \
+                or buf.device != blocks.device:
+            buf = self._scratch[slot] = blocks.new_empty((B * nb, *blocks.shape[1:]))
+        out = torch.index_select(blocks, 0, tables.reshape(-1), out=buf[:B * nb])
+        return out.view(B, nb * blocks.shape[1], *blocks.shape[2:])
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +79,21 @@ class PagedStep:
         block = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1))
         self.slots = (block * bs + pos % bs)[self.real]                          # (N,) flat slots of the real ones
         self.allowed = paged_mask(tables, starts, lengths, T, bs)                # (B, T, S) what each token sees
+        self._groups: list[RowGroup] | None = None                               # made at the first attend
+
+    def attend_reference(self, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
+        """``q`` ``(B, T, H, D)``'s attention over each row's blocks of ``kb``, ``vb`` (a layer's), gathered:
+        in up to two groups of rows by how many blocks they read (``row_groups``), so a short row does
+        not gather and attend over the longest row's blocks."""
+        if self._groups is None:
+            self._groups = row_groups(self.tables, self.starts + self.lengths, self.allowed, self.pool.block_size)
+        if len(self._groups) == 1:
+            g = self._groups[0]
+            return g.attend(q, self.pool.gather(kb, g.tables, 0), self.pool.gather(vb, g.tables, 1))
+        out = torch.empty_like(q)
+        for g in self._groups:  # each group's gather reused by the next (KVPool.gather's scratch)
+            out[g.rows] = g.attend(q[g.rows], self.pool.gather(kb, g.tables, 0), self.pool.gather(vb, g.tables, 1))
+        return out
 
     @property
     def k(self) -> list:
@@ -75,6 +104,47 @@ class PagedStep:
 
     def advance(self, n: int) -> None:
         del n  # the engine counts each sequence's tokens itself
+
+
+class RowGroup:
+    """Rows of a step attending together: their ``rows`` (None: every row, in order), block ``tables``
+    ``(R, nb)`` cut to the longest of them, and the SDPA mask over those blocks, made once a step."""
+
+    def __init__(self, rows: torch.Tensor | None, tables: torch.Tensor, allowed: torch.Tensor):
+        self.rows, self.tables = rows, tables
+        row_ok = allowed.any(dim=-1, keepdim=True)[:, None]  # (R, 1, T, 1)
+        self.mask = allowed[:, None] | ~row_ok  # (R, 1, T, S): fully masked rows attend everywhere, then zeroed
+        self.seeing_nothing = None if bool(row_ok.all()) else ~row_ok  # padding tokens
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``cfx.nn.attention``'s masked SDPA of ``q`` ``(R, T, H, D)`` over gathered ``k``, ``v``
+        ``(R, S, Hkv, D)``, its mask made once a step rather than once a layer."""
+        H, Hkv = q.shape[2], k.shape[2]
+        q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (R, H, T, D), (R, Hkv, S, D)
+        if Hkv != H:
+            k_, v_ = k_.repeat_interleave(H // Hkv, dim=1), v_.repeat_interleave(H // Hkv, dim=1)
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=self.mask)
+        if self.seeing_nothing is not None:
+            out = out.masked_fill(self.seeing_nothing, 0.0)
+        return out.transpose(1, 2)  # (R, T, H, D)
+
+
+def row_groups(tables: torch.Tensor, seen: torch.Tensor, allowed: torch.Tensor, block_size: int) -> list[RowGroup]:
+    """One group of every row, or two -- the rows reading the fewest blocks, the rest -- where the split
+    gathers and attends over at most three quarters of the blocks one group would (``seen``: each row's
+    tokens after the step; a row reads its first ``ceil(seen / block_size)`` blocks)."""
+    need = ((seen + block_size - 1) // block_size).clamp(min=1)
+    order = torch.argsort(need, stable=True)
+    sorted_need = need[order].tolist()
+    B, widest = len(sorted_need), sorted_need[-1]
+    cost = [k * sorted_need[k - 1] + (B - k) * widest for k in range(1, B)]
+    k = min(range(1, B), key=lambda k: cost[k - 1]) if B > 1 else 0
+    if not k or 4 * cost[k - 1] > 3 * B * widest:
+        return [RowGroup(None, tables, allowed)]
+    groups = []
+    for rows, nb in ((order[:k], sorted_need[k - 1]), (order[k:], widest)):
+        groups.append(RowGroup(rows, tables[rows, :nb], allowed[rows][:, :, :nb * block_size]))
+    return groups
 
 
 class PagedLayer:
@@ -91,7 +161,8 @@ class PagedLayer:
         and values ``(B, S, Hkv, D)`` through its table and which each new token sees ``(B, T, S)``."""
         del mask  # the step knows which tokens are real (its lengths)
         kb, vb = self._write(k, v)
-        return gather(kb, self.step.tables), gather(vb, self.step.tables), self.step.allowed
+        s = self.step
+        return s.pool.gather(kb, s.tables, 0), s.pool.gather(vb, s.tables, 1), s.allowed
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the new ``k``, ``v``, then ``q`` ``(B, T, H, D)``'s attention over each row's keys: the
@@ -101,7 +172,7 @@ class PagedLayer:
         kb, vb = self._write(k, v)
         if resolve_impl(s.impl, q) == "triton" and triton_unsupported(q, kb) is None:
             return paged_attention(q, kb, vb, s.tables, s.starts, s.lengths, impl="triton")
-        return attention(q, gather(kb, s.tables), gather(vb, s.tables), causal=False, mask=s.allowed)
+        return s.attend_reference(q, kb, vb)
 
     def _write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, pool = self.step, self.step.pool

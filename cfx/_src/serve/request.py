@@ -90,6 +90,13 @@ class Sequence:
     def tokens(self) -> list[int]:
         return [*self.prompt, *self.output]
 
+    def span(self, a: int, n: int) -> list[int]:
+        """``tokens[a:a + n]``, without building ``tokens`` (a decode step reads one)."""
+        P = len(self.prompt)
+        if a >= P:
+            return self.output[a - P:a - P + n]
+        return [*self.prompt[a:a + n], *self.output[:max(0, a + n - P)]]
+
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
