@@ -303,9 +303,11 @@ class Forward:
         return device_get(out) if done is not None else None
 
     def _rows(self, pool: KVPool, params, tokens, positions, tables, starts, lengths, done) -> torch.Tensor | None:
-        dev = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
+        if pool.device is None:
+            pool.device = next(x.device for x in tree_util.leaves(params) if isinstance(x, torch.Tensor))
+        dev = pool.device
         tokens, positions, tables, starts, lengths = (x.to(dev) for x in (tokens, positions, tables, starts, lengths))
-        cache = PagedStep(pool, tables, starts, lengths, tokens.shape[1], self.impl)
+        cache = PagedStep(pool, tables, starts, lengths, tokens.shape[1], self.impl, dense=tokens.shape[1] == 1)
         h = hook(self.model, "hidden")(params, tokens, positions=positions, cache=cache)  # (B, T, C)
         if done is None:
             return None

@@ -32,6 +32,7 @@ class KVPool:
         self.k: list[torch.Tensor | None] = [None] * n_layers
         self.v: list[torch.Tensor | None] = [None] * n_layers
         self._scratch: list[torch.Tensor | None] = [None, None]  # gathered keys, values (``gather``)
+        self.device: torch.device | None = None  # where its rank's params are (the engine's, at its first step)
 
     def ensure(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``i``'s blocks, allocated like ``k``, ``v`` ``(B, T, Hkv, D)`` at its first write."""
@@ -70,14 +71,16 @@ class PagedStep:
     validated = True  # the engine checks every request's tokens when it is added
 
     def __init__(self, pool: KVPool, tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, T: int,
-                 impl: str = "auto"):
+                 impl: str = "auto", *, dense: bool = False):
         self.pool, self.tables, self.starts, self.lengths, self.impl = pool, tables, starts, lengths, impl
         bs = pool.block_size
         t = torch.arange(T, device=tables.device)
         pos = starts[:, None] + t[None, :]                                       # (B, T) absolute positions
-        self.real = t[None, :] < lengths[:, None]                                # (B, T) tokens, not padding
+        # (B, T) tokens, not padding; None when ``dense``: every row feeds T tokens (a decode step)
+        self.real = None if dense else t[None, :] < lengths[:, None]
         block = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1))
-        self.slots = (block * bs + pos % bs)[self.real]                          # (N,) flat slots of the real ones
+        slots = block * bs + pos % bs
+        self.slots = slots.reshape(-1) if dense else slots[self.real]            # (N,) flat slots of the real ones
         self.allowed = paged_mask(tables, starts, lengths, T, bs)                # (B, T, S) what each token sees
         self._groups: list[RowGroup] | None = None                               # made at the first attend
 
@@ -178,6 +181,7 @@ class PagedLayer:
         s, pool = self.step, self.step.pool
         pool.ensure(self.i, k, v)
         kb, vb = pool.k[self.i], pool.v[self.i]
-        kb.view(-1, *kb.shape[2:]).index_copy_(0, s.slots, k[s.real].to(kb.dtype))
-        vb.view(-1, *vb.shape[2:]).index_copy_(0, s.slots, v[s.real].to(vb.dtype))
+        k, v = (k.flatten(0, 1), v.flatten(0, 1)) if s.real is None else (k[s.real], v[s.real])
+        kb.view(-1, *kb.shape[2:]).index_copy_(0, s.slots, k.to(kb.dtype))
+        vb.view(-1, *vb.shape[2:]).index_copy_(0, s.slots, v.to(vb.dtype))
         return kb, vb
