@@ -1,12 +1,16 @@
 """The engine's paged attention on a CPU (``cfx._src.serve.paged``): rows gathered into scratch memory reused
 across layers and steps, in up to two groups by how many blocks they read -- each row's output is its causal
-attention over its own keys alone (fp64), however the rows were grouped."""
+attention over its own keys alone (fp64), however the rows were grouped; and ``attention="auto"`` on a GPU
+running whichever of the kernel and the reference measured faster (``paged_choice``)."""
 from __future__ import annotations
 
 import torch
 from hypothesis import example, given, strategies as st
 
+import cfx
+from cfx._src.serve import paged, paged_choice
 from cfx._src.serve.paged import KVPool, PagedStep, row_groups
+from cfx.serve import Engine, SamplingParams
 from cfx_kernels.paged_attention import gather_blocks
 from cfx_tests.budget import examples
 from cfx_tests.test_kernels_paged_attention import paged_inputs, per_row
@@ -53,3 +57,26 @@ def test_the_gather_reuses_its_scratch_memory():
     again = pool.gather(vp, tables[:1], 0)  # fewer rows: the same memory
     assert again.data_ptr() == first.data_ptr()
     torch.testing.assert_close(again, gather_blocks(vp, tables[:1]), rtol=0, atol=0)
+
+
+def test_auto_runs_what_measured_faster_once_per_kind_of_step(monkeypatch):
+    # the measurement (the kernel under the interpreter, on tiny shapes): both timed, the faster chosen
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    choice, times = paged_choice.measure(torch.device("cpu"), torch.float32, 2, 1, 16, 16, paged.attend_reference,
+                                         rows=2, context=20, new=1, repeats=1)
+    assert set(times) == {"triton", "reference"} and choice == min(times, key=times.get)
+    calls = []
+    monkeypatch.setattr(paged_choice, "CHOSEN", {})
+    monkeypatch.setattr(paged_choice, "measure", lambda *a, **kw: calls.append(kw) or ("triton", {}))
+    kp, ref = torch.zeros(10, 16, 2, 16), paged.attend_reference
+    assert paged_choice.choose(torch.zeros(3, 1, 4, 16), kp, ref) == paged_choice.choose(torch.zeros(5, 1, 4, 16), kp, ref)
+    assert [c["new"] for c in calls] == [1]  # measured once, then remembered
+    paged_choice.choose(torch.zeros(1, 7, 4, 16), kp, ref)  # a prefill is a kind of its own
+    assert [c["new"] for c in calls] == [1, paged_choice.PREFILL["new"]]
+
+
+def test_a_cpu_engine_measures_nothing(monkeypatch):
+    monkeypatch.setattr(paged, "choose", lambda *a: (_ for _ in ()).throw(AssertionError("measured on a CPU")))
+    model = cfx.models.gpt2("tiny", n_layer=1, vocab_size=64, n_embd=32, n_head=2)
+    engine = Engine(model, model.init(cfx.random.key(0)), block_size=4, num_blocks=16, max_seqs=2)
+    assert len(engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3))[0][0]) == 3

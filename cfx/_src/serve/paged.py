@@ -12,14 +12,16 @@ engine step over ``B`` rows: row ``b`` has ``starts[b]`` tokens cached already a
 into their slots (padding writes nothing) and attends over the row's blocks, gathered through the
 table (``KVPool.gather``, as ``cfx_kernels.paged_attention``'s ``gather_blocks``, and ``paged_mask``: the plain-PyTorch paged attention, the path a CPU runs), new token ``t`` seeing
 the keys at positions ``<= starts[b] + t``. Its layers also ``attend`` themselves (what
-``cfx.nn.Attention`` asks of a cache that can): with ``impl="triton"`` (``"auto"`` on CUDA) the
-Triton kernel ``cfx_kernels.paged_attention`` reads the blocks in place, nothing gathered.
+``cfx.nn.Attention`` asks of a cache that can): with ``impl="triton"`` the Triton kernel
+``cfx_kernels.paged_attention`` reads the blocks in place, nothing gathered; ``"auto"`` on CUDA runs
+whichever of the two measured faster on that GPU at that shape (``paged_choice``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from cfx._src.serve.paged_choice import choose
 from cfx_kernels._common import resolve_impl
 from cfx_kernels.paged_attention import paged_attention, paged_mask, triton_unsupported
 
@@ -170,10 +172,11 @@ class PagedLayer:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the new ``k``, ``v``, then ``q`` ``(B, T, H, D)``'s attention over each row's keys: the
         Triton kernel reading the blocks in place, or (a CPU; ``impl="reference"``) the gathered blocks
-        under ``cfx.nn.attention``."""
+        (``attend_reference``); ``"auto"`` on CUDA runs the one measured faster there (``paged_choice``)."""
         s = self.step
         kb, vb = self._write(k, v)
-        if resolve_impl(s.impl, q) == "triton" and triton_unsupported(q, kb) is None:
+        if resolve_impl(s.impl, q) == "triton" and triton_unsupported(q, kb) is None and (
+                s.impl != "auto" or choose(q, kb, attend_reference) == "triton"):
             return paged_attention(q, kb, vb, s.tables, s.starts, s.lengths, impl="triton")
         return s.attend_reference(q, kb, vb)
 
@@ -185,3 +188,11 @@ class PagedLayer:
         kb.view(-1, *kb.shape[2:]).index_copy_(0, s.slots, k.to(kb.dtype))
         vb.view(-1, *vb.shape[2:]).index_copy_(0, s.slots, v.to(vb.dtype))
         return kb, vb
+
+
+def attend_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The engine's gather-then-attend over whole pools, as ``cfx_kernels.paged_attention`` takes them (what
+    ``paged_choice`` times against the kernel)."""
+    pool = KVPool(k_pool.shape[0], k_pool.shape[1], 1)
+    return PagedStep(pool, tables, starts, lengths, q.shape[1], "reference").attend_reference(q, k_pool, v_pool)
