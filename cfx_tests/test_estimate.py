@@ -13,6 +13,7 @@ from cfx._src.estimate import published
 from cfx._src.estimate.schedule_time import Program, makespan, schedule_of
 from cfx._src.pipeline.schedule import KINDS
 from cfx._src.pipeline.simulate import run_validated, simulate
+from cfx._src.pipeline.validate import validate
 from cfx.parallel import Cluster, TransformerShape
 
 
@@ -82,6 +83,7 @@ def test_the_compiled_schedule_gives_the_simulators_makespan_bit_for_bit(name, p
     kind, the last stage's (the head) their own."""
     v = 2 if name == "interleaved" else 1
     sched = schedule_of(name, p, p * k, v)
+    validate(sched)  # (the estimate trusts its generators' schedules: schedule_time's doc)
     last, slot = p * v - 1, {kind: i for i, kind in enumerate(KINDS)}
     want = run_validated(sched, lambda a: costs[slot[a.kind] + (len(KINDS) if a.stage == last else 0)]).makespan
     assert Program(sched).makespan(costs) == want

@@ -1,6 +1,11 @@
-"""A pipeline schedule's time and memory for the estimate: ``cfx.pipeline``'s own schedules, validated
-once and run by its simulator under a step's per-stage costs (``makespan``), and the microbatches a
-rank keeps in flight (``in_flight``)."""
+"""A pipeline schedule's time and memory for the estimate: ``cfx.pipeline``'s own schedules run by its
+simulator under a step's per-stage costs (``makespan``), and the microbatches a rank keeps in flight
+(``in_flight``).
+
+The schedules are the generators' (``cfx.pipeline.schedule``), which the tests ``validate`` at every size
+they draw (``test_pipeline_schedule``, and here ``test_estimate``'s draws); the estimate does not validate
+them again -- it builds schedules of 64 stages and hundreds of microbatches, where checking one took
+longer than the rest of the estimate -- and ``clock_order`` still refuses one that would stall."""
 from __future__ import annotations
 
 import functools
@@ -8,12 +13,12 @@ import functools
 from cfx._src.pipeline import schedule as S
 from cfx._src.pipeline.schedule import KINDS, Schedule
 from cfx._src.pipeline.simulate import clock_order
-from cfx._src.pipeline.validate import validate
 
 
 @functools.lru_cache(maxsize=64)
 def schedule_of(name: str, p: int, m: int, v: int):
-    """The plan's schedule (``cfx.pipeline``'s), validated once: the estimate runs it under many costs."""
+    """The plan's schedule (``cfx.pipeline``'s generator's, module doc), built once: the estimate runs it under
+    many costs."""
     if name == "gpipe":
         out = S.gpipe(p, m)
     elif name == "zb-h1":
@@ -22,12 +27,11 @@ def schedule_of(name: str, p: int, m: int, v: int):
         out = S.interleaved_1f1b(p, m, v)
     else:
         out = S.one_f_one_b(p, m)
-    validate(out)
     return out
 
 
 class Program:
-    """A validated schedule under costs by kind: ``clock_order``'s steps (the simulator's order) as
+    """A generator's schedule under costs by kind: ``clock_order``'s steps (the simulator's order) as
     ``(rank, cost slot, op, message)`` -- the slot the kind's index in ``KINDS``, plus ``len(KINDS)`` on
     the last stage (the head). ``makespan`` then does ``run_validated``'s arithmetic, in its order, with
     none of its bookkeeping: a search runs thousands of these (measured: 5x faster; bit for bit its

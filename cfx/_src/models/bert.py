@@ -16,7 +16,7 @@ import torch
 
 from cfx._src.core import random
 from cfx._src.models.common import (DecoderLM, _check_int_2d, check_inputs, check_params, check_targets,
-                                     config_from_preset, dropout_keys)
+                                     config_from_preset, dropout_keys, init_blocks)
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.loss import cross_entropy
 from cfx._src.nn.block import TransformerBlock
@@ -125,7 +125,7 @@ class Bert(DecoderLM):
         k_wte, k_wpe, k_wtt, k_blocks, k_head = split_keys(key, 5)
         params = {"wte": layers["wte"].init(k_wte), "wpe": layers["wpe"].init(k_wpe),
                   "wtt": layers["wtt"].init(k_wtt), "ln_e": layers["ln_e"].init(None),
-                  "blocks": [b.init(k) for b, k in zip(self.blocks, split_keys(k_blocks, len(self.blocks)))]}
+                  "blocks": init_blocks(self.blocks, k_blocks)}
         if c.head == "mlm":
             params["mlm"] = {"dense": layers["mlm_dense"].init(k_head), "ln": layers["mlm_ln"].init(None),
                              "b": torch.zeros(c.vocab_size)}

@@ -8,10 +8,12 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from cfx._src.core import random
 from cfx._src.core import tree as tree_util
 from cfx._src.nn.embedding import Embedding
+from cfx._src.nn.linear import split_keys
 from cfx._src.nn.lora_weight import is_weight_node, weight_nodes_as_leaves
 from cfx._src.nn.sublayers import keep_sublayers
 from cfx._src.nn.vocab import TokenLoss
@@ -181,6 +183,18 @@ def check_targets(where: str, tokens: torch.Tensor, targets: Any, *, vocab_size:
 def _head_logits(head: Any, params: dict, h: torch.Tensor) -> torch.Tensor:
     """A head's logits of ``h``: a tied embedding table attends (``attend``), any other head applies."""
     return head.attend(params, h) if callable(getattr(head, "attend", None)) else head.apply(params, h)
+
+
+def init_blocks(blocks: tuple, key: torch.Tensor) -> list:
+    """Each block's ``init`` from its own key (``split_keys(key, len(blocks))``). In a shape-only trace (a
+    fake key: ``eval_shape`` of an init, how a Plan lays params out and the estimate accounts them) a block
+    object met before gives the params it gave then -- the same shapes -- without tracing its init again:
+    a 128-layer model's took a second of fake ops."""
+    keys = split_keys(key, len(blocks))
+    if not is_fake(key):
+        return [b.init(k) for b, k in zip(blocks, keys)]
+    made: dict[int, Any] = {}
+    return [made[id(b)] if id(b) in made else made.setdefault(id(b), b.init(k)) for b, k in zip(blocks, keys)]
 
 
 def dropout_keys(key: torch.Tensor | None, rate: float, n: int) -> list[torch.Tensor | None]:

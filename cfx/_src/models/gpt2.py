@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cfx._src.models.common import DecoderLM, config_from_preset, dropout_keys
+from cfx._src.models.common import DecoderLM, config_from_preset, dropout_keys, init_blocks
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.dropout import dropout
@@ -95,7 +95,7 @@ class GPT2(DecoderLM):
         return {
             "wte": layers["wte"].init(k_wte),
             "wpe": layers["wpe"].init(k_wpe),
-            "blocks": [b.init(k) for b, k in zip(self.blocks, split_keys(k_blocks, len(self.blocks)))],
+            "blocks": init_blocks(self.blocks, k_blocks),
             "ln_f": layers["ln_f"].init(None),
         }
 

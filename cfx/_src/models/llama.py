@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cfx._src.models.common import DecoderLM, config_from_preset
+from cfx._src.models.common import DecoderLM, config_from_preset, init_blocks
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
@@ -111,7 +111,7 @@ class Llama(DecoderLM):
         k_embed, k_head, k_blocks = split_keys(key, 3)
         params = {
             "embed": layers["embed"].init(k_embed),
-            "blocks": [b.init(k) for b, k in zip(self.blocks, split_keys(k_blocks, len(self.blocks)))],
+            "blocks": init_blocks(self.blocks, k_blocks),
             "norm": layers["norm"].init(None),
         }
         if "lm_head" in layers:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cfx._src.models.common import DecoderLM, config_from_preset, dropout_keys
+from cfx._src.models.common import DecoderLM, config_from_preset, dropout_keys, init_blocks
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
 from cfx._src.nn.embedding import Embedding
@@ -161,7 +161,7 @@ class OPT(DecoderLM):
         keys = dict(zip(self._param_layers(), k_layers))
         # (HF starts the padding_idx row at zero; here it is drawn like the others, so that
         # cfx.init_sharded builds it leaf by leaf: weights loaded from HF carry HF's row)
-        return self._tree([b.init(k) for b, k in zip(self.blocks, split_keys(k_blocks, len(self.blocks)))],
+        return self._tree(init_blocks(self.blocks, k_blocks),
                           lambda name, layer: layer.init(keys[name]))
 
     def apply(self, params: dict, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,

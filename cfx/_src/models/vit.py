@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cfx._src.models.common import DecoderLM, check_params, config_from_preset, dropout_keys
+from cfx._src.models.common import DecoderLM, check_params, config_from_preset, dropout_keys, init_blocks
 from cfx._src.nn.loss import cross_entropy
 from cfx._src.models.parts import ModelParts
 from cfx._src.nn.block import TransformerBlock
@@ -124,7 +124,7 @@ class ViT(DecoderLM):
         k_patch, k_cls, k_wpe, k_blocks, k_head = split_keys(key, 5)
         return {"patch": layers["patch"].init(k_patch), "cls": init_normal(k_cls, (c.hidden_size,), c.init_std),
                 "wpe": layers["wpe"].init(k_wpe),
-                "blocks": [b.init(k) for b, k in zip(self.blocks, split_keys(k_blocks, len(self.blocks)))],
+                "blocks": init_blocks(self.blocks, k_blocks),
                 "ln_f": layers["ln_f"].init(None), "classifier": layers["classifier"].init(k_head)}
 
     # -- forward -----------------------------------------------------------------------------
