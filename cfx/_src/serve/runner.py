@@ -3,8 +3,9 @@
 The engine is not thread-safe; one thread owns it. Callers on any thread (an asyncio server's
 handlers) ``submit`` a request and get its id and a ``Stream`` of its outputs; ``abort`` one; and
 ``close`` the thread. Commands go through an inbox the engine thread drains between steps; each
-``StepOutput`` is handed to its request's stream through the stream's own event loop
-(``call_soon_threadsafe``), so a handler awaits tokens as they come. While nothing is unfinished the
+``StepOutput`` is handed to its request's stream through the stream's own event loop -- a step's
+outputs in one ``call_soon_threadsafe`` per loop, not one per token (each call wakes the loop) -- so a
+handler awaits tokens as they come. While nothing is unfinished the
 thread sleeps on a condition, so an idle server spends no CPU.
 
 ``max_waiting`` bounds the requests not yet running (``QueueFull``: a server answers 429); ``close(
@@ -56,6 +57,7 @@ class EngineThread:
         self._streams: dict[str, Stream] = {}
         self._left: dict[str, int] = {}  # samples not finished yet, per request
         self._accepting, self._stopping, self.error = True, False, None
+        self._outbox: list[tuple[Stream, Any]] = []  # what the engine thread hands over next (``_flush``)
         self._thread = threading.Thread(target=self._loop, name="cfx-serve-engine", daemon=True)
         self._thread.start()
 
@@ -119,6 +121,7 @@ class EngineThread:
                         self.on_step(self.engine, outs, time.perf_counter() - t0)
                     for out in outs:
                         self._deliver(out)
+                self._flush()
         except BaseException as e:  # noqa: BLE001 -- every waiting request learns the engine died
             self.error = e
             with self._cv:
@@ -126,6 +129,7 @@ class EngineThread:
                 for rid in list(self._streams):
                     self._push(rid, e)
                     self._end(rid)
+            self._flush()
 
     def _deliver(self, out: StepOutput) -> None:
         with self._cv:
@@ -143,11 +147,29 @@ class EngineThread:
                 self._end(rid)
 
     def _push(self, rid: str, item: Any) -> None:
-        s = self._streams[rid]
-        s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+        self._outbox.append((self._streams[rid], item))
+
+    def _flush(self) -> None:
+        """Hand the outbox over: one ``call_soon_threadsafe`` per event loop, its streams' items in order."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for s, item in self._outbox:
+            by_loop.setdefault(s.loop, []).append((s.queue, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # a loop closed under its stream (a client's event loop gone): nobody waits
+                pass
 
     def _end(self, rid: str) -> None:
         self._push(rid, None)
         del self._streams[rid], self._left[rid]
         if all(s.finish_reason is not None for s in self.engine.seqs.get(rid, ())):
             self.engine.forget(rid)
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
