@@ -92,15 +92,16 @@ def test_a_plan_over_model_2_trains_the_padded_vocabulary_as_one_device_trains_t
 def test_hugging_face_export_writes_the_real_vocabulary(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = FAMILIES["gpt2"]()
-    params = model.init(cfx.random.key(0))
+    params = cfx.tree.map(lambda x: x.double(), model.init(cfx.random.key(0)))  # fp64: the same function, exactly
     padded, pparams = pad_vocab(model, params, multiple=64)
     assert cfx.models.hf_config(padded).vocab_size == V
     assert cfx.models.to_hf(padded, pparams)["transformer.wte.weight"].shape == (V, 32)
     cfx.models.save_pretrained(tmp_path, padded, pparams)
-    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert hf.transformer.wte.weight.dtype == torch.float64
     tokens = batch()[0]
     with torch.no_grad():
-        torch.testing.assert_close(hf(tokens).logits, model.apply(params, tokens), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hf(tokens).logits, model.apply(params, tokens), rtol=1e-12, atol=1e-12)
 
 
 def test_refusals_name_the_fix():

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cfx._src.core import tree as tree_util
+from cfx._src.models.parts import hook, vocab_size
 from cfx._src.nn.vocab import PaddedVocab, TokenLoss
 
 WHERE = "cfx.models.pad_vocab"
@@ -43,7 +44,8 @@ def pad_vocab(model: Any, params: Any = None, *, multiple: int) -> Any:
 def unpad_vocab(model: Any, params: Any = None) -> Any:
     """``model`` (and ``params``) with ``pad_vocab``'s padding stripped: the real vocabulary's tables;
     a model never padded comes back as it is."""
-    if getattr(model, "_sublayers", {}).get("vocab_pad") is None:
+    held = getattr(hook(model, "config"), "vocab_size", None)  # (None: no vocabulary at all, a ViT's)
+    if held is None or vocab_size(model) == held:
         return model if params is None else (model, params)
     return pad_vocab(model, params, multiple=1)
 
@@ -54,7 +56,8 @@ def _check_model(model: Any) -> None:
     if replaced and hasattr(model, "real_vocab_size"):
         raise ValueError(f"{WHERE}: {type(model).__name__}'s {replaced} are already replaced (a parallel split?); "
                          "pad the vocabulary of the plain model, then split it or hand it to a Plan.")
-    if not isinstance((getattr(model, "_sublayers", None) or {}).get("loss"), TokenLoss):
+    sublayers = hook(model, "sublayers")
+    if not (callable(sublayers) and isinstance(sublayers().get("loss"), TokenLoss)):
         raise ValueError(f"{WHERE}: {type(model).__name__} has no vocabulary to pad (a language model of cfx.models "
                          "-- GPT-2, Llama, Mixtral, OPT, a BERT with head='mlm' -- has; pad a LoRA model's base "
                          "before attaching the adapters).")

@@ -101,26 +101,43 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         from cfx_kernels.flash_attention import flash_attention
 
         return flash_attention(q, k, v, causal=causal, mask=mask, scale=scale, impl=impl)
-    B, T, H, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    q_ = q.transpose(1, 2)  # (B, H, T, D)
-    k_ = k.transpose(1, 2)  # (B, Hkv, S, D)
-    v_ = v.transpose(1, 2)
-    if Hkv != H:
-        k_ = k_.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, D)
-        v_ = v_.repeat_interleave(H // Hkv, dim=1)
+    B, T = q.shape[:2]
+    S = k.shape[1]
     if mask is None and (not causal or T == S or T == 1):  # one query at the end sees every key
         is_causal = False
         if causal and T > 1:  # a branch, not a value: under dynamic shapes a guard on T, not a SymBool argument
             is_causal = True
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=is_causal, scale=scale)
+        out = F.scaled_dot_product_attention(*_heads_first(q, k, v), is_causal=is_causal, scale=scale)
         return out.transpose(1, 2)  # (B, T, H, D)
-    allowed = _allowed(mask, causal, B, T, S, q.device)  # (B, 1, T, S)
-    row_ok = allowed.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
-    # Let fully masked rows attend everywhere (finite softmax), then zero their output.
-    out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=allowed | ~row_ok, scale=scale)
-    out = out.masked_fill(~row_ok, 0.0)
+    return masked_sdpa(q, k, v, *sdpa_mask(_allowed(mask, causal, B, T, S, q.device)), scale=scale)
+
+
+def sdpa_mask(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``allowed`` ``(B, 1, T, S)`` bool (True = attend) as SDPA's mask, and the queries that may see no
+    key ``(B, 1, T, 1)``: those attend everywhere (a finite softmax), and ``masked_sdpa`` zeroes them."""
+    row_ok = allowed.any(dim=-1, keepdim=True)
+    return allowed | ~row_ok, ~row_ok
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                blind: torch.Tensor | None, *, scale: float | None = None) -> torch.Tensor:
+    """``attention``'s masked path: ``q`` ``(B, T, H, D)`` over ``k``, ``v`` ``(B, S, Hkv, D)`` under
+    ``sdpa_mask``'s ``mask``, the ``blind`` queries' outputs zero (None: no query is). A caller attending
+    many times under one mask (the serving engine's layers) makes it once."""
+    out = F.scaled_dot_product_attention(*_heads_first(q, k, v), attn_mask=mask, scale=scale)
+    if blind is not None:
+        out = out.masked_fill(blind, 0.0)
     return out.transpose(1, 2)  # (B, T, H, D)
+
+
+def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(B, H, T, D)`` queries and ``(B, H, S, D)`` keys and values, as SDPA takes them: each kv head
+    repeated for the query heads that read it (grouped-query attention)."""
+    H, Hkv = q.shape[2], k.shape[2]
+    q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if Hkv != H:
+        k_, v_ = k_.repeat_interleave(H // Hkv, dim=1), v_.repeat_interleave(H // Hkv, dim=1)
+    return q_, k_, v_
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ whichever of the two measured faster on that GPU at that shape (``paged_choice``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from cfx._src.nn.attention import masked_sdpa, sdpa_mask
 from cfx._src.serve.paged_choice import choose
 from cfx_kernels._common import resolve_impl
 from cfx_kernels.paged_attention import paged_attention, paged_mask, triton_unsupported
@@ -117,21 +117,13 @@ class RowGroup:
 
     def __init__(self, rows: torch.Tensor | None, tables: torch.Tensor, allowed: torch.Tensor):
         self.rows, self.tables = rows, tables
-        row_ok = allowed.any(dim=-1, keepdim=True)[:, None]  # (R, 1, T, 1)
-        self.mask = allowed[:, None] | ~row_ok  # (R, 1, T, S): fully masked rows attend everywhere, then zeroed
-        self.seeing_nothing = None if bool(row_ok.all()) else ~row_ok  # padding tokens
+        self.mask, blind = sdpa_mask(allowed[:, None])  # (R, 1, T, S), and the padding tokens (R, 1, T, 1)
+        self.blind = blind if bool(blind.any()) else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``cfx.nn.attention``'s masked SDPA of ``q`` ``(R, T, H, D)`` over gathered ``k``, ``v``
-        ``(R, S, Hkv, D)``, its mask made once a step rather than once a layer."""
-        H, Hkv = q.shape[2], k.shape[2]
-        q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (R, H, T, D), (R, Hkv, S, D)
-        if Hkv != H:
-            k_, v_ = k_.repeat_interleave(H // Hkv, dim=1), v_.repeat_interleave(H // Hkv, dim=1)
-        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=self.mask)
-        if self.seeing_nothing is not None:
-            out = out.masked_fill(self.seeing_nothing, 0.0)
-        return out.transpose(1, 2)  # (R, T, H, D)
+        """``cfx.nn.attention``'s masked path (``masked_sdpa``) of ``q`` ``(R, T, H, D)`` over gathered ``k``,
+        ``v`` ``(R, S, Hkv, D)``, its mask made once a step rather than once a layer."""
+        return masked_sdpa(q, k, v, self.mask, self.blind)
 
 
 def row_groups(tables: torch.Tensor, seen: torch.Tensor, allowed: torch.Tensor, block_size: int) -> list[RowGroup]:
