@@ -2,11 +2,11 @@
 ``openai`` client: concurrent completions and chat completions equal transformers' greedy ``generate``
 on the same directory, streamed chunks concatenate to the whole answer, bad input gets OpenAI's error
 JSON and its status while the server keeps serving, a client that leaves mid-stream has its request
-aborted and its blocks given back, a bounded load test loses nothing, and ``python -m cfx.serve``
-answers and exits 0 on SIGTERM.
+aborted and its blocks given back, a bounded load test loses nothing, and ``python -m cfx.serve`` under
+torchrun serves from rank 0 while every rank steps, and exits 0 on SIGTERM.
 
 The in-process server runs the model in fp64 beside an fp64 transformers model (an argmax compared
-across batch shapes is exact there); the command-line server runs the directory as saved (fp32)."""
+across batch shapes is exact there); the command-line server runs the directory saved in fp64."""
 from __future__ import annotations
 
 import asyncio
@@ -306,32 +306,65 @@ def test_a_bounded_load_loses_nothing_and_frees_every_block(served):
     assert live.runner.engine.blocks.held == 0 and not live.runner.engine.seqs
 
 
-@pytest.mark.timeout(180)
-def test_the_command_serves_a_directory_and_exits_0_on_sigterm(model_dir, tmp_path):
-    """``python -m cfx.serve --mesh model=2``: two rank threads each holding their heads answer over HTTP;
-    SIGTERM finishes and exits 0."""
+@pytest.fixture(scope="module")
+def model_dir64(model_dir, tmp_path_factory):
+    """The directory's model saved in fp64 (its tokenizer beside it)."""
+    import shutil
+    import transformers
+    d = tmp_path_factory.mktemp("gpt2_fp64")
+    for f in model_dir.iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, d)
+    transformers.GPT2LMHeadModel.from_pretrained(model_dir).double().save_pretrained(d)
+    return d
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_serves_from_rank_0_while_every_rank_steps_and_sigterm_exits_0(model_dir64, tmp_path):
+    """``torchrun --nproc-per-node 2 -m cfx.serve --mesh model=2``: two processes each holding half the heads (and
+    their KV pool); rank 0 serves HTTP and schedules, rank 1 steps with it. Concurrent greedy completions equal
+    transformers' on the same (fp64) directory; SIGTERM to rank 0 finishes what runs, stops rank 1, and the job
+    exits 0."""
+    import transformers
     import httpx2 as httpx
     port, log = free_port(), tmp_path / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cfx.serve", "--model", str(model_dir), "--port", str(port),
-                                 "--kv-bytes", "8MiB", "--name", "tiny", "--mesh", "model=2"], cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 "-m", "cfx.serve", "--model", str(model_dir64), "--port", str(port), "--kv-bytes",
+                                 "8MiB", "--name", "tiny", "--mesh", "model=2"], cwd=ROOT,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the server did not come up"
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=30)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
-        assert "on http://127.0.0.1" in log.read_text()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+        banner = next(line for line in log.read_text().splitlines() if "on http://127.0.0.1" in line)
+        assert "rank 0 serving, every rank stepping" in banner, banner
+        tok = transformers.AutoTokenizer.from_pretrained(model_dir64)
+        hf = transformers.GPT2LMHeadModel.from_pretrained(model_dir64).eval()
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+
+        async def completion(p, n):
+            r = await client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0,
+                                                extra_body={"ignore_eos": True}, n=2 if n == 5 else 1)
+            return [c.text for c in r.choices]
+
+        async def all_of_them():
+            async with client:
+                return await asyncio.gather(*[completion(p, 3 + i % 4) for i, p in enumerate(PROMPTS[:8])])
+        got = asyncio.run(all_of_them())
+        for i, p in enumerate(PROMPTS[:8]):  # (n=2: the samples fork sample 0's blocks, copied on write on each rank)
+            want = hf_text(hf, tok, tok.encode(p), 3 + i % 4)
+            assert got[i] == [want] * len(got[i]), p
+        pid = int(banner.rsplit("pid ", 1)[1].rstrip(")"))
+        os.kill(pid, signal.SIGTERM)  # rank 0's: it drains, then tells rank 1 to stop
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

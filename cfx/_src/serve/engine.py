@@ -32,7 +32,9 @@ from cfx._src.mesh.spec import P
 from cfx._src.models.parts import hook, max_length, vocab_size
 from cfx._src.serve.adapters import Adapters
 from cfx._src.serve.blocks import BlockAllocator
+from cfx._src.serve import ranks
 from cfx._src.serve.paged import KVPool, PagedStep
+from cfx._src.serve.ranks import Control
 from cfx._src.serve.request import SamplingParams, Sequence, Status, StepOutput, check_prompt
 from cfx._src.serve.scheduler import Scheduler
 
@@ -44,8 +46,9 @@ class Engine:
     tokens, or as many as ``kv_bytes`` holds (default: 256 MiB, or what ``max_seqs`` full contexts
     need if less); at most ``max_batch_tokens`` tokens computed per step and ``max_seqs`` sequences
     running; ``prefix_caching`` reuses the blocks of prompts' common prefixes; ``eos_id`` defaults to
-    the model's config's ``eos_token_id``; ``mesh``: a ``model`` axis splits the heads over its ranks;
-    ``attention``: ``"triton"`` reads the blocks in place (``cfx_kernels.paged_attention``),
+    the model's config's ``eos_token_id``; ``mesh``: a ``model`` axis splits the heads over its ranks
+    (rank threads of this process, or under torchrun a process each: rank 0 ``step``s, the others
+    ``follow``); ``attention``: ``"triton"`` reads the blocks in place (``cfx_kernels.paged_attention``),
     ``"reference"`` gathers them, ``"auto"`` the kernel on CUDA (blocks of a power-of-two size >= 16)."""
 
     def __init__(self, model: Any, params: Any, *, block_size: int = 16, num_blocks: int | None = None,
@@ -146,6 +149,27 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
+    # -- a mesh of a process per rank (torchrun) --------------------------------------------------------
+    @property
+    def leads(self) -> bool:
+        """Whether this process schedules and samples: without a mesh of processes, always; with one, rank
+        0 alone (``cfx._src.serve.ranks``); the others ``follow``."""
+        return self.run.control is None or self.run.control.leader
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A rank other than 0: run every step rank 0's engine runs -- its forwards and block copies, on this
+        rank's heads and pool -- until rank 0 calls ``stop_followers``."""
+        if self.leads:
+            raise ValueError(f"{WHERE}: follow() is for the ranks other than 0 of a torchrun mesh; this process "
+                             "schedules (call step(), or serve it).")
+        self.run.follow(self.pools)
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' ``follow`` (when it serves no more); nothing without followers."""
+        if self.run.control is not None and self.run.control.leader:
+            self.run.control.send("stop")
+
     def output(self, request_id: str) -> list[list[int]]:
         """The tokens each sample of a request produced so far."""
         return [list(s.output) for s in self.seqs[str(request_id)]]
@@ -154,11 +178,13 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Schedule, run the model over the scheduled tokens, pick each finished row's next token."""
+        if not self.leads:
+            raise ValueError(f"{WHERE}: rank {self.run.control.rank} of a torchrun mesh follows rank 0's steps; "
+                             "call follow() there and step() on rank 0 only.")
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
-        for src, dst in plan.copies:
-            for pool in self.pools.values():
-                pool.copy_block(src, dst)
+        if plan.copies:
+            self.run.copy_blocks(self.pools, plan.copies)
         if not plan.rows:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(f"{WHERE}: no request fits the KV pool (every block held by nothing running).")
@@ -246,6 +272,7 @@ class Forward:
 
     def __init__(self, model: Any, params: Any, mesh: Any, impl: str = "auto"):
         self.mesh, self.model, self.params, self.n, self.impl = mesh, model, params, 1, impl
+        self.control = None
         if mesh is None:
             return
         if set(mesh.axis_names) != {"model"}:
@@ -259,6 +286,7 @@ class Forward:
         self.model = tensor_parallel(model, "model")
         self.specs = Rules(MEGATRON_RULES).specs(model.axes(), mesh=mesh)
         self.params = device_put(params, mesh, self.specs)
+        self.control = Control() if ranks.needed(mesh) else None  # (a process per rank: rank 0 leads)
 
     def rows(self, pools: dict, rows: list[tuple[Sequence, int]], bs: int, max_len: int | None, params: Any) -> dict:
         """The model over ``rows`` (each its next ``n`` tokens, right-padded): ``{sequence: (last logits,
@@ -284,10 +312,31 @@ class Forward:
         ranks = [0] if self.mesh is None else list(self.mesh.local_ranks)
         return {r: KVPool(num_blocks, block_size, len(self.model.blocks)) for r in ranks}
 
+    def copy_blocks(self, pools: dict, copies: list[tuple[int, int]]) -> None:
+        """Each ``(src, dst)`` block copied in every pool (every rank's, where rank 0 leads)."""
+        if self.control is not None and self.control.leader:
+            self.control.send("copy", copies)
+        for src, dst in copies:
+            for pool in pools.values():
+                pool.copy_block(src, dst)
+
+    def follow(self, pools: dict) -> None:
+        """A follower's loop (``Engine.follow``): what rank 0 sends, done here, until it sends ``stop``."""
+        while True:
+            kind, *args = self.control.recv()
+            if kind == "stop":
+                return
+            if kind == "copy":
+                self.copy_blocks(pools, *args)
+            else:
+                self(pools, *args)
+
     def __call__(self, pools: dict, tokens, positions, tables, starts, lengths, done, params: Any = None
                  ) -> torch.Tensor | None:
         """The last logits ``(R, V)`` of the rows ``done`` (None: none wanted, the keys and values written);
         ``params``: this step's (adapters attached), else the model's."""
+        if self.control is not None and self.control.leader:
+            self.control.send("rows", tokens, positions, tables, starts, lengths, done)
         if self.mesh is None:
             return self._rows(pools[0], self.params if params is None else params, tokens, positions, tables, starts,
                               lengths, done)

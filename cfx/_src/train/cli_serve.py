@@ -8,8 +8,11 @@
 tokenizer) or a ``python -m cfx.train --save`` checkpoint (``cli_generate.load`` reads both); each
 ``--lora NAME=DIR`` (a peft adapter directory) is served beside it as the model ``NAME``. The
 engine steps in its own thread (``cfx._src.serve.runner``) beside uvicorn's event loop; SIGTERM or
-Ctrl-C stops taking connections, finishes the requests in flight and exits 0. Clients speak
-OpenAI's API (``cfx._src.serve.http``)::
+Ctrl-C stops taking connections, finishes the requests in flight and exits 0. ``--mesh model=N``
+splits the heads over N rank threads of this process, or, launched by ``torchrun --nproc-per-node
+N -m cfx.serve ...``, over N processes: rank 0 serves HTTP and schedules, every rank steps
+(``cfx._src.serve.ranks``), and SIGTERM to rank 0 (or to torchrun, which passes it on) drains and
+stops them all. Clients speak OpenAI's API (``cfx._src.serve.http``)::
 
     curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "cfx", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
@@ -39,8 +42,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a Hugging Face directory or a python -m cfx.train checkpoint")
     p.add_argument("--name", default=None, help="the model's name in requests and /v1/models (default: the "
                    "directory's name)")
-    p.add_argument("--mesh", default=None, help="tensor parallelism over rank threads, e.g. model=2 (each rank "
-                   "computes and caches its heads)")
+    p.add_argument("--mesh", default=None, help="tensor parallelism over rank threads (or torchrun's processes), e.g. "
+                   "model=2 (each rank computes and caches its heads)")
     p.add_argument("--int8", action="store_true", help="weight-only int8 params (cfx.quant.quantize)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve a peft LoRA directory as the model NAME (repeatable; requests name it)")
@@ -57,6 +60,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def build(args: argparse.Namespace, mesh: Any = None) -> tuple[Any, EngineThread, str]:
     """The ASGI app, its engine thread and the model's name, from the command's arguments (``mesh``:
     the one ``--mesh`` names, open)."""
+    engine, tok = build_engine(args, mesh)
+    runner = EngineThread(engine, max_waiting=args.max_waiting)
+    name = args.name or os.path.basename(os.path.normpath(args.model))
+    return make_app(runner, tok, model_name=name), runner, name
+
+
+def build_engine(args: argparse.Namespace, mesh: Any = None) -> tuple[Engine, Any]:
+    """The engine (with its adapters) and the tokenizer the arguments name."""
     model, params, tok = load(args.model)
     if args.int8:
         params = quantize(params, "int8", axes=model.axes())
@@ -69,9 +80,7 @@ def build(args: argparse.Namespace, mesh: Any = None) -> tuple[Any, EngineThread
             raise ValueError(f"--lora {spec!r}: expected NAME=DIR (a peft adapter directory).")
         config, adapters = load_peft(path, model)
         engine.add_adapter(name, adapters, config)
-    runner = EngineThread(engine, max_waiting=args.max_waiting)
-    name = args.name or os.path.basename(os.path.normpath(args.model))
-    return make_app(runner, tok, model_name=name), runner, name
+    return engine, tok
 
 
 def run(args: argparse.Namespace) -> None:
@@ -81,15 +90,29 @@ def run(args: argparse.Namespace) -> None:
             (_, n), = parse_mesh(args.mesh, axes=("model",), fix="; the server splits heads over one axis, e.g. "
                                  "--mesh model=2.")
             mesh = stack.enter_context(Mesh({"model": n}))
-        serve(args, *build(args, mesh))
+        engine, tok = build_engine(args, mesh)
+        if not engine.leads:  # torchrun's ranks 1..: step with rank 0 until it stops serving
+            for sig in (signal.SIGINT, signal.SIGTERM):  # (torchrun passes its signals on: rank 0 decides)
+                signal.signal(sig, lambda s, f: None)
+            engine.follow()
+            return
+        runner = EngineThread(engine, max_waiting=args.max_waiting)
+        name = args.name or os.path.basename(os.path.normpath(args.model))
+        try:
+            serve(args, make_app(runner, tok, model_name=name), runner, name)
+        finally:
+            engine.stop_followers()
 
 
 def serve(args: argparse.Namespace, app: Any, runner: EngineThread, name: str) -> None:
     """Run uvicorn until SIGTERM / Ctrl-C, then finish the requests in flight."""
     import uvicorn
 
-    print(f"cfx.serve: {name!r} on http://{args.host}:{args.port}/v1 ({runner.engine.blocks.num_blocks} KV blocks "
-          f"of {args.block_size} tokens)", flush=True)
+    engine = runner.engine
+    ranks = "" if engine.run.mesh is None else f"; heads over {engine.run.n} ranks" + (
+        ", rank 0 serving, every rank stepping" if engine.run.control is not None else " (threads)")
+    print(f"cfx.serve: {name!r} on http://{args.host}:{args.port}/v1 ({engine.blocks.num_blocks} KV blocks "
+          f"of {args.block_size} tokens{ranks}; pid {os.getpid()})", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn handles them while it serves, then raises the one it
         signal.signal(sig, lambda s, f: None)    # stopped on again: to this no-op, so the command exits 0
     try:
