@@ -1,12 +1,12 @@
 """``cfx.serve``'s HTTP server, live on 127.0.0.1 (uvicorn, a free port, bounded), driven by the official
 ``openai`` client: concurrent completions and chat completions equal transformers' greedy ``generate``
-on the same directory, streamed chunks concatenate to the whole answer, bad input gets OpenAI's error
+on the same directory (GPT-2 in this process, Llama under torchrun), streamed chunks concatenate to the whole answer, bad input gets OpenAI's error
 JSON and its status while the server keeps serving, a client that leaves mid-stream has its request
 aborted and its blocks given back, a bounded load test loses nothing, and ``python -m cfx.serve`` under
 torchrun serves from rank 0 while every rank steps, and exits 0 on SIGTERM.
 
 The in-process server runs the model in fp64 beside an fp64 transformers model (an argmax compared
-across batch shapes is exact there); the command-line server runs the directory saved in fp64."""
+across batch shapes is exact there); the command-line server runs a Llama directory saved in fp64."""
 from __future__ import annotations
 
 import asyncio
@@ -307,30 +307,30 @@ def test_a_bounded_load_loses_nothing_and_frees_every_block(served):
 
 
 @pytest.fixture(scope="module")
-def model_dir64(model_dir, tmp_path_factory):
-    """The directory's model saved in fp64 (its tokenizer beside it)."""
-    import shutil
+def llama_dir(tmp_path_factory):
+    """A tiny Llama (grouped-query attention: 4 query heads over 2 kv heads) saved in fp64 with the byte tokenizer."""
     import transformers
-    d = tmp_path_factory.mktemp("gpt2_fp64")
-    for f in model_dir.iterdir():
-        if "token" in f.name or f.name.endswith(".jinja"):
-            shutil.copy(f, d)
-    transformers.GPT2LMHeadModel.from_pretrained(model_dir).double().save_pretrained(d)
+    d = tmp_path_factory.mktemp("llama")
+    tok = byte_tokenizer(d)
+    model = cfx.models.llama("tiny", n_layer=2, vocab_size=len(tok), hidden_size=32, intermediate_size=48, n_head=4,
+                             n_kv_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(model.hf_config()).eval().double().save_pretrained(d)
     return d
 
 
 @pytest.mark.timeout(240)
-def test_torchrun_serves_from_rank_0_while_every_rank_steps_and_sigterm_exits_0(model_dir64, tmp_path):
-    """``torchrun --nproc-per-node 2 -m cfx.serve --mesh model=2``: two processes each holding half the heads (and
-    their KV pool); rank 0 serves HTTP and schedules, rank 1 steps with it. Concurrent greedy completions equal
-    transformers' on the same (fp64) directory; SIGTERM to rank 0 finishes what runs, stops rank 1, and the job
-    exits 0."""
+def test_torchrun_serves_from_rank_0_while_every_rank_steps_and_sigterm_exits_0(llama_dir, tmp_path):
+    """``torchrun --nproc-per-node 2 -m cfx.serve --mesh model=2`` on a Llama directory: two processes each holding
+    half the heads (one of the two kv heads) and their KV pool; rank 0 serves HTTP and schedules, rank 1 steps with
+    it. 16 concurrent completions and 16 chat completions equal transformers' greedy output on the same (fp64)
+    directory; SIGTERM to rank 0 finishes what runs, stops rank 1, and the job exits 0."""
     import transformers
     import httpx2 as httpx
     port, log = free_port(), tmp_path / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                 "-m", "cfx.serve", "--model", str(model_dir64), "--port", str(port), "--kv-bytes",
+                                 "-m", "cfx.serve", "--model", str(llama_dir), "--port", str(port), "--kv-bytes",
                                  "8MiB", "--name", "tiny", "--mesh", "model=2"], cwd=ROOT,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), stdout=out,
                                 stderr=subprocess.STDOUT)
@@ -346,8 +346,8 @@ def test_torchrun_serves_from_rank_0_while_every_rank_steps_and_sigterm_exits_0(
                 time.sleep(0.2)
         banner = next(line for line in log.read_text().splitlines() if "on http://127.0.0.1" in line)
         assert "rank 0 serving, every rank stepping" in banner, banner
-        tok = transformers.AutoTokenizer.from_pretrained(model_dir64)
-        hf = transformers.GPT2LMHeadModel.from_pretrained(model_dir64).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(llama_dir)
+        hf = transformers.LlamaForCausalLM.from_pretrained(llama_dir).eval()
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
 
         async def completion(p, n):
@@ -355,13 +355,22 @@ def test_torchrun_serves_from_rank_0_while_every_rank_steps_and_sigterm_exits_0(
                                                 extra_body={"ignore_eos": True}, n=2 if n == 5 else 1)
             return [c.text for c in r.choices]
 
+        async def chat(p, n):
+            r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                     max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+            return [r.choices[0].message.content]
+
         async def all_of_them():
             async with client:
-                return await asyncio.gather(*[completion(p, 3 + i % 4) for i, p in enumerate(PROMPTS[:8])])
+                jobs = [completion(p, 3 + i % 4) for i, p in enumerate(PROMPTS)]
+                return await asyncio.gather(*jobs, *[chat(p, 2 + i % 3) for i, p in enumerate(PROMPTS)])
         got = asyncio.run(all_of_them())
-        for i, p in enumerate(PROMPTS[:8]):  # (n=2: the samples fork sample 0's blocks, copied on write on each rank)
+        for i, p in enumerate(PROMPTS):  # (n=2: the samples fork sample 0's blocks, copied on write on each rank)
             want = hf_text(hf, tok, tok.encode(p), 3 + i % 4)
             assert got[i] == [want] * len(got[i]), p
+            chat_ids = list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                    tokenize=True)["input_ids"])
+            assert got[len(PROMPTS) + i] == [hf_text(hf, tok, chat_ids, 2 + i % 3)], p
         pid = int(banner.rsplit("pid ", 1)[1].rstrip(")"))
         os.kill(pid, signal.SIGTERM)  # rank 0's: it drains, then tells rank 1 to stop
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
