@@ -38,12 +38,14 @@ GPUS = {
 # launch: the host's cost per kernel the GPU waits on.
 # Ampere: fitted once, jointly, to Korthikanti et al. 2022 Table 5 and Narayanan et al. 2021 Table 1
 #   (Megatron-LM on Selene's A100 80 GB; ``cfx.bench estimate`` prints every row's error), then held:
-#   a grid over these four numbers, the same for every row. cuBLAS's large fp16 GEMMs alone reach 0.8-0.9.
+#   a grid over these four numbers, the same for every row (refitted when Megatron's data-parallel
+#   all-reduce was counted in fp16, as it runs, not fp32: matmul 0.76 -> 0.74, unfused attention 0.30 ->
+#   0.35). cuBLAS's large fp16 GEMMs alone reach 0.8-0.9.
 # Hopper: not fitted to a published run: the cuBLAS bf16 GEMM share (about 700 of 989 TF on large
 #   shapes), FlashAttention-2's share on H100 (about 0.5 of peak forward), Ampere's memory share. Checked
 #   against one measured H200 step (GPT-2 medium, docs/MEASURED.md; ``cfx.bench estimate``).
 EFFICIENCY = {
-    "ampere": dict(matmul=0.76, matmul_half=1.0e10, attention=0.55, attention_unfused=0.30, memory=0.75,
+    "ampere": dict(matmul=0.74, matmul_half=1.0e10, attention=0.55, attention_unfused=0.35, memory=0.75,
                    launch=4e-6),
     "hopper": dict(matmul=0.70, matmul_half=3.0e10, attention=0.50, attention_unfused=0.25, memory=0.80,
                    launch=4e-6),
@@ -82,14 +84,21 @@ PRESETS = {
 #   "unfused" (batched GEMMs and a softmax over the whole materialised square, its dropout's mask kept);
 # tp_backward_overlap: the tensor-parallel collectives of backward hidden behind the weight-gradient GEMMs;
 # p2p_split: a pipeline message sent as 1/t per tensor-parallel rank and all-gathered over NVLink;
-# optimizer_bytes: HBM bytes the optimizer step moves per parameter (and gradient clipping with it).
+# optimizer_bytes: HBM bytes the optimizer step moves per parameter (and gradient clipping with it);
+# grad_reduce_bytes: bytes per gradient element the data-parallel reduction sends (None: the plan's own
+#   accounting of its gradients).
 STACKS = {
     # cfx: cfx.nn.attention (flash / SDPA), psum in backward when it is reached, whole messages between
     # stages; fp32 params and grads, AdamW reads p, g, m, v and writes p, m, v (7 x 4 bytes) + clipping's read.
-    "cfx": dict(attention="flash", tp_backward_overlap=False, p2p_split=False, optimizer_bytes=32),
+    "cfx": dict(attention="flash", tp_backward_overlap=False, p2p_split=False, optimizer_bytes=32,
+                grad_reduce_bytes=None),
     # Megatron-LM as Narayanan et al. 2021 and Korthikanti et al. 2022 ran it: unfused softmax attention,
     # asynchronous tensor-parallel all-reduce / sequence-parallel all-gather in backward, the scatter-gather
     # pipeline optimisation; fp16 params, fp32 main grads and master weights: Adam reads g, p32, m, v and
     # writes p32, m, v, p16 (30 bytes), clipping and the inf check read the grads (8), zeroing writes them (4).
-    "megatron": dict(attention="unfused", tp_backward_overlap=True, p2p_split=True, optimizer_bytes=42),
+    # Its data-parallel all-reduce sends the gradients in the params' fp16 (2 bytes): fp32 only under
+    # --accumulate-allreduce-grads-in-fp32, a switch off by default (megatron/arguments.py) and not among the
+    # papers' flags.
+    "megatron": dict(attention="unfused", tp_backward_overlap=True, p2p_split=True, optimizer_bytes=42,
+                     grad_reduce_bytes=2),
 }

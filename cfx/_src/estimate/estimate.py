@@ -267,6 +267,8 @@ class _Step:
             return 0.0
         n = self.plan.size("data")
         whole = self.state_bytes(state, "params") * (n if self.plan.zero == 3 else 1)  # a data rank's gradients
+        if self.stack["grad_reduce_bytes"] is not None:  # a peer that reduces in its own dtype (constants.STACKS)
+            whole *= self.stack["grad_reduce_bytes"] / 4
         if self.plan.zero == 3:
             return 2 * self.collective("data", "all_gather", whole) + self.collective("data", "reduce_scatter", whole)
         if self.plan.zero == 0:
