@@ -30,6 +30,13 @@ def test_narayanan_table1_tflops_with_the_same_constants():
     assert statistics.mean(errs) <= 0.035 and max(errs) <= 0.05, errs
 
 
+def test_korthikanti_fig1_memory_per_gpu_is_the_papers_equations():
+    bars = published.korthikanti_fig1()
+    assert len(bars) == 12  # four models: parameters + optimizer state, activations without and with SP + selective
+    for bar, est, paper in bars:  # activations: term by term; the state: the paper's parameter count, not ours
+        assert est == pytest.approx(paper, rel=1e-9 if "activations" in bar else 1e-3), bar
+
+
 def test_megatrons_data_parallel_all_reduce_sends_fp16_gradients():
     # Megatron-LM reduces gradients in the params' fp16 unless --accumulate-allreduce-grads-in-fp32; cfx's step
     # reduces its fp32 gradients: the same plan's gradient all-reduce takes half as long (latency aside)

@@ -3,7 +3,8 @@
 - Korthikanti et al. 2022 Table 5 (seconds per iteration of 22B-1T on 8-512 A100s, full recomputation and
   sequence parallelism + selective recomputation) and Narayanan et al. 2021 Table 1 (teraFLOP/s per GPU,
   1.7B-1T on 32-3072 A100s): every row's error, their mean and worst, with one set of A100 constants
-  (``cfx/_src/estimate/constants.py``).
+  (``cfx/_src/estimate/constants.py``). Korthikanti et al. 2022 Fig. 1: memory per GPU (parameters and
+  optimizer state; activations without and with sequence parallelism + selective recomputation).
 - An H200: GPT-2 medium's measured step (cfx eager, B8 x 1024 bf16, docs/MEASURED.md) against the ``h200`` preset.
 - Speed: one estimate of a 1T-parameter config (its shape alone, and a cfx GPT-2 of that shape through
   the plan's own accounting), a search over every plan for GPT-3 175B on 1,024 A100s.
@@ -55,6 +56,17 @@ def published_rows(size: str) -> list[Row]:
                         f"<= {target_mean:.1%}" if target_mean else "", mean <= target_mean if target_mean else True))
         rows.append(Row(f"{what}: max |error|", max(errs) * 100, "%", f"<= {target_max:.0%}", max(errs) <= target_max))
     return rows
+
+
+def fig1_rows(size: str) -> list[Row]:
+    """Korthikanti et al. 2022 Fig. 1: memory per GPU of the four models, the estimate against the paper's
+    equations that draw the figure's bars (``published.korthikanti_fig1``)."""
+    bars = published.korthikanti_fig1()
+    if size == "smoke":
+        bars = bars[:3]
+    return [Row(f"Korthikanti 2022 Fig. 1: {bar}: paper {paper / 2**30:.1f} GiB, estimate {est / 2**30:.1f} GiB",
+                (est / paper - 1) * 100, "% error", "|e| <= 10%", abs(est / paper - 1) <= 0.10)
+            for bar, est, paper in bars]
 
 
 def h200_rows(size: str) -> list[Row]:
@@ -176,7 +188,7 @@ def local_time_rows(size: str) -> list[Row]:
 
 def run(*, quick: bool = False, smoke: bool = False, json_path: str | None = None) -> dict:
     size = size_of(quick=quick, smoke=smoke)
-    rows = published_rows(size) + h200_rows(size) + speed_rows(size) + local_rows(size)
+    rows = published_rows(size) + fig1_rows(size) + h200_rows(size) + speed_rows(size) + local_rows(size)
     if not smoke:  # the smoke form runs in test_bench_twohost, with its training check
         rows += twohost_rows(size) + local_time_rows(size)
     return report("estimate", rows, json_path)

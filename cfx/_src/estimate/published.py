@@ -6,6 +6,13 @@ constants per GPU kind, ``constants.EFFICIENCY``).
   Table 5 (seconds per iteration, full recomputation and sequence parallelism + selective recomputation)
   on Selene (DGX A100 80 GB, HDR InfiniBand); the pipeline schedule as Calculon's validation configures
   it (interleaved with 3 chunks for 175B and 530B).
+- Korthikanti et al. 2022 Fig. 1 (memory per GPU of the same four models: parameters and optimizer state,
+  activations of tensor + pipeline parallelism alone, and with sequence parallelism + selective
+  recomputation). The bars are the paper's equations (Section 4: ``s b h L (10 + 24/t + 5as/ht)`` and
+  ``34 s b h L / t`` on the first stage, which holds ``L`` layers' worth under 1F1B, times ``1 + (p-1)/pm``
+  interleaved over ``m`` chunks; mixed-precision Adam's 16 bytes a parameter, ``2 + 2 + 12``, of Narayanan
+  et al.'s parameter count ``12 l h^2 (1 + 13/12h + (V + s)/12lh)``), so those
+  equations are what ``korthikanti_fig1`` computes for each bar.
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM", Table 1 (weak scaling, 1.7B-1T: teraFLOP/s per GPU counted with full recomputation,
   ``96 B s l h^2 (1 + s/6h + V/16lh)``); the paper does not list micro-batches: one row per pipeline
@@ -64,6 +71,30 @@ def korthikanti_table5() -> list[Run]:
         for mode, tail, value in (("full recompute", "remat=blocks", full), ("SP + selective", "remat=dots sp=megatron", selective)):
             out.append(Run("Korthikanti et al. 2022 Table 5", f"{name} {mode}", _gpt(name, h, l, a),
                            f"{_mesh(p, 1, t)} {tail} precision=fp16{pipe}", rows, value, "s"))
+    return out
+
+
+def korthikanti_fig1() -> list[tuple[str, float, float]]:
+    """``(bar, the estimate's bytes per GPU, the paper's)`` for each model of Table 3 as Table 5 ran it (module
+    doc): parameters + optimizer state, activations without and with sequence parallelism + selective
+    recomputation (the estimate's ``activations``; the logits it counts apart, which the figure leaves out)."""
+    out = []
+    for name, h, l, a, t, p, rows, chunks, _, _ in _TABLE5:
+        shape, b = _gpt(name, h, l, a), 4 if name == "22B" else 1
+        sbh, pipe = SEQ * b * h, ""
+        if p > 1:
+            pipe = f" microbatches={rows // b}" + (f" schedule=interleaved chunks={chunks}" if chunks > 1 else "")
+        first_stage = l * (1 + (p - 1) / (p * chunks) if chunks > 1 else 1)
+        for bar, tail, per_layer in (
+                ("activations, tensor + pipeline", "remat=none", sbh * (10 + 24 / t + 5 * a * SEQ / (h * t))),
+                ("activations, + SP + selective", "remat=dots sp=megatron", sbh * 34 / t)):
+            plan = Plan.parse(f"{_mesh(p, 1, t)} {tail} precision=fp16{pipe}")
+            e = estimate(shape, plan, Cluster.preset("a100-80gb", plan.world_size), batch=(rows, SEQ), stack="megatron")
+            if not out or not out[-1][0].startswith(name):
+                state = sum(e.memory[k] for k in ("params", "grads", "optimizer"))
+                params = 12 * l * h * h * (1 + 13 / (12 * h) + (VOCAB + SEQ) / (12 * l * h))  # Narayanan et al. eq. (2)
+                out.append((f"{name} parameters + optimizer state", state, 16 * params / (t * p)))
+            out.append((f"{name} {bar}", e.memory["activations"], per_layer * first_stage))
     return out
 
 
