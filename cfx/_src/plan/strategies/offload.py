@@ -113,8 +113,15 @@ class Offload(Strategy):
         if plan.offload == "none":
             return
         budget = plan.offload_budget or 1 << 62
-        chunks = make_placement(plan, built.local, built.layout, budget).chunk_bytes
+        placement = make_placement(plan, built.local, built.layout, budget)
+        chunks = placement.chunk_bytes
         acc.add("device chunks", chunks[0] if plan.offload in ("host", "nvme") else min(sum(chunks), budget))
+        if plan.size("pipe") > 1 and plan.microbatches > 1:
+            # a later microbatch's gradient piece of a layer arrives at home (``Placement.deliver``) beside the
+            # sum of the earlier ones, then is added into it: one layer's piece more at the peak
+            pieces = [x for _, x in tree_util.flatten_with_path(built.layout.local_abstract().pieces)[0]]
+            arriving = max(sum(pieces[i].shape[0] * pieces[i].dtype.itemsize for i in g) for g in placement.groups)
+            acc.add("grads", acc.bytes["grads"] + arriving, acc.tiers["grads"])
 
 
 class PlacedRunner:
