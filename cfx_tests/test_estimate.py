@@ -119,6 +119,27 @@ def test_model_state_is_the_plans_own_accounting():
     assert (shape.hidden, shape.layers, shape.heads, shape.ffn, shape.vocab) == (32, 2, 4, 128, 64)
 
 
+@pytest.mark.timeout(120)
+def test_a_rehearsed_estimate_holds_what_describe_says_and_sends_what_the_step_sends():
+    model = cfx.models.gpt2("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    plan = cfx.parallel.Plan.parse("pipe=2,data=2,model=2 zero=1 remat=blocks microbatches=2")
+    cluster = Cluster.preset("a100-80gb", plan.world_size)
+    e = cfx.parallel.estimate(model, plan, cluster, batch=(8, 32), rehearse=True)
+    d = plan.describe(model, batch=(8, 32))
+    assert e.memory == {k: v for k, v in d.bytes.items() if d.tiers[k] == "device"} and "activations" in e.memory
+    x = cfx.random.randint(cfx.random.key(1), (8, 32), 0, 64)
+    with plan.make_mesh() as mesh:
+        step = plan.step(model, cfx.optim.adamw(1e-3), mesh=mesh)
+        state, _ = step(step.init(cfx.random.key(0)), (x, x))
+        with cfx.comm_stats() as stats:
+            step(state, (x, x))
+    measured = stats.sent()
+    assert e.collectives == measured and {"data", "model", "pipe"} <= set(measured)  # byte for byte
+    assert e.step_s == cfx.parallel.estimate(model, plan, cluster, batch=(8, 32)).step_s  # (the time: the model's)
+    with pytest.raises(ValueError, match="needs a cfx model"):
+        cfx.parallel.estimate(TransformerShape.of(model), plan, cluster, batch=(8, 32), rehearse=True)
+
+
 def test_llama_and_mixtral_shapes_are_read_from_their_blocks():
     llama = TransformerShape.of(cfx.models.llama("tiny"))
     assert llama.gated and llama.kv_heads == 2 and llama.ffn == 344 and not llama.experts

@@ -331,14 +331,7 @@ def test_describe_rehearses_the_step_collectives_and_activations_on_shapes(text)
         state, _ = step(step.init(cfx.random.key(0)), (x, y))
         with cfx.comm_stats() as stats, cfx.memory.track(ops=True) as mem:
             step(state, (x, y))
-    measured: dict = {}
-    for r in range(mesh.size):
-        per: dict = {}
-        for rec in stats.select(rank=r):
-            key = (".".join(rec.axes), "backward" if rec.backward else "forward")
-            per[key] = per.get(key, 0) + rec.nbytes
-        for (axes, phase), b in per.items():
-            measured.setdefault(axes, {})[phase] = max(measured.get(axes, {}).get(phase, 0), b)
+    measured = stats.sent()
     assert described.collectives == measured  # the step's own code, byte for byte
     peak = max(mem.peak_by_kind("device", rank=r)["activation"] for r in range(mesh.size))
     if compare_activations:

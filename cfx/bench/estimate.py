@@ -8,8 +8,10 @@
 - An H200: GPT-2 medium's measured step (cfx eager, B8 x 1024 bf16, docs/MEASURED.md) against the ``h200`` preset.
 - Speed: one estimate of a 1T-parameter config (its shape alone, and a cfx GPT-2 of that shape through
   the plan's own accounting), a search over every plan for GPT-3 175B on 1,024 A100s.
-- The local mesh: each plan's activations as the estimate counts them against ``Plan.describe(batch=)``'s
-  rehearsal of the step on shapes (printed; the model state is the same accounting on both sides).
+- The local mesh (``LOCAL_PLANS``, and in the full run every plan of ``python -m cfx.bench plans`` too): each
+  plan estimated with ``rehearse=True`` holds what ``Plan.describe(batch=)`` says and sends,
+  per axis and phase, the bytes ``cfx.comm_stats`` counts in the real step (exact); the activations as the
+  estimate counts them without rehearsal against the rehearsal's (printed).
 
 - Two hosts for real: two network namespaces joined by a veth pair shaped to 1 Gbit/s
   (``twohost``); gloo's all-reduce / all-gather / reduce-scatter across them against the estimate's
@@ -113,16 +115,36 @@ def speed_rows(size: str) -> list[Row]:
 
 
 def local_rows(size: str) -> list[Row]:
-    model = cfx.models.gpt2("tiny", n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    """Each local plan estimated twice: with ``rehearse=True`` its memory against ``describe(batch=)`` and its
+    collectives' bytes against ``cfx.comm_stats`` of the real step on the local mesh (exact); without, its
+    activations (Korthikanti's terms) against the rehearsal's (printed)."""
+    from cfx.bench.plans import PLANS
+    model = cfx.models.gpt2("tiny", n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    x = cfx.random.randint(cfx.random.key(1), (8, 64), 0, 128)
     rows = []
-    for text in LOCAL_PLANS[:1] if size == "smoke" else LOCAL_PLANS:
+    texts = {"smoke": LOCAL_PLANS[:1], "quick": LOCAL_PLANS, "full": LOCAL_PLANS + PLANS}[size]
+    for text in texts:
         plan = cfx.parallel.Plan.parse(text)
+        cluster = cfx.parallel.Cluster.preset("a100-80gb", plan.world_size)
         d = plan.describe(model, batch=(8, 64))
-        e = cfx.parallel.estimate(model, plan, cfx.parallel.Cluster.preset("a100-80gb", plan.world_size), batch=(8, 64))
-        state = all(e.memory.get(k) == d.bytes[k] for k in ("params", "grads", "optimizer"))
+        e = cfx.parallel.estimate(model, plan, cluster, batch=(8, 64))
+        exact = cfx.parallel.estimate(model, plan, cluster, batch=(8, 64), rehearse=True)
+        with plan.make_mesh() as mesh:
+            step = plan.step(model, cfx.optim.adamw(1e-3), mesh=mesh)
+            state, _ = step(step.init(cfx.random.key(0)), (x, x))
+            with cfx.comm_stats() as stats:
+                step(state, (x, x))
+        memory = exact.memory == {k: v for k, v in d.bytes.items() if d.tiers[k] == "device"}
+        sent = exact.collectives == stats.sent()
+        total = sum(sum(by.values()) for by in exact.collectives.values())
+        rows.append(Row(f"local {text}: estimate(rehearse=True) memory = describe(batch=): {memory}; collective bytes "
+                        f"per axis and phase = comm_stats of the real step: {sent} ({total:,} bytes a rank)",
+                        float(memory and sent), "exact", "1", memory and sent))
+        state_equal = all(e.memory.get(k) == d.bytes[k] for k in ("params", "grads", "optimizer")
+                          if d.tiers[k] == "device")  # (offloaded: on the host, not the GPU's)
         ratio = (e.memory["activations"] + e.memory["logits"]) / d.bytes["activations"]
-        rows.append(Row(f"local {text}: estimated activations / describe(batch=)'s rehearsal (fp32, batch 8 x 64)"
-                        f"; model state equal: {state}", ratio, "x", "printed", state))
+        rows.append(Row(f"local {text}: estimated activations (Korthikanti's terms) / describe(batch=)'s rehearsal "
+                        f"(fp32, batch 8 x 64); model state equal: {state_equal}", ratio, "x", "printed", state_equal))
     return rows
 
 

@@ -5,7 +5,9 @@ Memory: the model state (params, gradients, optimizer, ZeRO-3's gathered block, 
 the plan's own accounting (``plan.build.account``, what ``Plan.describe`` prints and the step holds),
 computed on shapes for the plan's mesh; activations are Korthikanti et al.'s terms for the plan's
 tensor / sequence parallelism and remat (``workload``), times the microbatches the plan's pipeline
-schedule keeps in flight (its own ``peak_in_flight``).
+schedule keeps in flight (its own ``peak_in_flight``). With ``rehearse=True`` the step itself runs on
+shapes for every rank (``Plan.describe(batch=)``): its activations' peak and the bytes each collective
+sends per axis are then the step's own, as ``cfx.comm_stats`` counts them in the real step.
 
 Time: each layer's matmuls, attention core and memory-bound kernels on the GPU (``Gpu``), the
 collectives each strategy issues per layer and per step on the link its mesh axis crosses (ranks
@@ -54,6 +56,10 @@ class Estimate:
     memory: dict[str, int]
     capacity: int
     breakdown: dict[str, float]
+    # ``rehearse=True``: per mesh axes and phase, the payload bytes one rank hands to collectives in a step (the
+    # most of any rank), from the step's own code run on shapes (``Plan.describe(batch=)``: ``cfx.comm_stats``'
+    # figures of the real step); else empty
+    collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -80,12 +86,18 @@ class Estimate:
 
 
 def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int], tx: Any = None,
-             stack: str = "cfx", overlap_dp: bool = False) -> Estimate:
+             stack: str = "cfx", overlap_dp: bool = False, rehearse: bool = False) -> Estimate:
     """The step of ``plan`` training ``model`` on ``cluster`` with a global ``batch`` of ``(rows, seq)``
     (module doc). ``model``: a cfx decoder (its state then the plan's own accounting) or a bare
     ``TransformerShape`` shape. ``stack``: whose code runs the step, ``"cfx"`` or ``"megatron"`` (Megatron-LM
     as the papers ran it: ``constants.STACKS``); ``overlap_dp``: the gradients' reduction hidden behind
-    backward (peers that overlap it). ``tx``: the optimizer whose state the plan accounts (AdamW)."""
+    backward (peers that overlap it). ``tx``: the optimizer whose state the plan accounts (AdamW).
+    ``rehearse``: take the memory and the collectives' bytes from the step itself run on shapes for every rank
+    (``Plan.describe(model, batch=)``: exactly what the step holds and sends, on a mesh of a few ranks; seconds
+    for a small model, too slow for a search) instead of Korthikanti's activation terms."""
+    if rehearse and isinstance(model, TransformerShape):
+        raise ValueError("cfx.parallel.estimate: rehearse=True runs the plan's step on shapes and needs a cfx model "
+                         f"(cfx.models.gpt2(...), ...), not the bare shape {model}; drop rehearse= for a shape.")
     shape = TransformerShape.of(model) if not isinstance(model, TransformerShape) else model
     rows, seq = batch
     if plan.world_size != cluster.gpus:
@@ -102,14 +114,18 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
     state = None if isinstance(model, TransformerShape) else model_state(plan, model, tx)
     step = _Step(shape, plan, cluster, rows, seq, C.STACKS[stack])
     breakdown = step.times(overlap_dp, state)
-    memory = step.memory(state)
+    memory, collectives = step.memory(state), {}
+    if rehearse:  # the plan's own figures: what describe prints, what comm_stats counts of the real step
+        described = plan.describe(model, tx, batch=batch)
+        memory = {k: v for k, v in described.bytes.items() if described.tiers[k] == "device"}
+        collectives = described.collectives
     total = sum(breakdown.values())
     model_flops = shape.model_flops(rows, seq)
     hardware = model_flops + step.recompute_flops()
     peak = cluster.gpu.peak(step.dtype) * cluster.gpus
     return Estimate(str(plan), str(cluster), cluster.gpus, (rows, seq), total, model_flops, hardware,
                     model_flops / total / cluster.gpus / 1e12, model_flops / total / peak, hardware / total / peak,
-                    int(sum(memory.values())), memory, int(cluster.gpu.memory), breakdown)
+                    int(sum(memory.values())), memory, int(cluster.gpu.memory), breakdown, collectives)
 
 
 def check_length(model: Any, seq: int) -> None:

@@ -51,6 +51,19 @@ class CommStats(context.Collector):
     def bytes(self, **where) -> int:
         return sum(r.nbytes for r in self.select(**where))
 
+    def sent(self) -> dict[str, dict[str, int]]:
+        """Payload bytes per mesh axes (joined by ".") and phase (``"forward"``, which includes the
+        optimizer's, or ``"backward"``): a rank's sum over its records, the most of any rank (what
+        ``Plan.describe(batch=)`` reports of the step rehearsed on shapes)."""
+        per: collections.Counter = collections.Counter()
+        for r in self.records:
+            per[(r.rank, ".".join(r.axes), "backward" if r.backward else "forward")] += r.nbytes
+        out: dict[str, dict[str, int]] = {}
+        for (_, axes, phase), b in per.items():
+            by = out.setdefault(axes, {})
+            by[phase] = max(by.get(phase, 0), b)
+        return out
+
     def summary(self) -> list[tuple]:
         """Rows ``(axes, op, phase, calls per rank, payload bytes per rank)`` (max over ranks)."""
         agg = collections.defaultdict(lambda: collections.Counter())

@@ -15,6 +15,7 @@ import torch
 
 from cfx._src.core import random, tree as tree_util
 from cfx._src.core.text import format_table
+from cfx._src.lax.stats import CommStats
 from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.models.parts import hook
 from cfx._src.optim.alias import adamw
@@ -89,10 +90,9 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
         runs = [rehearse(program, body, rows, seq, r) for r in range(mesh.size)]
         out["activations"] = max(r.activations for r in runs)
         tiers["activations"] = "device"
-        for r in runs:
-            for (axes, phase), b in r.sent().items():
-                by = collectives.setdefault(axes, {})
-                by[phase] = max(by.get(phase, 0), b)
+        sent = CommStats()
+        sent.records = [rec for r in runs for rec in r.records]
+        collectives = sent.sent()
     return Description(str(plan), n_params, out, tiers, collectives)
 
 

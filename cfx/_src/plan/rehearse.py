@@ -52,14 +52,6 @@ class Rehearsal:
     records: tuple[CommRecord, ...]
     activations: int  # peak bytes of op outputs and saved tensors while the step runs
 
-    def sent(self) -> dict[tuple[str, str], int]:
-        """Payload bytes by (axes joined by ".", "forward" | "backward")."""
-        out: dict[tuple[str, str], int] = {}
-        for r in self.records:
-            key = (".".join(r.axes), "backward" if r.backward else "forward")
-            out[key] = out.get(key, 0) + r.nbytes
-        return out
-
 
 def rehearse(program, body, rows: int, seq: int, rank: int) -> Rehearsal:
     """Rank ``rank``'s step of ``program`` on a global batch of ``rows`` x ``seq`` tokens, ``body``
