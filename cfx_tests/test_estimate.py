@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import cfx
 from cfx._src.estimate import published
+from cfx._src.estimate.estimate import collective_s
 from cfx._src.estimate.schedule_time import Program, makespan, schedule_of
 from cfx._src.pipeline.schedule import KINDS
 from cfx._src.pipeline.simulate import run_validated, simulate
@@ -135,7 +136,15 @@ def test_a_rehearsed_estimate_holds_what_describe_says_and_sends_what_the_step_s
             step(state, (x, x))
     measured = stats.sent()
     assert e.collectives == measured and {"data", "model", "pipe"} <= set(measured)  # byte for byte
-    assert e.step_s == cfx.parallel.estimate(model, plan, cluster, batch=(8, 32)).step_s  # (the time: the model's)
+    # the time of data's collectives: each call the step makes, timed by the collective model on the link
+    plan, cluster = cfx.parallel.Plan.parse("data=2 zero=3"), Cluster.preset("a100-80gb", 2)
+    e = cfx.parallel.estimate(model, plan, cluster, batch=(8, 32), rehearse=True)
+    per_rank: dict = {}
+    for r in plan.describe(model, batch=(8, 32)).records:
+        whole = r.nbytes * 2 if r.op == "all_gather" else r.nbytes
+        per_rank[r.rank] = per_rank.get(r.rank, 0) + collective_s(r.op, 2, whole, cluster.intra.latency,
+                                                                    cluster.intra.busbw)
+    assert len(per_rank) == 2 and e.breakdown["data (gradients)"] == pytest.approx(max(per_rank.values()))
     with pytest.raises(ValueError, match="needs a cfx model"):
         cfx.parallel.estimate(TransformerShape.of(model), plan, cluster, batch=(8, 32), rehearse=True)
 

@@ -18,7 +18,8 @@
   collective model for that link.
 
 - Step time on this machine: 10 plans on 8 local ranks, measured against the estimate for the ``cpu``
-  cluster (``Cluster.cpu`` of ``cfx.autoshard.calibrate``), as a rank correlation.
+  cluster (``Cluster.cpu`` of ``cfx.autoshard.calibrate``), as a rank correlation; rehearsed (``rehearse=True``:
+  each collective call the step makes, timed, rather than the per-layer model's few).
 
 ``--quick``: the search over 64 GPUs, 5 of the local plans; ``--smoke``: two published rows of each table, GPT-2 tiny for the
 H200 row and a search over 8 GPUs, one local plan.
@@ -186,7 +187,8 @@ TIMED_PLANS = ("data=8", "data=8 zero=1", "data=8 zero=3", "data=4,model=2", "da
 def local_time_rows(size: str) -> list[Row]:
     """Predicted against measured step time of 10 plans on 8 local ranks (this machine as a cluster:
     ``Cluster.cpu`` of ``cfx.autoshard.calibrate``'s cost model on the same mesh): Spearman's rank
-    correlation, the plans as ``python -m cfx.bench plans --quick`` times them."""
+    correlation, the plans as ``python -m cfx.bench plans --quick`` times them; each estimate rehearsed (the
+    step's own collective calls timed: ZeRO's per-layer gathers, the embedding's and the loss's)."""
     from scipy.stats import spearmanr
 
     from cfx.bench import plans as plans_bench
@@ -197,7 +199,7 @@ def local_time_rows(size: str) -> list[Row]:
     rows, predicted, measured = [], [], []
     for text in TIMED_PLANS if size == "full" else TIMED_PLANS[:5]:
         m = plans_bench.measure(text, model, batch, seq, steps)
-        e = cfx.parallel.estimate(model, cfx.parallel.Plan.parse(text), cluster, batch=(batch, seq))
+        e = cfx.parallel.estimate(model, cfx.parallel.Plan.parse(text), cluster, batch=(batch, seq), rehearse=True)
         predicted.append(e.step_s)
         measured.append(m["step_s"])
         rows.append(Row(f"local {text}: measured {m['step_s'] * 1e3:.1f} ms / estimated {e.step_s * 1e3:.1f} ms "

@@ -7,7 +7,8 @@ computed on shapes for the plan's mesh; activations are Korthikanti et al.'s ter
 tensor / sequence parallelism and remat (``workload``), times the microbatches the plan's pipeline
 schedule keeps in flight (its own ``peak_in_flight``). With ``rehearse=True`` the step itself runs on
 shapes for every rank (``Plan.describe(batch=)``): its activations' peak and the bytes each collective
-sends per axis are then the step's own, as ``cfx.comm_stats`` counts them in the real step.
+sends per axis are then the step's own, as ``cfx.comm_stats`` counts them in the real step, and every
+collective call it makes is timed on its axis's link.
 
 Time: each layer's matmuls, attention core and memory-bound kernels on the GPU (``Gpu``), the
 collectives each strategy issues per layer and per step on the link its mesh axis crosses (ranks
@@ -92,9 +93,10 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
     ``TransformerShape`` shape. ``stack``: whose code runs the step, ``"cfx"`` or ``"megatron"`` (Megatron-LM
     as the papers ran it: ``constants.STACKS``); ``overlap_dp``: the gradients' reduction hidden behind
     backward (peers that overlap it). ``tx``: the optimizer whose state the plan accounts (AdamW).
-    ``rehearse``: take the memory and the collectives' bytes from the step itself run on shapes for every rank
+    ``rehearse``: take the memory and the collectives from the step itself run on shapes for every rank
     (``Plan.describe(model, batch=)``: exactly what the step holds and sends, on a mesh of a few ranks; seconds
-    for a small model, too slow for a search) instead of Korthikanti's activation terms."""
+    for a small model, too slow for a search) instead of Korthikanti's activation terms, and time each
+    collective call it makes (``_Step.records_s``) instead of the per-layer model's few."""
     if rehearse and isinstance(model, TransformerShape):
         raise ValueError("cfx.parallel.estimate: rehearse=True runs the plan's step on shapes and needs a cfx model "
                          f"(cfx.models.gpt2(...), ...), not the bare shape {model}; drop rehearse= for a shape.")
@@ -113,12 +115,13 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
     check_length(model, seq)
     state = None if isinstance(model, TransformerShape) else model_state(plan, model, tx)
     step = _Step(shape, plan, cluster, rows, seq, C.STACKS[stack])
-    breakdown = step.times(overlap_dp, state)
     memory, collectives = step.memory(state), {}
     if rehearse:  # the plan's own figures: what describe prints, what comm_stats counts of the real step
         described = plan.describe(model, tx, batch=batch)
         memory = {k: v for k, v in described.bytes.items() if described.tiers[k] == "device"}
         collectives = described.collectives
+        step.rehearsed = step.records_s(described.records)
+    breakdown = step.times(overlap_dp, state)
     total = sum(breakdown.values())
     model_flops = shape.model_flops(rows, seq)
     hardware = model_flops + step.recompute_flops()
@@ -162,6 +165,8 @@ class _Step:
         self.mb = rows // self.dp // self.m            # rows per microbatch on a rank
         self.tokens = self.mb * seq // self.cp           # its tokens on a rank
         self.per_chunk = math.ceil(shape.layers / (self.p * self.v))  # layers of the fullest chunk: it sets the pace
+        self.rehearsed: dict[str, float] | None = None  # seconds per axis of a rehearsed step's collectives
+        self.comm_scale: dict[str, float] = {}
 
     # -- links ------------------------------------------------------------------------------------------
     def link(self, axis: str) -> tuple[Link, float]:
@@ -180,6 +185,26 @@ class _Step:
         """Seconds of one ring collective over ``axis`` whose whole (gathered / summed) tensor is ``nbytes``."""
         link, bw = self.link(axis)
         return collective_s(kind, self.plan.size(axis), nbytes, link.latency, bw)
+
+    def records_s(self, records: Any) -> dict[str, float]:
+        """Seconds of a rehearsed step's collectives (``cfx.comm_stats``' records, every rank's) outside the
+        pipeline's sends, per mesh axis (a record over several axes counts on ``data`` if among them, else on
+        its first), the busiest rank's: each call timed as ``collective`` times one of its op and bytes."""
+        per: dict[tuple[int, str], float] = {}
+        for r in records:
+            if "pipe" in r.axes:
+                continue
+            n = math.prod(self.plan.size(a) for a in r.axes)
+            links = [self.link(a) for a in r.axes]
+            latency, bw = max(link.latency for link, _ in links), min(b for _, b in links)
+            kind = {"ppermute": "p2p", "ragged_all_to_all": "all_to_all"}.get(r.op, r.op)
+            whole = r.nbytes * n if kind == "all_gather" else r.nbytes  # (a gather's payload: the rank's part)
+            key = (r.rank, "data" if "data" in r.axes else r.axes[0])
+            per[key] = per.get(key, 0.0) + collective_s(kind, n, whole, latency, bw)
+        out: dict[str, float] = {}
+        for (_, axis), t in per.items():
+            out[axis] = max(out.get(axis, 0.0), t)
+        return out
 
     # -- one layer, one microbatch ----------------------------------------------------------------------
     @functools.cached_property
@@ -202,6 +227,7 @@ class _Step:
                 seq = (self.cp - 1) * self.collective("seq", "p2p", 2 * self.tokens * sh.kv_dim / t * self.bytes)
             else:                                        # Ulysses: q, k, v in, the output back
                 seq = 4 * self.collective("seq", "all_to_all", act / t)
+        tp, seq = tp * self.comm_scale.get("model", 1.0), seq * self.comm_scale.get("seq", 1.0)
         fwd = {"matmul": mm_s, "attention": attn_s, "memory-bound": mem_s, "model": tp, "seq": seq}
         bwd = {"matmul": 2 * mm_s, "attention": (2.5 if self.fused else 2.0) * attn_s, "memory-bound": 2 * mem_s,
                "model": tp if not self.stack["tp_backward_overlap"] or self.sp else 0.0, "seq": 2 * seq}
@@ -235,7 +261,26 @@ class _Step:
     # -- the step ---------------------------------------------------------------------------------------
     def times(self, overlap_dp: bool, state: Any) -> dict[str, float]:
         """The step's seconds by item (``Estimate.breakdown``): a pipeline's busiest rank's work by kind and
-        the rest of its makespan as the bubble, then what follows backward."""
+        the rest of its makespan as the bubble, then what follows backward. Rehearsed (``rehearsed``: seconds
+        per axis of the step's own collectives), each layer's ``model`` and ``seq`` collectives are scaled so
+        the rank's total is the rehearsal's (the calls the step makes, embedding and loss included) -- what is
+        not inside a layer stays apart -- and ``data``'s is the rehearsal's (ZeRO's gathers and reductions)."""
+        out = self._times(overlap_dp, state)
+        if self.rehearsed is None:
+            return out
+        scale = {k: self.rehearsed.get(k, 0.0) / out[k] for k in ("model", "seq") if out.get(k, 0.0) > 0}
+        if scale:
+            self.comm_scale = scale
+            self.__dict__.pop("layer", None)  # (a cached_property: recomputed with the scale)
+            out = self._times(overlap_dp, state)
+        for k in ("model", "seq"):
+            if out.get(k, 0.0) == 0 and self.rehearsed.get(k, 0.0) > 0:
+                out[f"{k} (outside the layers)"] = self.rehearsed[k]
+        if not overlap_dp:
+            out["data (gradients)"] = self.rehearsed.get("data", 0.0)
+        return out
+
+    def _times(self, overlap_dp: bool, state: Any) -> dict[str, float]:
         layer, sh = self.layer, self.shape
         per_layer = {k: layer["fwd"].get(k, 0) + layer["bwd"].get(k, 0) + layer["re"].get(k, 0)
                      for k in ("matmul", "attention", "memory-bound", "model", "seq")}

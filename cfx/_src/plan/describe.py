@@ -38,6 +38,8 @@ class Description:
     # includes the optimizer's, or "backward"), the payload bytes one rank hands to collectives in a
     # step (the most of any rank)
     collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # with a batch: every rank's collectives one by one (``cfx.comm_stats``' records: op, axes, payload)
+    records: tuple = ()
 
     @property
     def model_state(self) -> int:
@@ -73,6 +75,7 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
     out, tiers = acc.bytes, acc.tiers
     n_params = sum(math.prod(x.shape) for x in tree_util.leaves(eval_shape(model.init, random.key(0))))
     collectives: dict[str, dict[str, int]] = {}
+    records: tuple = ()
     if batch is not None:
         if hook(model, "check_train_batch") is not None:
             raise ValueError(f"Plan {str(plan)!r}: describe(batch=) rehearses a token model's step on (rows, seq); "
@@ -93,6 +96,7 @@ def describe(plan, model: Any, tx: Any = None, *, batch: tuple[int, int] | None 
         sent = CommStats()
         sent.records = [rec for r in runs for rec in r.records]
         collectives = sent.sent()
-    return Description(str(plan), n_params, out, tiers, collectives)
+        records = tuple(sent.records)
+    return Description(str(plan), n_params, out, tiers, collectives, records)
 
 
