@@ -149,6 +149,28 @@ def test_a_rehearsed_estimate_holds_what_describe_says_and_sends_what_the_step_s
         cfx.parallel.estimate(TransformerShape.of(model), plan, cluster, batch=(8, 32), rehearse=True)
 
 
+def test_an_expert_axis_sends_the_routed_rows_both_ways_and_splits_the_experts():
+    # a Mixtral-8x7B shape: each MoE layer's (token, expert) rows go to their experts' ranks and back, forward and
+    # backward (cfx.parallel.expert's ragged all-to-alls, the counts exchanged first); the experts split 4 ways
+    shape = TransformerShape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=32000, gated=True,
+                             experts=8, top_k=2)
+    cluster = Cluster.preset("h100-80gb", 8)
+    dense = estimate(shape, Plan.parse("data=8 precision=bf16"), cluster, batch=(64, 4096))
+    ep = estimate(shape, Plan.parse("data=2,expert=4 precision=bf16"), cluster, batch=(64, 4096))
+    assert dense.breakdown["expert"] == 0 and ep.breakdown["expert"] > 0
+    link = cluster.intra  # (the expert axis is the last: its 4 ranks in one node)
+    rows = collective_s("all_to_all", 4, 64 * 4096 // 8 * 2 * 4096 * 2, link.latency, link.busbw)
+    counts = collective_s("all_to_all", 4, 8 * 8, link.latency, link.busbw)
+    assert ep.breakdown["expert"] == pytest.approx(32 * (4 * rows + counts))
+    experts = shape.expert_params()
+    assert experts == 32 * 3 * 4096 * 14336 * 8
+    assert ep.memory["params"] == pytest.approx(4 * (shape.params() - experts + experts / 4))
+    assert dense.memory["params"] == pytest.approx(4 * shape.params())
+    from cfx._src.estimate.search import candidates
+    meshes = {str(plan).split()[0] for plan in candidates(shape, 8, 64, 4096)}
+    assert {"data=2,expert=4", "expert=8", "data=8"} <= meshes  # the search tries the expert axes too
+
+
 def test_llama_and_mixtral_shapes_are_read_from_their_blocks():
     llama = TransformerShape.of(cfx.models.llama("tiny"))
     assert llama.gated and llama.kv_heads == 2 and llama.ffn == 344 and not llama.experts

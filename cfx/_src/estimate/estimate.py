@@ -11,7 +11,9 @@ sends per axis are then the step's own, as ``cfx.comm_stats`` counts them in the
 collective call it makes is timed on its axis's link.
 
 Time: each layer's matmuls, attention core and memory-bound kernels on the GPU (``Gpu``), the
-collectives each strategy issues per layer and per step on the link its mesh axis crosses (ranks
+collectives each strategy issues per layer and per step on the link its mesh axis crosses (a mixture
+of experts over an ``expert`` axis: each layer's routed rows to their experts' ranks and back, forward
+and backward, the experts' weights split over it and the rest's gradients averaged over it; ranks
 are numbered with the plan's last mesh axis fastest, nodes hold consecutive ranks), the pipeline's
 schedule run by ``cfx.pipeline``'s simulator with those per-stage costs (its bubble), then the
 gradients' reduction over ``data``, the optimizer step and offload's traffic. Nothing here is
@@ -160,7 +162,8 @@ class _Step:
         self.cp = plan.size("seq")
         self.p = plan.size("pipe")
         self.v = plan.chunks if self.p > 1 else 1
-        self.dp = plan.size("data") * plan.size("expert")
+        self.e = plan.size("expert")
+        self.dp = plan.size("data") * self.e
         self.m = plan.microbatches if self.p > 1 else 1
         self.mb = rows // self.dp // self.m            # rows per microbatch on a rank
         self.tokens = self.mb * seq // self.cp           # its tokens on a rank
@@ -228,9 +231,16 @@ class _Step:
             else:                                        # Ulysses: q, k, v in, the output back
                 seq = 4 * self.collective("seq", "all_to_all", act / t)
         tp, seq = tp * self.comm_scale.get("model", 1.0), seq * self.comm_scale.get("seq", 1.0)
-        fwd = {"matmul": mm_s, "attention": attn_s, "memory-bound": mem_s, "model": tp, "seq": seq}
+        moe = moe_sizes = 0.0
+        if sh.experts and self.e > 1:  # (token, expert) rows to their experts' ranks and back: ragged all-to-alls
+            rows = self.collective("expert", "all_to_all", self.tokens * sh.top_k * sh.hidden * self.bytes)
+            moe = 2 * rows                 # (the sizes exchanged first: one all-to-all of counts, forward only)
+            moe_sizes = self.collective("expert", "all_to_all", 8 * sh.experts)
+        fwd = {"matmul": mm_s, "attention": attn_s, "memory-bound": mem_s, "model": tp, "seq": seq,
+               "expert": moe + moe_sizes}
         bwd = {"matmul": 2 * mm_s, "attention": (2.5 if self.fused else 2.0) * attn_s, "memory-bound": 2 * mem_s,
-               "model": tp if not self.stack["tp_backward_overlap"] or self.sp else 0.0, "seq": 2 * seq}
+               "model": tp if not self.stack["tp_backward_overlap"] or self.sp else 0.0, "seq": 2 * seq,
+               "expert": moe}
         remat = self.plan.remat
         if remat in ("blocks", "auto"):
             re = dict(fwd)
@@ -283,7 +293,7 @@ class _Step:
     def _times(self, overlap_dp: bool, state: Any) -> dict[str, float]:
         layer, sh = self.layer, self.shape
         per_layer = {k: layer["fwd"].get(k, 0) + layer["bwd"].get(k, 0) + layer["re"].get(k, 0)
-                     for k in ("matmul", "attention", "memory-bound", "model", "seq")}
+                     for k in ("matmul", "attention", "memory-bound", "model", "seq", "expert")}
         f1 = sum(layer["fwd"].values())
         b1 = sum(layer["bwd"].values()) + sum(layer["re"].values())  # recomputation runs in backward
         hf, hb = self.head()
@@ -314,7 +324,8 @@ class _Step:
         model x pipe, ZeRO's stages over data (biases and norms left out)."""
         if state is not None:
             return float(state.bytes.get(kind, 0))
-        n = self.shape.params() / (self.t * self.p)
+        experts = self.shape.expert_params()
+        n = (self.shape.params() - experts + experts / self.e) / (self.t * self.p)  # (experts split over expert)
         zero = self.plan.size("data") if self.plan.zero else 1
         params = 4 / (zero if self.plan.zero == 3 else 1)
         per = {"params": params, "grads": params, "optimizer": 8 / zero}
@@ -323,18 +334,32 @@ class _Step:
     def data_reduce(self, state: Any) -> float:
         """The gradients' reduction over ``data`` (and ZeRO's gathers): ZeRO 0 an all-reduce of the
         gradients, 1-2 a reduce-scatter and the params' all-gather (the same bytes), 3 the params gathered
-        in forward and again in backward and the gradients reduce-scattered."""
+        in forward and again in backward and the gradients reduce-scattered; then over ``expert``, the
+        gradients it replicates (``expert_reduce``)."""
         if self.plan.size("data") == 1:
-            return 0.0
+            return self.expert_reduce(state)
         n = self.plan.size("data")
         whole = self.state_bytes(state, "params") * (n if self.plan.zero == 3 else 1)  # a data rank's gradients
         if self.stack["grad_reduce_bytes"] is not None:  # a peer that reduces in its own dtype (constants.STACKS)
             whole *= self.stack["grad_reduce_bytes"] / 4
         if self.plan.zero == 3:
-            return 2 * self.collective("data", "all_gather", whole) + self.collective("data", "reduce_scatter", whole)
-        if self.plan.zero == 0:
-            return self.collective("data", "all_reduce", whole)
-        return self.collective("data", "reduce_scatter", whole) + self.collective("data", "all_gather", whole)
+            out = 2 * self.collective("data", "all_gather", whole) + self.collective("data", "reduce_scatter", whole)
+        elif self.plan.zero == 0:
+            out = self.collective("data", "all_reduce", whole)
+        else:
+            out = self.collective("data", "reduce_scatter", whole) + self.collective("data", "all_gather", whole)
+        return out + self.expert_reduce(state)
+
+    def expert_reduce(self, state: Any) -> float:
+        """The gradients an expert axis replicates (all but the experts') averaged over it: an all-reduce."""
+        if self.e == 1:
+            return 0.0
+        share = 1 - self.shape.expert_params() / self.e / (self.shape.params() - self.shape.expert_params()
+                                                            + self.shape.expert_params() / self.e)
+        grads = self.state_bytes(state, "params") * share
+        if self.stack["grad_reduce_bytes"] is not None:
+            grads *= self.stack["grad_reduce_bytes"] / 4
+        return self.collective("expert", "all_reduce", grads)
 
     def optimizer(self, state: Any) -> float:
         """The optimizer step over the rank's shard: ``optimizer_bytes`` per parameter it updates (Adam's

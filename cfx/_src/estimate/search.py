@@ -36,10 +36,11 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(shape: TransformerShape, gpus: int, rows: int, seq: int, *, gpus_per_node: int = 8,
                precision: str = "bf16") -> Iterator[Any]:
-    """Every plan over pipe x data x seq x model for ``gpus`` ranks that splits this model and batch:
+    """Every plan over pipe x data x expert x seq x model for ``gpus`` ranks that splits this model and batch:
     tensor parallelism within a node (dividing the heads, the MLP and the vocabulary), pipelines of at most one layer per stage,
     a split sequence (ring, Ulysses), ZeRO 0-3, remat none / dots / blocks, Megatron-SP with a model
-    axis, microbatches p, 2p or 4p per pipeline and its schedules (1F1B, interleaved, ZB-H1)."""
+    axis, microbatches p, 2p or 4p per pipeline and its schedules (1F1B, interleaved, ZB-H1); for a mixture
+    of experts, every expert axis dividing the experts that the data-parallel ranks can make."""
     for t in _divisors(min(gpus, gpus_per_node)):
         if shape.heads % t or shape.kv_heads % t or shape.ffn % t or shape.vocab % t or gpus % t:
             continue
@@ -50,25 +51,33 @@ def candidates(shape: TransformerShape, gpus: int, rows: int, seq: int, *, gpus_
                 d = gpus // (t * p * cp)
                 if cp > 8 or rows % d or seq % (2 * cp):
                     continue
-                mesh = ",".join(f"{a}={n}" for a, n in (("pipe", p), ("data", d), ("seq", cp), ("model", t)) if n > 1)
-                per_rank = rows // d
-                pipes = [("", 1)]
-                if p > 1:
-                    pipes = []
-                    for m in (p, 2 * p, 4 * p):
-                        if per_rank % m == 0:
-                            pipes += [(f" microbatches={m}", m), (f" microbatches={m} schedule=zb-h1", m)]
-                            if shape.layers % (2 * p) == 0:
-                                pipes.append((f" microbatches={m} schedule=interleaved", m))
-                seqs = [""] + ([" sp=ulysses"] if cp > 1 and shape.heads % (cp * t) == 0 else [])
-                seqs += [" sp=megatron"] if t > 1 and cp == 1 else []
-                for zero, remat, (pipe, _), sp in itertools.product((0, 1, 2, 3) if d > 1 else (0,),
-                                                                    ("none", "dots", "blocks"), pipes, seqs):
-                    text = f"{mesh or 'data=1'} zero={zero} remat={remat} precision={precision}{pipe}{sp}"
-                    try:
-                        yield Plan.parse(text)
-                    except ValueError:   # a combination the strategies refuse
-                        continue
+                for e in [k for k in _divisors(d) if shape.experts % k == 0] if shape.experts else [1]:
+                    mesh = ",".join(f"{a}={n}" for a, n in (("pipe", p), ("data", d // e), ("expert", e), ("seq", cp),
+                                                            ("model", t)) if n > 1)
+                    yield from _plans(shape, mesh, p, d, cp, t, rows, precision)
+
+
+def _plans(shape: TransformerShape, mesh: str, p: int, d: int, cp: int, t: int, rows: int,
+           precision: str) -> Iterator[Any]:
+    """The plans of one mesh: its ZeRO stages, remats, pipeline microbatches and schedules, sequence methods."""
+    per_rank = rows // d
+    pipes = [("", 1)]
+    if p > 1:
+        pipes = []
+        for m in (p, 2 * p, 4 * p):
+            if per_rank % m == 0:
+                pipes += [(f" microbatches={m}", m), (f" microbatches={m} schedule=zb-h1", m)]
+                if shape.layers % (2 * p) == 0:
+                    pipes.append((f" microbatches={m} schedule=interleaved", m))
+    seqs = [""] + ([" sp=ulysses"] if cp > 1 and shape.heads % (cp * t) == 0 else [])
+    seqs += [" sp=megatron"] if t > 1 and cp == 1 else []
+    for zero, remat, (pipe, _), sp in itertools.product((0, 1, 2, 3) if d > 1 else (0,),
+                                                        ("none", "dots", "blocks"), pipes, seqs):
+        text = f"{mesh or 'data=1'} zero={zero} remat={remat} precision={precision}{pipe}{sp}"
+        try:
+            yield Plan.parse(text)
+        except ValueError:   # a combination the strategies refuse
+            continue
 
 
 def search(model: Any, cluster: Cluster, *, batch: tuple[int, int], top: int = 5, exact: int = 8,

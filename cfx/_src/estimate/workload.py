@@ -82,6 +82,10 @@ class TransformerShape:
         attn = self.hidden * (self.hidden + 2 * self.kv_dim) + self.hidden * self.hidden
         return attn + self.mlp_mats * self.hidden * self.ffn * (self.top_k if self.experts else 1)
 
+    def expert_params(self) -> int:
+        """The experts' matmul weights over every layer (0 for a dense model): what an expert axis splits."""
+        return self.layers * self.mlp_mats * self.hidden * self.ffn * self.experts if self.experts else 0
+
     def params(self) -> int:
         """About every parameter: the layers' matmuls and the embedding (biases and norms left out)."""
         return self.layers * self.layer_params() + self.vocab * self.hidden
