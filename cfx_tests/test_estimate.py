@@ -171,6 +171,23 @@ def test_an_expert_axis_sends_the_routed_rows_both_ways_and_splits_the_experts()
     assert {"data=2,expert=4", "expert=8", "data=8"} <= meshes  # the search tries the expert axes too
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text", ["row=2,col=2 tp=2d", "row=2,col=2,dep=2 tp=2.5d remat=blocks"])
+def test_a_grid_is_timed_by_the_collectives_of_its_own_step(text):
+    # grid_records: one layer's collectives (two layers' step less one layer's) and the rest; three layers'
+    # step is exactly three layers' and the rest, call for call
+    import collections
+    from cfx._src.estimate.grid_time import grid_records
+    model = cfx.models.gpt2("small", n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+    plan = Plan.parse(text)
+    g = grid_records(TransformerShape.of(model), plan, 8, 32)
+    key = lambda r: (r.op, r.axes, r.backward, r.nbytes)
+    whole = collections.Counter(key(r) for r in plan.describe(model, batch=(8, 32)).records if r.rank == 0)
+    assert g.layer and whole == collections.Counter([key(r) for r in g.layer] * 3 + [key(r) for r in g.rest])
+    e = estimate(model, Plan.parse(f"data=2,{text}"), Cluster.preset("a100-80gb", 2 * plan.world_size), batch=(16, 32))
+    assert e.breakdown["model"] > 0 and e.breakdown["grid (embedding, head, loss)"] > 0 and e.fits
+
+
 def test_llama_and_mixtral_shapes_are_read_from_their_blocks():
     llama = TransformerShape.of(cfx.models.llama("tiny"))
     assert llama.gated and llama.kv_heads == 2 and llama.ffn == 344 and not llama.experts

@@ -13,7 +13,9 @@ collective call it makes is timed on its axis's link.
 Time: each layer's matmuls, attention core and memory-bound kernels on the GPU (``Gpu``), the
 collectives each strategy issues per layer and per step on the link its mesh axis crosses (a mixture
 of experts over an ``expert`` axis: each layer's routed rows to their experts' ranks and back, forward
-and backward, the experts' weights split over it and the rest's gradients averaged over it; ranks
+and backward, the experts' weights split over it and the rest's gradients averaged over it; a 2D /
+2.5D / 3D grid: every collective its own step sends, read from that step rehearsed at the model's widths
+for one rank, ``grid_time``; ranks
 are numbered with the plan's last mesh axis fastest, nodes hold consecutive ranks), the pipeline's
 schedule run by ``cfx.pipeline``'s simulator with those per-stage costs (its bubble), then the
 gradients' reduction over ``data``, the optimizer step and offload's traffic. Nothing here is
@@ -29,6 +31,7 @@ from typing import Any
 from cfx._src.core.text import format_bytes, format_table
 from cfx._src.estimate import constants as C
 from cfx._src.estimate.cluster import Cluster, Link
+from cfx._src.estimate.grid_time import grid_records
 from cfx._src.estimate.schedule_time import in_flight, makespan
 from cfx._src.estimate.workload import TransformerShape
 from cfx._src.mesh.mesh import AbstractMesh
@@ -110,9 +113,6 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
                          f"{cluster.gpus} (or Cluster.with_gpus({plan.world_size})).")
     if stack not in C.STACKS:
         raise ValueError(f"cfx.parallel.estimate: stack={stack!r}; use one of {', '.join(C.STACKS)}.")
-    if plan.tp is not None:
-        raise ValueError(f"cfx.parallel.estimate: plan {str(plan)!r}: 2D / 2.5D / 3D tensor parallelism is not "
-                         "estimated yet; estimate the 1D form (model=N) instead.")
     plan.check_batch(rows, seq)
     check_length(model, seq)
     state = None if isinstance(model, TransformerShape) else model_state(plan, model, tx)
@@ -170,6 +170,11 @@ class _Step:
         self.per_chunk = math.ceil(shape.layers / (self.p * self.v))  # layers of the fullest chunk: it sets the pace
         self.rehearsed: dict[str, float] | None = None  # seconds per axis of a rehearsed step's collectives
         self.comm_scale: dict[str, float] = {}
+        self.grid = None
+        if plan.tp is not None:  # a 2D / 2.5D / 3D grid splits every matmul, and all between them, over its ranks
+            self.t = math.prod(plan.size(a) for a in ("row", "col", "dep"))
+            self.sp = True
+            self.grid = grid_records(shape, plan, rows // self.dp, seq)
 
     # -- links ------------------------------------------------------------------------------------------
     def link(self, axis: str) -> tuple[Link, float]:
@@ -197,17 +202,29 @@ class _Step:
         for r in records:
             if "pipe" in r.axes:
                 continue
-            n = math.prod(self.plan.size(a) for a in r.axes)
-            links = [self.link(a) for a in r.axes]
-            latency, bw = max(link.latency for link, _ in links), min(b for _, b in links)
-            kind = {"ppermute": "p2p", "ragged_all_to_all": "all_to_all"}.get(r.op, r.op)
-            whole = r.nbytes * n if kind == "all_gather" else r.nbytes  # (a gather's payload: the rank's part)
             key = (r.rank, "data" if "data" in r.axes else r.axes[0])
-            per[key] = per.get(key, 0.0) + collective_s(kind, n, whole, latency, bw)
+            per[key] = per.get(key, 0.0) + self.call_s(r)
         out: dict[str, float] = {}
         for (_, axis), t in per.items():
             out[axis] = max(out.get(axis, 0.0), t)
         return out
+
+    def phases_s(self, records: Any) -> tuple[float, float]:
+        """Seconds of one rank's ``records`` (a grid's: ``grid_time``), forward's and backward's, each call
+        timed on its axes' link."""
+        out = [0.0, 0.0]
+        for r in records:
+            out[r.backward] += self.call_s(r)
+        return out[0], out[1]
+
+    def call_s(self, r: Any) -> float:
+        """Seconds of one collective call (a ``cfx.comm_stats`` record) on the slowest link of its axes."""
+        n = math.prod(self.plan.size(a) for a in r.axes)
+        links = [self.link(a) for a in r.axes]
+        latency, bw = max(link.latency for link, _ in links), min(b for _, b in links)
+        kind = {"ppermute": "p2p", "ragged_all_to_all": "all_to_all"}.get(r.op, r.op)
+        whole = r.nbytes * n if kind == "all_gather" else r.nbytes  # (a gather's payload: the rank's part)
+        return collective_s(kind, n, whole, latency, bw)
 
     # -- one layer, one microbatch ----------------------------------------------------------------------
     @functools.cached_property
@@ -223,7 +240,8 @@ class _Step:
         mem_s = g.memory_s(sh.memory_bound_bytes(self.mb, self.seq, t=t, sp=self.sp, cp=self.cp, dtype=self.bytes,
                                                  fused=self.fused), kernels=8)
         act = self.tokens * sh.hidden * self.bytes       # one (b, s, h) activation on this rank
-        tp = 2 * self.collective("model", "all_reduce", act) if t > 1 else 0.0  # Megatron's two points (SP: same bytes)
+        tp = 2 * self.collective("model", "all_reduce", act) if t > 1 and self.grid is None else 0.0  # Megatron's two
+        grid = self.phases_s(self.grid.layer) if self.grid is not None else (0.0, 0.0)  # points (SP: the same bytes)
         seq = 0.0
         if self.cp > 1:
             if self.plan.sp == "ring":                   # K and V passed round the ring
@@ -236,14 +254,14 @@ class _Step:
             rows = self.collective("expert", "all_to_all", self.tokens * sh.top_k * sh.hidden * self.bytes)
             moe = 2 * rows                 # (the sizes exchanged first: one all-to-all of counts, forward only)
             moe_sizes = self.collective("expert", "all_to_all", 8 * sh.experts)
-        fwd = {"matmul": mm_s, "attention": attn_s, "memory-bound": mem_s, "model": tp, "seq": seq,
+        fwd = {"matmul": mm_s, "attention": attn_s, "memory-bound": mem_s, "model": tp + grid[0], "seq": seq,
                "expert": moe + moe_sizes}
         bwd = {"matmul": 2 * mm_s, "attention": (2.5 if self.fused else 2.0) * attn_s, "memory-bound": 2 * mem_s,
-               "model": tp if not self.stack["tp_backward_overlap"] or self.sp else 0.0, "seq": 2 * seq,
+               "model": (tp if not self.stack["tp_backward_overlap"] or self.sp else 0.0) + grid[1], "seq": 2 * seq,
                "expert": moe}
         remat = self.plan.remat
         if remat in ("blocks", "auto"):
-            re = dict(fwd)
+            re = dict(fwd, model=tp)  # (a grid's recomputed collectives: in its rehearsed backward already)
         elif remat == "dots":                            # Megatron's selective: the attention core again
             sq = 0.0 if self.fused else g.memory_s(self.shape.heads / t * self.mb * (self.seq / self.cp) * self.seq
                                                      * self.bytes * 2)
@@ -255,9 +273,10 @@ class _Step:
     def head(self) -> tuple[float, float]:
         """Forward and backward seconds of the logits and the loss (the last stage), the embedding (the first)."""
         sh, g = self.shape, self.gpu
-        flops = 2.0 * self.tokens * sh.hidden * sh.vocab / self.t
+        split = self.plan.grid_rows if self.grid is not None else self.t  # (a grid's head: replicated, its rows split)
+        flops = 2.0 * self.tokens * sh.hidden * sh.vocab / split
         mm = g.matmul_s(flops, self.dtype)
-        ce = g.memory_s(3 * 4 * self.tokens * sh.vocab / self.t, kernels=3)  # fp32 logits: softmax, loss, grad
+        ce = g.memory_s(3 * 4 * self.tokens * sh.vocab / split, kernels=3)  # fp32 logits: softmax, loss, grad
         emb = g.memory_s(2 * self.tokens * sh.hidden * self.bytes, kernels=2)
         return mm + ce + emb, 2 * mm + ce + emb
 
@@ -313,6 +332,8 @@ class _Step:
             for k, v in per_layer.items():
                 out[k] = sh.layers * v
             out["logits and loss"] = hf + hb
+        if self.grid is not None:
+            out["grid (embedding, head, loss)"] = sum(self.phases_s(self.grid.rest))
         out["data (gradients)"] = 0.0 if overlap_dp else self.data_reduce(state)
         out["optimizer"] = self.optimizer(state)
         out["offload traffic"] = self.offload(state)
@@ -326,6 +347,8 @@ class _Step:
             return float(state.bytes.get(kind, 0))
         experts = self.shape.expert_params()
         n = (self.shape.params() - experts + experts / self.e) / (self.t * self.p)  # (experts split over expert)
+        if self.grid is not None:  # a grid splits the blocks; the embedding and the head are replicated
+            n = self.shape.layers * self.shape.layer_params() / self.t + self.shape.vocab * self.shape.hidden
         zero = self.plan.size("data") if self.plan.zero else 1
         params = 4 / (zero if self.plan.zero == 3 else 1)
         per = {"params": params, "grads": params, "optimizer": 8 / zero}
@@ -402,7 +425,8 @@ class _Step:
         if remat == "blocks":   # one layer's own activations while it is recomputed
             out["activations"] += int(sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp,
                                                           dtype=self.bytes, fused=self.fused))
-        out["logits"] = int(2 * 4 * self.tokens * sh.vocab / self.t)  # fp32 logits and their gradient
+        split = self.plan.grid_rows if self.grid is not None else self.t
+        out["logits"] = int(2 * 4 * self.tokens * sh.vocab / split)  # fp32 logits and their gradient
         return out
 
 
