@@ -16,13 +16,15 @@ from cfx._src.serve.blocks import BlockAllocator, OutOfBlocks, block_hash
 from cfx._src.serve.engine import Engine
 from cfx._src.serve.http import app
 from cfx._src.serve.paged import KVPool, PagedStep
+from cfx._src.serve.ranks import follow, stop_followers
 from cfx._src.serve.request import SamplingParams, StepOutput
 from cfx._src.serve.runner import EngineThread
 from cfx._src.serve.tokens import ByteTokenizer, HFTokenizer
 from cfx._src.train.cli_serve import main, parse_args
 
 __all__ = ["BlockAllocator", "ByteTokenizer", "Engine", "EngineThread", "HFTokenizer", "KVPool", "OutOfBlocks",
-           "PagedStep", "SamplingParams", "StepOutput", "app", "block_hash", "main", "parse_args"]
+           "PagedStep", "SamplingParams", "StepOutput", "app", "block_hash", "follow", "main", "parse_args",
+           "stop_followers"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,8 +30,9 @@ from typing import Any
 
 from cfx._src.core.text import format_bytes, format_table
 from cfx._src.estimate import constants as C
-from cfx._src.estimate.cluster import Cluster, Link
+from cfx._src.estimate.cluster import Cluster
 from cfx._src.estimate.grid_time import grid_records
+from cfx._src.estimate.links import Links, collective_s
 from cfx._src.estimate.schedule_time import in_flight, makespan
 from cfx._src.estimate.workload import TransformerShape
 from cfx._src.mesh.mesh import AbstractMesh
@@ -117,7 +118,7 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
     check_length(model, seq)
     state = None if isinstance(model, TransformerShape) else model_state(plan, model, tx)
     step = _Step(shape, plan, cluster, rows, seq, C.STACKS[stack])
-    memory, collectives = step.memory(state), {}
+    memory, collectives = step_memory(step, state), {}
     if rehearse:  # the plan's own figures: what describe prints, what comm_stats counts of the real step
         described = plan.describe(model, tx, batch=batch)
         memory = {k: v for k, v in described.bytes.items() if described.tiers[k] == "device"}
@@ -126,11 +127,19 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
     breakdown = step.times(overlap_dp, state)
     total = sum(breakdown.values())
     model_flops = shape.model_flops(rows, seq)
-    hardware = model_flops + step.recompute_flops()
+    hardware = model_flops + recompute_flops(shape, plan, rows, seq)
     peak = cluster.gpu.peak(step.dtype) * cluster.gpus
     return Estimate(str(plan), str(cluster), cluster.gpus, (rows, seq), total, model_flops, hardware,
                     model_flops / total / cluster.gpus / 1e12, model_flops / total / peak, hardware / total / peak,
                     int(sum(memory.values())), memory, int(cluster.gpu.memory), breakdown, collectives)
+
+
+def recompute_flops(shape: TransformerShape, plan: Any, rows: int, seq: int) -> float:
+    """The FLOPs a step's remat computes again: whole layers (``blocks``), the attention core (``dots``)."""
+    mm, attn = shape.layer_flops(rows * seq, seq)
+    if plan.remat in ("blocks", "auto"):
+        return shape.layers * (mm + attn)
+    return shape.layers * attn if plan.remat == "dots" else 0.0
 
 
 def check_length(model: Any, seq: int) -> None:
@@ -149,11 +158,12 @@ def model_state(plan: Any, model: Any, tx: Any = None) -> Any:
     return account(plan, model, tx if tx is not None else adamw(1e-3), AbstractMesh(plan.mesh_shape or {"data": 1}))
 
 
-class _Step:
-    """One step's parts for one plan (sizes per rank, links per axis)."""
+class _Step(Links):
+    """One step's parts for one plan (sizes per rank; links per axis: ``Links``)."""
 
     def __init__(self, shape: TransformerShape, plan: Any, cluster: Cluster, rows: int, seq: int, stack: dict):
-        self.shape, self.plan, self.cluster, self.seq, self.stack = shape, plan, cluster, seq, stack
+        super().__init__(plan, cluster)
+        self.shape, self.seq, self.stack = shape, seq, stack
         self.fused = stack["attention"] == "flash"
         self.dtype, self.bytes = PRECISION[plan.precision]
         self.gpu = cluster.gpu
@@ -175,56 +185,6 @@ class _Step:
             self.t = math.prod(plan.size(a) for a in ("row", "col", "dep"))
             self.sp = True
             self.grid = grid_records(shape, plan, rows // self.dp, seq)
-
-    # -- links ------------------------------------------------------------------------------------------
-    def link(self, axis: str) -> tuple[Link, float]:
-        """The link an axis's collectives cross and the bus bandwidth its group reaches: inside a node when
-        the axis's ranks all share one, else InfiniBand, with as many HCAs in parallel as ranks per node."""
-        sizes = [s for _, s in self.plan.mesh]
-        names = [a for a, _ in self.plan.mesh]
-        stride = math.prod(sizes[names.index(axis) + 1:])
-        n, per_node = self.plan.size(axis), self.cluster.gpus_per_node
-        if stride * n <= per_node:
-            return self.cluster.intra, self.cluster.intra.busbw
-        k = max(1, per_node // stride)
-        return self.cluster.inter, min(self.cluster.intra.busbw, self.cluster.inter.busbw * k)
-
-    def collective(self, axis: str, kind: str, nbytes: float) -> float:
-        """Seconds of one ring collective over ``axis`` whose whole (gathered / summed) tensor is ``nbytes``."""
-        link, bw = self.link(axis)
-        return collective_s(kind, self.plan.size(axis), nbytes, link.latency, bw)
-
-    def records_s(self, records: Any) -> dict[str, float]:
-        """Seconds of a rehearsed step's collectives (``cfx.comm_stats``' records, every rank's) outside the
-        pipeline's sends, per mesh axis (a record over several axes counts on ``data`` if among them, else on
-        its first), the busiest rank's: each call timed as ``collective`` times one of its op and bytes."""
-        per: dict[tuple[int, str], float] = {}
-        for r in records:
-            if "pipe" in r.axes:
-                continue
-            key = (r.rank, "data" if "data" in r.axes else r.axes[0])
-            per[key] = per.get(key, 0.0) + self.call_s(r)
-        out: dict[str, float] = {}
-        for (_, axis), t in per.items():
-            out[axis] = max(out.get(axis, 0.0), t)
-        return out
-
-    def phases_s(self, records: Any) -> tuple[float, float]:
-        """Seconds of one rank's ``records`` (a grid's: ``grid_time``), forward's and backward's, each call
-        timed on its axes' link."""
-        out = [0.0, 0.0]
-        for r in records:
-            out[r.backward] += self.call_s(r)
-        return out[0], out[1]
-
-    def call_s(self, r: Any) -> float:
-        """Seconds of one collective call (a ``cfx.comm_stats`` record) on the slowest link of its axes."""
-        n = math.prod(self.plan.size(a) for a in r.axes)
-        links = [self.link(a) for a in r.axes]
-        latency, bw = max(link.latency for link, _ in links), min(b for _, b in links)
-        kind = {"ppermute": "p2p", "ragged_all_to_all": "all_to_all"}.get(r.op, r.op)
-        whole = r.nbytes * n if kind == "all_gather" else r.nbytes  # (a gather's payload: the rank's part)
-        return collective_s(kind, n, whole, latency, bw)
 
     # -- one layer, one microbatch ----------------------------------------------------------------------
     @functools.cached_property
@@ -279,13 +239,6 @@ class _Step:
         ce = g.memory_s(3 * 4 * self.tokens * sh.vocab / split, kernels=3)  # fp32 logits: softmax, loss, grad
         emb = g.memory_s(2 * self.tokens * sh.hidden * self.bytes, kernels=2)
         return mm + ce + emb, 2 * mm + ce + emb
-
-    def recompute_flops(self) -> float:
-        sh, rows = self.shape, self.dp * self.m * self.mb
-        mm, attn = sh.layer_flops(rows * self.seq, self.seq)
-        if self.plan.remat in ("blocks", "auto"):
-            return sh.layers * (mm + attn)
-        return sh.layers * attn if self.plan.remat == "dots" else 0.0
 
     # -- the step ---------------------------------------------------------------------------------------
     def times(self, overlap_dp: bool, state: Any) -> dict[str, float]:
@@ -404,42 +357,29 @@ class _Step:
         per_gpu = self.cluster.nvme_bw / min(self.cluster.gpus, self.cluster.gpus_per_node)
         return pcie + 2 * (self.state_bytes(state, "optimizer") + 2 * params) / per_gpu
 
-    # -- memory -----------------------------------------------------------------------------------------
-    def memory(self, state: Any) -> dict[str, int]:
-        sh = self.shape
-        out: dict[str, int] = {}
-        if state is not None:
-            for k, v in state.bytes.items():
-                if state.tiers.get(k, "device") == "device":
-                    out[k] = int(v)
-        else:
-            for k in ("params", "grads", "optimizer"):
-                out[k] = int(self.state_bytes(None, k))
-            if self.plan.zero == 3 and self.plan.size("data") > 1:   # ZeRO-3 gathers one layer at a time
-                out["gathered block"] = int(4 * sh.layer_params() / self.t)
-        remat = "blocks" if self.plan.remat == "auto" else self.plan.remat
-        per_layer = sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp, dtype=self.bytes,
-                                        fused=self.fused, remat=remat)
-        held = in_flight(self.plan.schedule, self.p, self.m, self.v) if self.p > 1 else 1
-        out["activations"] = int(held * self.per_chunk * per_layer)
-        if remat == "blocks":   # one layer's own activations while it is recomputed
-            out["activations"] += int(sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp,
-                                                          dtype=self.bytes, fused=self.fused))
-        split = self.plan.grid_rows if self.grid is not None else self.t
-        out["logits"] = int(2 * 4 * self.tokens * sh.vocab / split)  # fp32 logits and their gradient
-        return out
 
-
-def collective_s(kind: str, n: int, nbytes: float, latency: float, busbw: float, backend: str = "nccl") -> float:
-    """Seconds of one collective over ``n`` ranks in a ring (NCCL's algorithm for large tensors) whose
-    whole tensor -- summed, gathered, scattered -- is ``nbytes``, each of its ``n - 1`` steps ``latency`` s,
-    ``busbw`` bytes/s per rank and direction: an all-reduce is a reduce-scatter and an all-gather, each
-    moving ``(n - 1) / n`` of the tensor through every rank; ``p2p`` one message. ``backend``'s own
-    algorithms (``constants.ALGORITHMS``: gloo's reduce-scatter is an all-reduce) replace the ring's."""
-    if n == 1 or nbytes <= 0:
-        return 0.0
-    kind = C.ALGORITHMS[backend].get(kind, kind)
-    if kind == "p2p":
-        return latency + nbytes / busbw
-    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}[kind]
-    return steps * ((n - 1) * latency + (n - 1) / n * nbytes / busbw)
+def step_memory(self: "_Step", state: Any) -> dict[str, int]:
+    """Per-GPU device bytes by kind (module doc): the plan's accounting of the state (or a shape's, as it
+    counts one), the activations the schedule keeps in flight, the fp32 logits."""
+    sh = self.shape
+    out: dict[str, int] = {}
+    if state is not None:
+        for k, v in state.bytes.items():
+            if state.tiers.get(k, "device") == "device":
+                out[k] = int(v)
+    else:
+        for k in ("params", "grads", "optimizer"):
+            out[k] = int(self.state_bytes(None, k))
+        if self.plan.zero == 3 and self.plan.size("data") > 1:   # ZeRO-3 gathers one layer at a time
+            out["gathered block"] = int(4 * sh.layer_params() / self.t)
+    remat = "blocks" if self.plan.remat == "auto" else self.plan.remat
+    per_layer = sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp, dtype=self.bytes,
+                                    fused=self.fused, remat=remat)
+    held = in_flight(self.plan.schedule, self.p, self.m, self.v) if self.p > 1 else 1
+    out["activations"] = int(held * self.per_chunk * per_layer)
+    if remat == "blocks":   # one layer's own activations while it is recomputed
+        out["activations"] += int(sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp,
+                                                      dtype=self.bytes, fused=self.fused))
+    split = self.plan.grid_rows if self.grid is not None else self.t
+    out["logits"] = int(2 * 4 * self.tokens * sh.vocab / split)  # fp32 logits and their gradient
+    return out

@@ -48,7 +48,7 @@ class Engine:
     running; ``prefix_caching`` reuses the blocks of prompts' common prefixes; ``eos_id`` defaults to
     the model's config's ``eos_token_id``; ``mesh``: a ``model`` axis splits the heads over its ranks
     (rank threads of this process, or under torchrun a process each: rank 0 ``step``s, the others
-    ``follow``); ``attention``: ``"triton"`` reads the blocks in place (``cfx_kernels.paged_attention``),
+    ``cfx.serve.follow``); ``attention``: ``"triton"`` reads the blocks in place (``cfx_kernels.paged_attention``),
     ``"reference"`` gathers them, ``"auto"`` the kernel on CUDA (blocks of a power-of-two size >= 16)."""
 
     def __init__(self, model: Any, params: Any, *, block_size: int = 16, num_blocks: int | None = None,
@@ -149,27 +149,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
-    # -- a mesh of a process per rank (torchrun) --------------------------------------------------------
-    @property
-    def leads(self) -> bool:
-        """Whether this process schedules and samples: without a mesh of processes, always; with one, rank
-        0 alone (``cfx._src.serve.ranks``); the others ``follow``."""
-        return self.run.control is None or self.run.control.leader
-
-    @torch.inference_mode()
-    def follow(self) -> None:
-        """A rank other than 0: run every step rank 0's engine runs -- its forwards and block copies, on this
-        rank's heads and pool -- until rank 0 calls ``stop_followers``."""
-        if self.leads:
-            raise ValueError(f"{WHERE}: follow() is for the ranks other than 0 of a torchrun mesh; this process "
-                             "schedules (call step(), or serve it).")
-        self.run.follow(self.pools)
-
-    def stop_followers(self) -> None:
-        """Rank 0: end the other ranks' ``follow`` (when it serves no more); nothing without followers."""
-        if self.run.control is not None and self.run.control.leader:
-            self.run.control.send("stop")
-
     def output(self, request_id: str) -> list[list[int]]:
         """The tokens each sample of a request produced so far."""
         return [list(s.output) for s in self.seqs[str(request_id)]]
@@ -178,9 +157,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Schedule, run the model over the scheduled tokens, pick each finished row's next token."""
-        if not self.leads:
+        if self.run.control is not None and not self.run.control.leader:
             raise ValueError(f"{WHERE}: rank {self.run.control.rank} of a torchrun mesh follows rank 0's steps; "
-                             "call follow() there and step() on rank 0 only.")
+                             "call cfx.serve.follow(engine) there and step() on rank 0 only.")
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
         if plan.copies:
@@ -321,7 +300,7 @@ class Forward:
                 pool.copy_block(src, dst)
 
     def follow(self, pools: dict) -> None:
-        """A follower's loop (``Engine.follow``): what rank 0 sends, done here, until it sends ``stop``."""
+        """A follower's loop (``cfx.serve.follow``): what rank 0 sends, done here, until it sends ``stop``."""
         while True:
             kind, *args = self.control.recv()
             if kind == "stop":

@@ -5,7 +5,8 @@ each must run every step's forward with the same inputs, in the same order, for 
 collectives inside it to meet. Rank 0 owns the engine's scheduler, block allocator and sampler (and,
 in ``python -m cfx.serve``, the HTTP server); before each thing it does to the pools -- a step's
 forward, copies of blocks written by a fork -- it broadcasts the inputs on a gloo group of its own,
-and the other ranks, looping in ``Engine.follow``, do the same with them. The logits are gathered
+and the other ranks, looping in ``follow(engine)``, do the same with them until rank 0 calls
+``stop_followers(engine)``. The logits are gathered
 over the ``model`` axis, so only rank 0 needs them; sampling never leaves rank 0, so nothing about a
 request's randomness has to agree across processes.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 IDLE = datetime.timedelta(days=7)
@@ -45,3 +47,27 @@ class Control:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+
+def leads(engine: Any) -> bool:
+    """Whether this process schedules and samples ``engine``'s requests: without a mesh of processes, always;
+    with one, rank 0 alone; the others ``follow``."""
+    control = engine.run.control
+    return control is None or control.leader
+
+
+def follow(engine: Any) -> None:
+    """A rank other than 0: run every step rank 0's engine runs -- its forwards and block copies, on this rank's
+    heads and KV pool -- until rank 0 calls ``stop_followers``."""
+    if leads(engine):
+        raise ValueError("cfx.serve.follow: for the ranks other than 0 of a torchrun mesh; this process schedules "
+                         "(call engine.step(), or serve it).")
+    with torch.inference_mode():
+        engine.run.follow(engine.pools)
+
+
+def stop_followers(engine: Any) -> None:
+    """Rank 0: end the other ranks' ``follow`` (when it serves no more); nothing without followers."""
+    control = engine.run.control
+    if control is not None and control.leader:
+        control.send("stop")

@@ -31,6 +31,7 @@ from cfx._src.lora.peft import load_peft
 from cfx._src.mesh.mesh import Mesh
 from cfx._src.plan.config import parse_mesh
 from cfx._src.precision.quant import quantize
+from cfx._src.serve import ranks
 from cfx._src.serve.engine import Engine
 from cfx._src.serve.http import app as make_app
 from cfx._src.serve.runner import EngineThread
@@ -91,17 +92,17 @@ def run(args: argparse.Namespace) -> None:
                                  "--mesh model=2.")
             mesh = stack.enter_context(Mesh({"model": n}))
         engine, tok = build_engine(args, mesh)
-        if not engine.leads:  # torchrun's ranks 1..: step with rank 0 until it stops serving
+        if not ranks.leads(engine):  # torchrun's ranks 1..: step with rank 0 until it stops serving
             for sig in (signal.SIGINT, signal.SIGTERM):  # (torchrun passes its signals on: rank 0 decides)
                 signal.signal(sig, lambda s, f: None)
-            engine.follow()
+            ranks.follow(engine)
             return
         runner = EngineThread(engine, max_waiting=args.max_waiting)
         name = args.name or os.path.basename(os.path.normpath(args.model))
         try:
             serve(args, make_app(runner, tok, model_name=name), runner, name)
         finally:
-            engine.stop_followers()
+            ranks.stop_followers(engine)
 
 
 def serve(args: argparse.Namespace, app: Any, runner: EngineThread, name: str) -> None:
