@@ -12,7 +12,7 @@ def test_presets_and_from_string():
     q = cfx.amp.Policy.from_string("params=float32,compute=float16,output=bfloat16")
     assert (q.compute_dtype, q.output_dtype) == (torch.float16, torch.bfloat16)
     with pytest.raises(ValueError, match="unknown"):
-        cfx.amp.policy("fp8")
+        cfx.amp.policy("fp4")
     with pytest.raises(ValueError, match="field"):
         cfx.amp.Policy.from_string("weights=fp16")
 

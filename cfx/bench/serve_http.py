@@ -94,8 +94,9 @@ class Server:
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
             if cpus is not None:
                 env["OMP_NUM_THREADS"] = str(len(cpus))
+            pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
             self.proc = subprocess.Popen(argv + ["--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
-                                         env=env, preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+                                         env=env, preexec_fn=pin)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:

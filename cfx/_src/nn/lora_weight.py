@@ -25,6 +25,7 @@ import torch
 
 from cfx._src.core import tree as tree_util
 from cfx._src.nn.dropout import dropout
+from cfx._src.precision.fp8 import Float8Weight
 from cfx._src.precision.quant import QuantizedWeight
 from cfx_kernels.int8_matmul import int8_matmul
 
@@ -79,8 +80,9 @@ tree_util.register_node(
 
 
 def is_weight_node(x: Any) -> bool:
-    """A weight that is a pytree node rather than a tensor: ``LoraWeight`` or ``QuantizedWeight``."""
-    return isinstance(x, (LoraWeight, QuantizedWeight))
+    """A weight that is a pytree node rather than a tensor: ``LoraWeight``, ``QuantizedWeight`` or
+    ``Float8Weight``."""
+    return isinstance(x, (LoraWeight, QuantizedWeight, Float8Weight))
 
 
 def weight_nodes_as_leaves(params: Any) -> Any:
@@ -89,6 +91,8 @@ def weight_nodes_as_leaves(params: Any) -> Any:
     def leaf(x: Any) -> Any:
         while isinstance(x, LoraWeight):
             x = x.base
+        if isinstance(x, Float8Weight):
+            return x.w
         return x.q if isinstance(x, QuantizedWeight) else x
 
     return tree_util.map(leaf, params, is_leaf=is_weight_node)

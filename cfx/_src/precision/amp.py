@@ -49,10 +49,14 @@ class Policy:
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     output_dtype: torch.dtype = torch.float32
+    fp8: str | None = None  # a float8 recipe for the blocks' Linear matmuls (``cfx._src.precision.fp8``)
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, dtype_of(getattr(self, f.name)))
+        for f in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, f, dtype_of(getattr(self, f)))
+        if self.fp8 is not None:
+            from cfx._src.precision.fp8 import recipe
+            recipe(self.fp8)  # (a ValueError naming the recipes)
 
     @classmethod
     def from_string(cls, spec: str) -> "Policy":
@@ -78,20 +82,36 @@ class Policy:
         return _cast_tree(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
-        return _cast_tree(tree, self.compute_dtype)
+        """``tree`` in the compute dtype; under an fp8 policy, the Linear weights ``fp8.converts`` picks are
+        instead kept as they are, marked to run their matmuls in float8 (``Float8Weight``)."""
+        if self.fp8 is None:
+            return _cast_tree(tree, self.compute_dtype)
+        from cfx._src.precision.fp8 import Float8Weight, converts
+
+        def cast(path: str, x: Any) -> Any:
+            if converts(path, x):
+                return Float8Weight(x, self.fp8)
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.compute_dtype:
+                return x.to(self.compute_dtype)
+            return x
+        return tree_util.map_with_path(cast, tree)
 
     def cast_to_output(self, tree: Any) -> Any:
         return _cast_tree(tree, self.output_dtype)
 
 
-def policy(name: str) -> Policy:
-    """Presets: ``fp32``, ``bf16`` and ``fp16`` (fp32 master params, half compute, fp32 outputs)."""
+def policy(name: str, *, recipe: str | None = None) -> Policy:
+    """Presets: ``fp32``, ``bf16`` and ``fp16`` (fp32 master params, half compute, fp32 outputs); ``fp8``
+    (or ``fp8:RECIPE``): bf16's, with the Linear matmuls of every transformer block but the first in float8
+    by ``recipe`` -- ``tensorwise`` (the default), ``rowwise`` or ``rowwise_gw_hp`` (``cfx._src.precision.fp8``)."""
     name = name.lower()
+    if name == "fp8" or name.startswith("fp8:"):
+        return Policy(compute_dtype=torch.bfloat16, fp8=recipe or name.partition(":")[2] or "tensorwise")
     if name in ("fp32", "float32", "full"):
         return Policy()
     if name in ("bf16", "bfloat16"):
         return Policy(compute_dtype=torch.bfloat16)
     if name in ("fp16", "float16", "half"):
         return Policy(compute_dtype=torch.float16)
-    raise ValueError(f"cfx.amp.policy: unknown preset {name!r}; use 'fp32', 'bf16' or 'fp16', "
+    raise ValueError(f"cfx.amp.policy: unknown preset {name!r}; use 'fp32', 'bf16', 'fp16' or 'fp8[:recipe]', "
                      "or Policy.from_string('params=...,compute=...,output=...').")

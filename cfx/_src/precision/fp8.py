@@ -1,0 +1,196 @@
+"""FP8 training matmuls: ``fp8_linear(x, w, recipe)``, the three GEMMs of a Linear in float8.
+
+A Linear's step runs three matmuls: the output ``y = x w`` and, in backward, the input's gradient
+``gy w^T`` and the weight's ``x^T gy``. A recipe says, for each operand of each, whether it is cast
+to float8 -- e4m3 (more mantissa, range 448) or e5m2 (more range, 57344) -- and with one scale for the
+whole tensor or one per row along the GEMM's reduction dimension, or kept in high precision:
+
+======================  ============  ============  =================  ==============================
+recipe                  x, w (fwd)    gy (bwd)      w for gy w^T       x, gy for x^T gy
+======================  ============  ============  =================  ==============================
+``tensorwise``          e4m3, tensor  e5m2, tensor  e4m3, tensor       e4m3 / e5m2, tensor
+``rowwise``             e4m3, row     e4m3, row     e4m3, row          e4m3, row
+``rowwise_gw_hp``       e4m3, row     e4m3, row     e4m3, tensor       high precision (the GEMM too)
+======================  ============  ============  =================  ==============================
+
+The scale of a tensor (or row) is ``finfo(dtype).max / max(amax, 1e-12)``, computed in fp64 and
+rounded to fp32 -- for the row-wise recipes rounded down to a power of two, so scaling loses no
+mantissa bits -- and the cast saturates: ``clamp(x * scale, -max, max)`` in fp32, then to float8.
+The GEMM is ``torch._scaled_mm`` on the float8 operands with the inverse scales (it runs on the CPU
+too). Row-wise products come out in bf16 (fp32 where the inputs were fp16 / fp32 is then a cast of
+it, as the fast kernels give bf16 only); the gradients' row-wise GEMMs apply their scales after an
+unscaled product (a separate multiply, exact accumulation), the output's inside it. These are
+torchao's numerics (its ``Float8Linear`` under the same recipe names, ``rowwise_with_gw_hp`` there):
+``cfx_tests/test_precision_fp8.py`` holds the two equal bit for bit on the CPU, and each equal to the
+spec built from dequantised operands.
+
+The weight is scaled from the params' own dtype (the fp32 master weight), the input in its compute
+dtype; the outputs and the input's gradient are in the input's dtype, the weight's gradient in the
+weight's.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """How a GEMM operand is cast: to ``dtype`` (None: kept in high precision), one scale per row
+    along the GEMM's reduction dimension (``rowwise``) or one for the tensor."""
+
+    dtype: torch.dtype | None
+    rowwise: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The casts of a Linear's three GEMMs (module doc): ``y = x w`` (``x``, ``w``), ``gx = gy w^T``
+    (``gy``, ``w_gx``), ``gw = x^T gy`` (``x_gw``, ``gy_gw``); ``pow2``: scales rounded down to powers
+    of two."""
+
+    name: str
+    x: Cast
+    w: Cast
+    gy: Cast
+    w_gx: Cast
+    x_gw: Cast
+    gy_gw: Cast
+    pow2: bool = False
+
+
+_T4, _T5, _R4, _HP = Cast(E4M3), Cast(E5M2), Cast(E4M3, True), Cast(None)
+RECIPES = {
+    "tensorwise": Recipe("tensorwise", _T4, _T4, _T5, _T4, _T4, _T5),
+    "rowwise": Recipe("rowwise", _R4, _R4, _R4, _R4, _R4, _R4, pow2=True),
+    "rowwise_gw_hp": Recipe("rowwise_gw_hp", _R4, _R4, _R4, _T4, _HP, _HP, pow2=True),
+}
+
+
+def recipe(name: str | Recipe) -> Recipe:
+    if isinstance(name, Recipe):
+        return name
+    if name not in RECIPES:
+        raise ValueError(f"cfx.amp fp8: unknown recipe {name!r}; use one of {', '.join(RECIPES)}.")
+    return RECIPES[name]
+
+
+# -- scales and casts -----------------------------------------------------------------------------------
+def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, pow2: bool = False) -> torch.Tensor:
+    """``finfo(dtype).max / amax`` of ``x`` (``dim``: one per slice along it, kept as a size-1 dim), fp32."""
+    with torch.no_grad():
+        amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+        scale = (torch.finfo(dtype).max / amax.double().clamp(min=EPS)).float()
+        return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """``x * scale`` (in fp32) saturated to ``dtype``'s finite range, in ``dtype``."""
+    big = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-big, big).to(dtype)
+
+
+def quantize(x: torch.Tensor, cast: Cast, dim: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in ``cast.dtype`` and its scale (per slice along ``dim`` where ``cast.rowwise``)."""
+    scale = scale_of(x, cast.dtype, dim if cast.rowwise else None, pow2)
+    return to_fp8(x, cast.dtype, scale), scale
+
+
+# -- one GEMM ---------------------------------------------------------------------------------------------
+def gemm(a: torch.Tensor, a_cast: Cast, b: torch.Tensor, b_cast: Cast, pow2: bool, out_dtype: torch.dtype,
+         fast: bool) -> torch.Tensor:
+    """``a @ b`` for 2-D ``a`` ``(M, K)`` and ``b`` ``(K, N)`` with each operand cast as told (row-wise: ``a``
+    per row, ``b`` per column, along ``K``); both kept in high precision: a plain matmul in ``out_dtype``.
+    ``fast``: the output GEMM (scales applied inside the product), else a gradient's (module doc)."""
+    if a_cast.dtype is None:
+        return a.to(out_dtype) @ b.to(out_dtype)
+    a8, sa = quantize(a, a_cast, -1, pow2)
+    b8, sb = quantize(b, b_cast, 0, pow2)
+    a8, b8 = a8.contiguous(), b8.t().contiguous().t()  # (row-major times column-major: what _scaled_mm takes)
+    if a_cast.rowwise != b_cast.rowwise:  # one row-wise: the other's single scale repeated along its side
+        if a_cast.rowwise:
+            sb = sb.repeat(b.shape[1]).reshape(1, -1)
+        else:
+            sa = sa.repeat(a.shape[0]).reshape(-1, 1)
+    ia, ib = sa.reciprocal(), sb.reciprocal()
+    rowwise = ia.dim() == 2 and ib.dim() == 2 and ia.shape == (a.shape[0], 1) and ib.shape == (1, b.shape[1])
+    dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
+    if rowwise and not fast:  # the product unscaled, then its scales: exact accumulation
+        one = ia.new_ones(())
+        out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=dtype)
+        out *= ia * ib
+    else:
+        out = torch._scaled_mm(a8, b8, scale_a=ia, scale_b=ib, out_dtype=dtype)
+    return out.to(out_dtype)
+
+
+# -- the Linear ---------------------------------------------------------------------------------------------
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, r: Recipe) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.recipe = r
+        x2 = x.reshape(-1, x.shape[-1])
+        y = gemm(x2, r.x, w, r.w, r.pow2, x.dtype, fast=True)
+        return y.reshape(*x.shape[:-1], w.shape[1])
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        r = ctx.recipe
+        gy2 = gy.reshape(-1, gy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        gx = gemm(gy2, r.gy, w.t(), r.w_gx, r.pow2, gy.dtype, fast=False).reshape(x.shape)
+        gw = gemm(gy2.t(), r.gy_gw, x2, r.x_gw, r.pow2, gy.dtype, fast=False).t()  # (out, in), then w's layout
+        return gx.to(x.dtype), gw.to(w.dtype), None
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, r: str | Recipe = "tensorwise",
+               b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w (+ b)`` with ``w`` ``(in, out)`` (cfx's Linear layout), its three GEMMs in float8 by recipe ``r``
+    (module doc); the bias added after, in the output's dtype."""
+    y = _Fp8Linear.apply(x, w, recipe(r))
+    return y if b is None else y + b.to(y.dtype)
+
+
+# -- a Linear's weight, marked for float8 --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Float8Weight:
+    """A Linear weight ``w`` ``(in, out)`` whose matmuls run in float8 by ``recipe`` (``Linear.apply`` and ``x @
+    w`` call ``fp8_linear``); a pytree node whose one child is ``w`` (the params' master weight: its gradient
+    arrives in ``w``'s dtype). ``cfx.amp.policy("fp8")``'s ``cast_to_compute`` puts them in (``mark``)."""
+
+    w: torch.Tensor
+    recipe: str = "tensorwise"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w.shape)
+
+    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.w, self.recipe)
+
+
+def _register() -> None:
+    from cfx._src.core import tree as tree_util
+
+    tree_util.register_node(Float8Weight, lambda f: ((f.w,), (f.recipe,), ("w",)),
+                            lambda meta, children: Float8Weight(children[0], *meta))
+
+
+_register()
+
+
+def converts(path: str, x: object) -> bool:
+    """Whether the policy runs the leaf at ``path`` in float8 (torchtitan's rule, cfx's names): a Linear weight
+    (``...w``, 2-D) of a transformer block other than the first (``blocks.N.``, ``N > 0``: the first layer, the
+    embeddings and the head stay in high precision), both of whose dims are multiples of 16 (what the float8
+    GEMM takes; the others stay in the compute dtype)."""
+    parts = path.split(".")
+    return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_floating_point() and parts[-1] == "w"
+            and len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() and int(parts[1]) > 0
+            and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0)
