@@ -144,3 +144,39 @@ def test_the_fp8_policy_marks_the_blocks_linears_but_the_first_and_trains():
     for run in losses.values():
         assert run[-1] < 0.8 * run[0]
     assert abs(losses["fp8:tensorwise"][-1] - losses["bf16"][-1]) < 0.05 * losses["bf16"][-1]
+
+
+@pytest.mark.timeout(180)
+def test_an_fp8_plan_over_data_and_model_trains_as_one_device_and_refuses_what_it_does_not_run(monkeypatch):
+    import contextlib
+
+    import cfx
+    import cfx._src.precision.fp8 as fp8
+
+    calls = []
+    forward = fp8._Fp8Linear.forward
+    monkeypatch.setattr(fp8._Fp8Linear, "forward", staticmethod(lambda ctx, *a: calls.append(1) or forward(ctx, *a)))
+    model = cfx.models.gpt2("tiny", n_layer=3, n_embd=64, n_head=4, vocab_size=64, n_positions=32)
+    tokens = cfx.random.randint(cfx.random.key(1), (3, 8, 33), 0, 64)
+
+    def run(text):
+        plan = cfx.parallel.Plan.parse(text)
+        calls.clear()
+        with plan.make_mesh() if plan.mesh_shape else contextlib.nullcontext() as mesh:
+            step = plan.step(model, cfx.optim.adamw(1e-3), mesh=mesh)
+            state, losses = step.init(cfx.random.key(0)), []
+            for i in range(3):
+                state, m = step(state, (tokens[i, :, :-1], tokens[i, :, 1:]))
+                losses.append(float(m["loss"]))
+        return losses, len(calls)
+
+    # rowwise_gw_hp's scales do not span the batch's rows: the data split changes only the bf16 sums' order
+    one, n_one = run("precision=fp8:rowwise_gw_hp")
+    assert n_one == 3 * 12  # three steps, 12 float8 Linears (blocks 1 and 2)
+    for text, ranks in (("data=2", 2), ("data=2,model=2 zero=1", 4)):
+        losses, n = run(f"{text} precision=fp8:rowwise_gw_hp")
+        assert n == ranks * n_one
+        torch.testing.assert_close(losses, one, rtol=1e-3, atol=0)
+    for text in ("data=2 zero=3", "pipe=2,data=2 microbatches=2", "row=2,col=2 tp=2d"):
+        with pytest.raises(ValueError, match="float8 under data and model parallelism"):
+            cfx.parallel.Plan.parse(f"{text} precision=fp8")

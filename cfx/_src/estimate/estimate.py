@@ -40,7 +40,8 @@ from cfx._src.models.parts import max_length
 from cfx._src.optim.alias import adamw
 from cfx._src.plan.build import account, check_model
 
-PRECISION = {"fp32": ("fp32", 4), "bf16": ("bf16", 2), "fp16": ("fp16", 2)}
+PRECISION = {"fp32": ("fp32", 4), "bf16": ("bf16", 2), "fp16": ("fp16", 2),
+             **{p: ("fp8", 2) for p in ("fp8", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_gw_hp")}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,7 @@ def estimate(model: Any, plan: Any, cluster: Cluster, *, batch: tuple[int, int],
     total = sum(breakdown.values())
     model_flops = shape.model_flops(rows, seq)
     hardware = model_flops + recompute_flops(shape, plan, rows, seq)
-    peak = cluster.gpu.peak(step.dtype) * cluster.gpus
+    peak = cluster.gpu.peak(step.hp) * cluster.gpus  # (fp8: MFU against bf16's peak, as torchtitan reports it)
     return Estimate(str(plan), str(cluster), cluster.gpus, (rows, seq), total, model_flops, hardware,
                     model_flops / total / cluster.gpus / 1e12, model_flops / total / peak, hardware / total / peak,
                     int(sum(memory.values())), memory, int(cluster.gpu.memory), breakdown, collectives)
@@ -166,6 +167,7 @@ class _Step(Links):
         self.shape, self.seq, self.stack = shape, seq, stack
         self.fused = stack["attention"] == "flash"
         self.dtype, self.bytes = PRECISION[plan.precision]
+        self.hp = "bf16" if self.dtype == "fp8" else self.dtype  # (fp8: the layers' matmuls; the rest in bf16)
         self.gpu = cluster.gpu
         self.t = plan.size("model")
         self.sp = plan.sp == "megatron"
@@ -196,9 +198,14 @@ class _Step(Links):
         gemms = 4 + (1 if sh.gated else 0)
         mm_s = g.matmul_s(mm / gemms, self.dtype, gemms)
         attn_eff = g.attention if self.fused else g.attention_unfused
-        attn_s = (attn * (0.5 if self.fused else 1.0)) / (g.peak(self.dtype) * attn_eff)
+        attn_s = (attn * (0.5 if self.fused else 1.0)) / (g.peak(self.hp) * attn_eff)
         mem_s = g.memory_s(sh.memory_bound_bytes(self.mb, self.seq, t=t, sp=self.sp, cp=self.cp, dtype=self.bytes,
                                                  fused=self.fused), kernels=8)
+        cast_f = cast_b = 0.0
+        if self.dtype == "fp8":  # each Linear's operands cast to float8
+            f, b = sh.fp8_cast_bytes(self.tokens, t, self.bytes, self.plan.precision.endswith("gw_hp"))
+            k = 7 if sh.gated else 6  # (the Linears of a layer)
+            cast_f, cast_b = g.memory_s(f, kernels=2 * k), g.memory_s(b, kernels=3 * k)
         act = self.tokens * sh.hidden * self.bytes       # one (b, s, h) activation on this rank
         tp = 2 * self.collective("model", "all_reduce", act) if t > 1 and self.grid is None else 0.0  # Megatron's two
         grid = self.phases_s(self.grid.layer) if self.grid is not None else (0.0, 0.0)  # points (SP: the same bytes)
@@ -214,9 +221,10 @@ class _Step(Links):
             rows = self.collective("expert", "all_to_all", self.tokens * sh.top_k * sh.hidden * self.bytes)
             moe = 2 * rows                 # (the sizes exchanged first: one all-to-all of counts, forward only)
             moe_sizes = self.collective("expert", "all_to_all", 8 * sh.experts)
-        fwd = {"matmul": mm_s, "attention": attn_s, "memory-bound": mem_s, "model": tp + grid[0], "seq": seq,
+        fwd = {"matmul": mm_s, "attention": attn_s, "memory-bound": mem_s + cast_f, "model": tp + grid[0], "seq": seq,
                "expert": moe + moe_sizes}
-        bwd = {"matmul": 2 * mm_s, "attention": (2.5 if self.fused else 2.0) * attn_s, "memory-bound": 2 * mem_s,
+        gw_s = g.matmul_s(mm / gemms, self.hp, gemms) if self.plan.precision.endswith("gw_hp") else mm_s
+        bwd = {"matmul": mm_s + gw_s, "attention": (2.5 if self.fused else 2.0) * attn_s, "memory-bound": 2 * mem_s + cast_b,
                "model": (tp if not self.stack["tp_backward_overlap"] or self.sp else 0.0) + grid[1], "seq": 2 * seq,
                "expert": moe}
         remat = self.plan.remat
@@ -235,7 +243,7 @@ class _Step(Links):
         sh, g = self.shape, self.gpu
         split = self.plan.grid_rows if self.grid is not None else self.t  # (a grid's head: replicated, its rows split)
         flops = 2.0 * self.tokens * sh.hidden * sh.vocab / split
-        mm = g.matmul_s(flops, self.dtype)
+        mm = g.matmul_s(flops, self.hp)
         ce = g.memory_s(3 * 4 * self.tokens * sh.vocab / split, kernels=3)  # fp32 logits: softmax, loss, grad
         emb = g.memory_s(2 * self.tokens * sh.hidden * self.bytes, kernels=2)
         return mm + ce + emb, 2 * mm + ce + emb
@@ -289,7 +297,7 @@ class _Step(Links):
             out["grid (embedding, head, loss)"] = sum(self.phases_s(self.grid.rest))
         out["data (gradients)"] = 0.0 if overlap_dp else self.data_reduce(state)
         out["optimizer"] = self.optimizer(state)
-        out["offload traffic"] = self.offload(state)
+        out["offload traffic"] = offload_s(self, state)
         return out
 
     def state_bytes(self, state: Any, kind: str) -> float:
@@ -345,17 +353,18 @@ class _Step(Links):
         n = self.state_bytes(state, "optimizer") / 8
         return self.gpu.memory_s(n * self.stack["optimizer_bytes"], kernels=4)
 
-    def offload(self, state: Any) -> float:
-        """Offload's traffic per step: params to the GPU and gradients back over the host link; with
-        ``nvme`` the optimizer's state read and written from the node's disks too."""
-        if self.plan.home == "device":
-            return 0.0
-        params = self.state_bytes(state, "params")
-        pcie = 2 * params / self.cluster.host.busbw * (2 if self.plan.zero == 3 else 1)
-        if self.plan.home != "nvme":
-            return pcie
-        per_gpu = self.cluster.nvme_bw / min(self.cluster.gpus, self.cluster.gpus_per_node)
-        return pcie + 2 * (self.state_bytes(state, "optimizer") + 2 * params) / per_gpu
+
+def offload_s(self: "_Step", state: Any) -> float:
+    """Offload's traffic per step: params to the GPU and gradients back over the host link; with
+    ``nvme`` the optimizer's state read and written from the node's disks too."""
+    if self.plan.home == "device":
+        return 0.0
+    params = self.state_bytes(state, "params")
+    pcie = 2 * params / self.cluster.host.busbw * (2 if self.plan.zero == 3 else 1)
+    if self.plan.home != "nvme":
+        return pcie
+    per_gpu = self.cluster.nvme_bw / min(self.cluster.gpus, self.cluster.gpus_per_node)
+    return pcie + 2 * (self.state_bytes(state, "optimizer") + 2 * params) / per_gpu
 
 
 def step_memory(self: "_Step", state: Any) -> dict[str, int]:

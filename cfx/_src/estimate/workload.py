@@ -125,6 +125,20 @@ class TransformerShape:
         mlp = dtype * 2 * rep + mask * rep + dtype * inner * (3 if self.gated else 2)  # norm in, fc in; act in/out
         return attn + mlp
 
+    def fp8_cast_bytes(self, tokens: int, t: int, dtype: int, gw_hp: bool) -> tuple[float, float]:
+        """HBM bytes of one layer's casts to float8 on one of ``t`` tensor-parallel ranks, forward's and
+        backward's: each Linear's operands read for their amax, read again and written as one byte (a 4-byte
+        master weight; ``dtype``-byte activations and gradients); backward casts the output's gradient for both
+        GEMMs and the weight and the input again (``gw_hp``: the weight's gradient in high precision, one cast)."""
+        linears = [(self.hidden, self.hidden), (self.hidden, self.kv_dim), (self.hidden, self.kv_dim),
+                   (self.hidden, self.hidden)]
+        linears += [(self.hidden, self.ffn)] * (2 if self.gated else 1) + [(self.ffn, self.hidden)]
+        act, weight = 2 * dtype + 1, 2 * 4 + 1
+        fwd = sum(act * tokens * i + weight * i * o for i, o in linears) / t
+        bwd = sum(act * tokens * o * (1 if gw_hp else 2) + (0 if gw_hp else act * tokens * i) + weight * i * o
+                  for i, o in linears) / t
+        return fwd, bwd
+
     def memory_bound_bytes(self, b: int, s: int, *, t: int = 1, sp: bool = False, cp: int = 1, dtype: int = 2,
                            fused: bool = True) -> float:
         """HBM bytes one layer's forward moves outside its matmuls: two norms, the activation, the

@@ -25,7 +25,7 @@ class TrainConfig:
     warmup: int = 30
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    precision: str = "fp32"        # fp32 | bf16 | fp16
+    precision: str = "fp32"        # fp32 | bf16 | fp16 | fp8[:recipe]
     seed: int = 0
     data: str | None = None        # a text file; default: the stdlib's source text
     eval_every: int = 50
