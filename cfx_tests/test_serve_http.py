@@ -13,7 +13,6 @@ import asyncio
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 import cfx
+from cfx.bench.common import free_port
 from cfx.serve import Engine, EngineThread, HFTokenizer, app
 
 openai = pytest.importorskip("openai")
@@ -73,12 +73,6 @@ def adapter_dir(model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("adapter")
     pm.save_pretrained(d)
     return d
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Live:

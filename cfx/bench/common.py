@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -114,3 +115,10 @@ def end_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a bench or test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import time
 import torch
 
 import cfx
-from cfx.bench.common import Row, report, size_of, skipped
+from cfx.bench.common import Row, free_port, report, size_of, skipped
 from cfx.bench.serve import SIZES, _pct, workload
 from cfx.serve import Engine, HFTokenizer, SamplingParams
 
@@ -74,11 +73,6 @@ def pair_tokenizer(directory: str | os.PathLike, vocab_size: int):
     return tok
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Server:
     """A server command (``argv`` without its port) on 127.0.0.1 in a process of its own, up once ``/health``
@@ -87,7 +81,7 @@ class Server:
     def __init__(self, argv: list[str], log: pathlib.Path, timeout: float = 180, cpus: set[int] | None = None):
         import httpx2 as httpx
 
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "wb") as out:

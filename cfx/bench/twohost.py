@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import uuid
+
+from cfx.bench.common import free_port
 
 SUBNET = "10.213.{}.{}"
 
@@ -89,7 +90,7 @@ class Hosts:
     def run(self, args: list[str], *, timeout: float = 120, env: dict | None = None) -> dict:
         """``torchrun`` with one process in each namespace (node ranks 0 and 1, rendezvous on host a's
         address) running ``python args...``; the JSON rank 0 wrote to the file it is handed (``--out``)."""
-        port = _free_port()
+        port = free_port()
         folder = tempfile.mkdtemp(prefix="cfx-twohost-")
         out = os.path.join(folder, "rank0.json")
         procs = []
@@ -118,8 +119,3 @@ class Hosts:
                     p.kill()
             shutil.rmtree(folder, ignore_errors=True)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -354,23 +354,23 @@ class _Step(Links):
         return self.gpu.memory_s(n * self.stack["optimizer_bytes"], kernels=4)
 
 
-def offload_s(self: "_Step", state: Any) -> float:
+def offload_s(step: "_Step", state: Any) -> float:
     """Offload's traffic per step: params to the GPU and gradients back over the host link; with
     ``nvme`` the optimizer's state read and written from the node's disks too."""
-    if self.plan.home == "device":
+    if step.plan.home == "device":
         return 0.0
-    params = self.state_bytes(state, "params")
-    pcie = 2 * params / self.cluster.host.busbw * (2 if self.plan.zero == 3 else 1)
-    if self.plan.home != "nvme":
+    params = step.state_bytes(state, "params")
+    pcie = 2 * params / step.cluster.host.busbw * (2 if step.plan.zero == 3 else 1)
+    if step.plan.home != "nvme":
         return pcie
-    per_gpu = self.cluster.nvme_bw / min(self.cluster.gpus, self.cluster.gpus_per_node)
-    return pcie + 2 * (self.state_bytes(state, "optimizer") + 2 * params) / per_gpu
+    per_gpu = step.cluster.nvme_bw / min(step.cluster.gpus, step.cluster.gpus_per_node)
+    return pcie + 2 * (step.state_bytes(state, "optimizer") + 2 * params) / per_gpu
 
 
-def step_memory(self: "_Step", state: Any) -> dict[str, int]:
+def step_memory(step: "_Step", state: Any) -> dict[str, int]:
     """Per-GPU device bytes by kind (module doc): the plan's accounting of the state (or a shape's, as it
     counts one), the activations the schedule keeps in flight, the fp32 logits."""
-    sh = self.shape
+    sh = step.shape
     out: dict[str, int] = {}
     if state is not None:
         for k, v in state.bytes.items():
@@ -378,17 +378,17 @@ def step_memory(self: "_Step", state: Any) -> dict[str, int]:
                 out[k] = int(v)
     else:
         for k in ("params", "grads", "optimizer"):
-            out[k] = int(self.state_bytes(None, k))
-        if self.plan.zero == 3 and self.plan.size("data") > 1:   # ZeRO-3 gathers one layer at a time
-            out["gathered block"] = int(4 * sh.layer_params() / self.t)
-    remat = "blocks" if self.plan.remat == "auto" else self.plan.remat
-    per_layer = sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp, dtype=self.bytes,
-                                    fused=self.fused, remat=remat)
-    held = in_flight(self.plan.schedule, self.p, self.m, self.v) if self.p > 1 else 1
-    out["activations"] = int(held * self.per_chunk * per_layer)
+            out[k] = int(step.state_bytes(None, k))
+        if step.plan.zero == 3 and step.plan.size("data") > 1:   # ZeRO-3 gathers one layer at a time
+            out["gathered block"] = int(4 * sh.layer_params() / step.t)
+    remat = "blocks" if step.plan.remat == "auto" else step.plan.remat
+    per_layer = sh.activation_bytes(step.mb, step.seq, t=step.t, sp=step.sp, cp=step.cp, dtype=step.bytes,
+                                    fused=step.fused, remat=remat)
+    held = in_flight(step.plan.schedule, step.p, step.m, step.v) if step.p > 1 else 1
+    out["activations"] = int(held * step.per_chunk * per_layer)
     if remat == "blocks":   # one layer's own activations while it is recomputed
-        out["activations"] += int(sh.activation_bytes(self.mb, self.seq, t=self.t, sp=self.sp, cp=self.cp,
-                                                      dtype=self.bytes, fused=self.fused))
-    split = self.plan.grid_rows if self.grid is not None else self.t
-    out["logits"] = int(2 * 4 * self.tokens * sh.vocab / split)  # fp32 logits and their gradient
+        out["activations"] += int(sh.activation_bytes(step.mb, step.seq, t=step.t, sp=step.sp, cp=step.cp,
+                                                      dtype=step.bytes, fused=step.fused))
+    split = step.plan.grid_rows if step.grid is not None else step.t
+    out["logits"] = int(2 * 4 * step.tokens * sh.vocab / split)  # fp32 logits and their gradient
     return out

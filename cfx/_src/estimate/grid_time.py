@@ -46,18 +46,14 @@ def _records(shape: TransformerShape, text: str, rows: int, seq: int) -> GridRec
 
 
 def _model(shape: TransformerShape, layers: int, seq: int) -> Any:
-    """A cfx decoder of ``shape``'s widths with ``layers`` layers: Llama's where the MLP is gated, else GPT-2's."""
-    from cfx._src.models.gpt2 import gpt2
-    from cfx._src.models.llama import llama
+    """A cfx decoder of ``shape``'s widths with ``layers`` layers (``families.decoder_of_shape``)."""
+    from cfx._src.models.families import decoder_of_shape
 
     if shape.experts:
         raise ValueError("cfx.parallel.estimate: a tp= grid splits dense TransformerBlocks; this shape is a mixture "
                          "of experts. Estimate it with model= / expert= axes instead.")
-    if shape.gated:
-        return llama("tiny", n_layer=layers, hidden_size=shape.hidden, intermediate_size=shape.ffn, n_head=shape.heads,
-                     n_kv_heads=shape.kv_heads, vocab_size=shape.vocab, max_position_embeddings=seq)
-    return gpt2("small", n_layer=layers, n_embd=shape.hidden, n_head=shape.heads, vocab_size=shape.vocab,
-                n_positions=seq)
+    return decoder_of_shape(shape.hidden, layers, shape.heads, shape.kv_heads, shape.ffn, shape.vocab,
+                            gated=shape.gated, positions=seq)
 
 
 def _rank0(model: Any, text: str, rows: int, seq: int) -> list[CommRecord]:

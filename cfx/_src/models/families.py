@@ -1,6 +1,7 @@
 """The model families, listed once: ``FAMILIES``, each ``*_hf.py`` module's ``Family`` record, and the
 three ways to look one up -- by a cfx model (``of_model``), by a ``transformers`` config's
-``model_type`` (``of_model_type``), by the training job's name (``named``).
+``model_type`` (``of_model_type``), by the training job's name (``named``) -- and a decoder of given widths
+(``decoder_of_shape``).
 
 A new family is one record in its ``*_hf.py`` and one entry here: ``cfx.models.to_hf`` / ``from_hf`` /
 ``hf_config`` / ``from_pretrained`` / ``save_pretrained``, ``cfx.lora.save_peft`` / ``load_peft`` and
@@ -55,3 +56,14 @@ def named(name: str, where: str) -> Family:
         if family.name == name and family.preset is not None:
             return family
     raise ValueError(f"{where}: unknown model {name!r}; choose {join_words(trained(), 'or')}.")
+
+
+def decoder_of_shape(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, *, gated: bool,
+                     positions: int) -> Any:
+    """A cfx decoder of these widths (what ``cfx.parallel.estimate`` rehearses a bare shape's step with):
+    Llama's blocks where the MLP is gated (SwiGLU), GPT-2's otherwise."""
+    if gated:
+        return llama_hf.FAMILY.preset("tiny", n_layer=layers, hidden_size=hidden, intermediate_size=ffn, n_head=heads,
+                                      n_kv_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions)
+    return gpt2_hf.FAMILY.preset("small", n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                                 n_positions=positions)

@@ -34,12 +34,14 @@ def dtype_of(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_NAMES)}.") from None
 
 
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
 def _cast_tree(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-    return tree_util.map(cast, tree)
+    return tree_util.map(lambda x: _cast(x, dtype), tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,13 +90,8 @@ class Policy:
             return _cast_tree(tree, self.compute_dtype)
         from cfx._src.precision.fp8 import Float8Weight, converts
 
-        def cast(path: str, x: Any) -> Any:
-            if converts(path, x):
-                return Float8Weight(x, self.fp8)
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.compute_dtype:
-                return x.to(self.compute_dtype)
-            return x
-        return tree_util.map_with_path(cast, tree)
+        return tree_util.map_with_path(
+            lambda path, x: Float8Weight(x, self.fp8) if converts(path, x) else _cast(x, self.compute_dtype), tree)
 
     def cast_to_output(self, tree: Any) -> Any:
         return _cast_tree(tree, self.output_dtype)

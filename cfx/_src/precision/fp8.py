@@ -34,6 +34,8 @@ import dataclasses
 
 import torch
 
+from cfx._src.core import tree as tree_util
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12
 
@@ -175,14 +177,8 @@ class Float8Weight:
         return fp8_linear(x, self.w, self.recipe)
 
 
-def _register() -> None:
-    from cfx._src.core import tree as tree_util
-
-    tree_util.register_node(Float8Weight, lambda f: ((f.w,), (f.recipe,), ("w",)),
-                            lambda meta, children: Float8Weight(children[0], *meta))
-
-
-_register()
+tree_util.register_node(Float8Weight, lambda f: ((f.w,), (f.recipe,), ("w",)),
+                        lambda meta, children: Float8Weight(children[0], *meta))
 
 
 def converts(path: str, x: object) -> bool:

@@ -294,7 +294,7 @@ class Forward:
     def copy_blocks(self, pools: dict, copies: list[tuple[int, int]]) -> None:
         """Each ``(src, dst)`` block copied in every pool (every rank's, where rank 0 leads)."""
         if self.control is not None and self.control.leader:
-            self.control.send("copy", copies)
+            self.control.send("copy", torch.tensor(copies, dtype=torch.long).reshape(-1, 2))
         for src, dst in copies:
             for pool in pools.values():
                 pool.copy_block(src, dst)
@@ -306,7 +306,7 @@ class Forward:
             if kind == "stop":
                 return
             if kind == "copy":
-                self.copy_blocks(pools, *args)
+                self.copy_blocks(pools, [tuple(pair) for pair in args[0].tolist()])
             else:
                 self(pools, *args)
 
