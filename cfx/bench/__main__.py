@@ -5,9 +5,9 @@ import argparse
 import sys
 
 from cfx._src.core.runtime import keep_host_memory
-from cfx.bench import autoshard, capacity, checkpoint, diffusion, estimate, evoformer, gemini, generate, gpu, gpu_all, kernels, large_batch, lora, memory, moe, overhead, pipeline, plans, remat, sequence, serve, serve_http, spmd, tensor_parallel, zero
+from cfx.bench import autoshard, capacity, checkpoint, diffusion, estimate, evoformer, fp8, gemini, generate, gpu, gpu_all, kernels, large_batch, lora, memory, moe, overhead, pipeline, plans, remat, sequence, serve, serve_http, spmd, tensor_parallel, zero
 
-BENCHES = {"autoshard": autoshard.run, "capacity": capacity.run, "checkpoint": checkpoint.run, "diffusion": diffusion.run, "estimate": estimate.run, "evoformer": evoformer.run, "gemini": gemini.run, "generate": generate.run, "gpu": gpu.run, "kernels": kernels.run, "large_batch": large_batch.run, "lora": lora.run, "memory": memory.run, "moe": moe.run, "overhead": overhead.run, "pipeline": pipeline.run, "plans": plans.run, "remat": remat.run, "sequence": sequence.run, "serve": serve.run, "spmd": spmd.run, "tensor_parallel": tensor_parallel.run, "zero": zero.run}
+BENCHES = {"autoshard": autoshard.run, "capacity": capacity.run, "checkpoint": checkpoint.run, "diffusion": diffusion.run, "estimate": estimate.run, "evoformer": evoformer.run, "fp8": fp8.run, "gemini": gemini.run, "generate": generate.run, "gpu": gpu.run, "kernels": kernels.run, "large_batch": large_batch.run, "lora": lora.run, "memory": memory.run, "moe": moe.run, "overhead": overhead.run, "pipeline": pipeline.run, "plans": plans.run, "remat": remat.run, "sequence": sequence.run, "serve": serve.run, "spmd": spmd.run, "tensor_parallel": tensor_parallel.run, "zero": zero.run}
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from cfx._src.core import random
 from cfx._src.nn.lora_weight import LoraWeight
-from cfx._src.precision.fp8 import Float8Weight, fp8_linear
+from cfx._src.nn.fp8 import Float8Weight
 from cfx._src.precision.quant import QuantizedWeight
 from cfx_kernels.int8_matmul import int8_matmul
 
@@ -68,7 +68,7 @@ class Linear:
             if isinstance(w, QuantizedWeight):
                 return int8_matmul(x, w.q, w.scale, params["b"] if self.bias else None)
             if isinstance(w, Float8Weight):  # the three GEMMs in float8 (an fp8 policy's)
-                return fp8_linear(x, w.w, w.recipe, params["b"] if self.bias else None)
+                return w.linear(x, params["b"] if self.bias else None)
         if not self.bias:
             return x @ w
         # one addmm with the bias fused; w's gradient comes out contiguous in w's own layout

@@ -25,7 +25,7 @@ import torch
 
 from cfx._src.core import tree as tree_util
 from cfx._src.nn.dropout import dropout
-from cfx._src.precision.fp8 import Float8Weight
+from cfx._src.nn.fp8 import Float8Weight
 from cfx._src.precision.quant import QuantizedWeight
 from cfx_kernels.int8_matmul import int8_matmul
 

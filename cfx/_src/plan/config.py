@@ -152,21 +152,6 @@ class PlanConfig:
             _one_of("tp", self.tp, GRID_SCHEMES)
         for strategy in strategies.STRATEGIES:
             strategy.check_plan(self)
-        self._check_fp8()
-
-    def _check_fp8(self) -> None:
-        """A float8 precision runs where its Linear weights reach ``Linear.apply`` as the policy marks them:
-        data and Megatron model parallelism (any ZeRO stage but 3). ZeRO-3's gathered layers, a pipeline's
-        stages and a grid's blocks would run them in bf16 unsaid: refused."""
-        if not self.precision.startswith("fp8"):
-            return
-        other = [f"zero={self.zero}"] if self.zero == 3 else []
-        other += [f"{a}=" for a in ("pipe", "row", "col", "dep") if self.has(a)] + (
-            [f"offload={self.offload}"] if self.offload != "none" else [])
-        if other:
-            raise ValueError(f"Plan: precision={self.precision} runs the Linear matmuls in float8 under data and "
-                             f"model parallelism (ZeRO 0-2) so far, not with {', '.join(other)}; use precision=bf16 "
-                             "there, or drop them.")
 
     @property
     def grid_rows(self) -> int:

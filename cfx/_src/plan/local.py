@@ -68,6 +68,7 @@ class LocalProgram:
         self._steps: dict[tuple, Any] = {}  # remat=auto: a schedule and its step per batch shape
         self._remat_plan = None
         self._step = None if plan.remat == "auto" else train_step(rank_model(plan, model), tx, self.policy)
+        self._eval_model = rank_model(plan, model, blocks=False)  # (a float8 plan's blocks evaluate in float8)
 
     @property
     def remat_plan(self) -> Any:
@@ -114,7 +115,7 @@ class LocalProgram:
 
     def loss(self, state: TrainState, *batch: torch.Tensor) -> float:
         """The model's loss on ``batch``, without dropout."""
-        return evaluate(self.model, state.params, self.policy, [self._checked(batch)])
+        return evaluate(self._eval_model, state.params, self.policy, [self._checked(batch)])
 
     def params(self, state: TrainState) -> Any:
         return state.params

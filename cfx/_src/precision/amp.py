@@ -44,6 +44,9 @@ def _cast_tree(tree: Any, dtype: torch.dtype) -> Any:
     return tree_util.map(lambda x: _cast(x, dtype), tree)
 
 
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")  # (``cfx._src.nn.fp8.RECIPES``' names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Dtypes for params (storage), compute (the forward and backward) and outputs."""
@@ -51,14 +54,13 @@ class Policy:
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     output_dtype: torch.dtype = torch.float32
-    fp8: str | None = None  # a float8 recipe for the blocks' Linear matmuls (``cfx._src.precision.fp8``)
+    fp8: str | None = None  # the float8 recipe the blocks' Linears run by (``cfx.amp.float8``), or None
 
     def __post_init__(self):
         for f in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, f, dtype_of(getattr(self, f)))
-        if self.fp8 is not None:
-            from cfx._src.precision.fp8 import recipe
-            recipe(self.fp8)  # (a ValueError naming the recipes)
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"cfx.amp fp8: unknown recipe {self.fp8!r}; use one of {', '.join(FP8_RECIPES)}.")
 
     @classmethod
     def from_string(cls, spec: str) -> "Policy":
@@ -84,14 +86,9 @@ class Policy:
         return _cast_tree(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
-        """``tree`` in the compute dtype; under an fp8 policy, the Linear weights ``fp8.converts`` picks are
-        instead kept as they are, marked to run their matmuls in float8 (``Float8Weight``)."""
-        if self.fp8 is None:
-            return _cast_tree(tree, self.compute_dtype)
-        from cfx._src.precision.fp8 import Float8Weight, converts
-
-        return tree_util.map_with_path(
-            lambda path, x: Float8Weight(x, self.fp8) if converts(path, x) else _cast(x, self.compute_dtype), tree)
+        """``tree`` in the compute dtype (under fp8 too: a float8 Linear scales its bf16 weight, as torchtitan's
+        do under FSDP2's bf16 params)."""
+        return _cast_tree(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: Any) -> Any:
         return _cast_tree(tree, self.output_dtype)
@@ -99,8 +96,9 @@ class Policy:
 
 def policy(name: str, *, recipe: str | None = None) -> Policy:
     """Presets: ``fp32``, ``bf16`` and ``fp16`` (fp32 master params, half compute, fp32 outputs); ``fp8``
-    (or ``fp8:RECIPE``): bf16's, with the Linear matmuls of every transformer block but the first in float8
-    by ``recipe`` -- ``tensorwise`` (the default), ``rowwise`` or ``rowwise_gw_hp`` (``cfx._src.precision.fp8``)."""
+    (or ``fp8:RECIPE``): bf16's, naming the recipe by which ``cfx.amp.float8`` runs the Linear matmuls of
+    every transformer block but the first in float8 -- ``tensorwise`` (the default), ``rowwise`` or
+    ``rowwise_gw_hp`` (``cfx._src.nn.fp8``)."""
     name = name.lower()
     if name == "fp8" or name.startswith("fp8:"):
         return Policy(compute_dtype=torch.bfloat16, fp8=recipe or name.partition(":")[2] or "tensorwise")

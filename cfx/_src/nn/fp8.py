@@ -24,9 +24,13 @@ torchao's numerics (its ``Float8Linear`` under the same recipe names, ``rowwise_
 ``cfx_tests/test_precision_fp8.py`` holds the two equal bit for bit on the CPU, and each equal to the
 spec built from dequantised operands.
 
-The weight is scaled from the params' own dtype (the fp32 master weight), the input in its compute
-dtype; the outputs and the input's gradient are in the input's dtype, the weight's gradient in the
-weight's.
+Each operand is scaled from the dtype it arrives in; the outputs and the input's gradient are in the
+input's dtype, the weight's gradient in the weight's.
+
+Split over a mesh (``Split``: the axes the tokens, ``w``'s input and its output dimension are split over),
+a rank scales its piece by the amax of the whole tensor -- or of the whole row along the reduction
+dimension -- that one device would take: the piece's amax all-reduced (max) over the axes the scale's
+extent spans. So every rank's float8 operands are slices of one device's, bit for bit.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import dataclasses
 import torch
 
 from cfx._src.core import tree as tree_util
+from cfx._src.lax import comm, groups
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12
@@ -73,6 +78,20 @@ RECIPES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The mesh axes a Linear's operands are split over (module doc): ``tokens``, the rows of ``x`` and its
+    gradients (the batch's axes); ``k``, ``w``'s first dim and ``x``'s last (a row-parallel Linear's);
+    ``n``, ``w``'s second and the output's last (a column-parallel Linear's). Empty: one device's."""
+
+    tokens: tuple[str, ...] = ()
+    k: tuple[str, ...] = ()
+    n: tuple[str, ...] = ()
+
+
+ONE_DEVICE = Split()
+
+
 def recipe(name: str | Recipe) -> Recipe:
     if isinstance(name, Recipe):
         return name
@@ -82,10 +101,14 @@ def recipe(name: str | Recipe) -> Recipe:
 
 
 # -- scales and casts -----------------------------------------------------------------------------------
-def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, pow2: bool = False) -> torch.Tensor:
-    """``finfo(dtype).max / amax`` of ``x`` (``dim``: one per slice along it, kept as a size-1 dim), fp32."""
+def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, pow2: bool = False,
+             over: tuple[str, ...] = ()) -> torch.Tensor:
+    """``finfo(dtype).max / amax`` of ``x`` (``dim``: one per slice along it, kept as a size-1 dim), fp32; the
+    amax taken over the pieces of ``x`` on the ranks of the mesh axes ``over`` too."""
     with torch.no_grad():
         amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+        if over:
+            amax = comm.all_reduce(amax.float(), groups.axes(over, "cfx fp8 amax"), "max")
         scale = (torch.finfo(dtype).max / amax.double().clamp(min=EPS)).float()
         return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
@@ -96,22 +119,26 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Te
     return (x.float() * scale).clamp(-big, big).to(dtype)
 
 
-def quantize(x: torch.Tensor, cast: Cast, dim: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` in ``cast.dtype`` and its scale (per slice along ``dim`` where ``cast.rowwise``)."""
-    scale = scale_of(x, cast.dtype, dim if cast.rowwise else None, pow2)
+def quantize(x: torch.Tensor, cast: Cast, dim: int, pow2: bool, over: tuple[str, ...] = (),
+             along: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in ``cast.dtype`` and its scale (per slice along ``dim`` where ``cast.rowwise``); ``x`` split over
+    the mesh axes ``over``, of which ``along`` split ``dim`` (what a row-wise scale spans)."""
+    scale = scale_of(x, cast.dtype, dim if cast.rowwise else None, pow2, along if cast.rowwise else over)
     return to_fp8(x, cast.dtype, scale), scale
 
 
 # -- one GEMM ---------------------------------------------------------------------------------------------
 def gemm(a: torch.Tensor, a_cast: Cast, b: torch.Tensor, b_cast: Cast, pow2: bool, out_dtype: torch.dtype,
-         fast: bool) -> torch.Tensor:
+         fast: bool, split: tuple[tuple[str, ...], ...] = ((), (), ())) -> torch.Tensor:
     """``a @ b`` for 2-D ``a`` ``(M, K)`` and ``b`` ``(K, N)`` with each operand cast as told (row-wise: ``a``
     per row, ``b`` per column, along ``K``); both kept in high precision: a plain matmul in ``out_dtype``.
-    ``fast``: the output GEMM (scales applied inside the product), else a gradient's (module doc)."""
+    ``fast``: the output GEMM (scales applied inside the product), else a gradient's (module doc). ``split``:
+    the mesh axes ``M``, ``K`` and ``N`` are split over."""
     if a_cast.dtype is None:
         return a.to(out_dtype) @ b.to(out_dtype)
-    a8, sa = quantize(a, a_cast, -1, pow2)
-    b8, sb = quantize(b, b_cast, 0, pow2)
+    m, k, n = split
+    a8, sa = quantize(a, a_cast, -1, pow2, m + k, k)
+    b8, sb = quantize(b, b_cast, 0, pow2, k + n, k)
     a8, b8 = a8.contiguous(), b8.t().contiguous().t()  # (row-major times column-major: what _scaled_mm takes)
     if a_cast.rowwise != b_cast.rowwise:  # one row-wise: the other's single scale repeated along its side
         if a_cast.rowwise:
@@ -133,60 +160,60 @@ def gemm(a: torch.Tensor, a_cast: Cast, b: torch.Tensor, b_cast: Cast, pow2: boo
 # -- the Linear ---------------------------------------------------------------------------------------------
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, r: Recipe) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, r: Recipe, s: Split) -> torch.Tensor:
         ctx.save_for_backward(x, w)
-        ctx.recipe = r
+        ctx.recipe, ctx.split = r, s
         x2 = x.reshape(-1, x.shape[-1])
-        y = gemm(x2, r.x, w, r.w, r.pow2, x.dtype, fast=True)
+        y = gemm(x2, r.x, w, r.w, r.pow2, x.dtype, True, (s.tokens, s.k, s.n))
         return y.reshape(*x.shape[:-1], w.shape[1])
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
         x, w = ctx.saved_tensors
-        r = ctx.recipe
+        r, s = ctx.recipe, ctx.split
         gy2 = gy.reshape(-1, gy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        gx = gemm(gy2, r.gy, w.t(), r.w_gx, r.pow2, gy.dtype, fast=False).reshape(x.shape)
-        gw = gemm(gy2.t(), r.gy_gw, x2, r.x_gw, r.pow2, gy.dtype, fast=False).t()  # (out, in), then w's layout
-        return gx.to(x.dtype), gw.to(w.dtype), None
+        gx = gemm(gy2, r.gy, w.t(), r.w_gx, r.pow2, gy.dtype, False, (s.tokens, s.n, s.k)).reshape(x.shape)
+        gw = gemm(gy2.t(), r.gy_gw, x2, r.x_gw, r.pow2, gy.dtype, False, (s.n, s.tokens, s.k)).t()  # (out, in) -> w's
+        return gx.to(x.dtype), gw.to(w.dtype), None, None
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, r: str | Recipe = "tensorwise",
-               b: torch.Tensor | None = None) -> torch.Tensor:
+               b: torch.Tensor | None = None, split: Split = ONE_DEVICE) -> torch.Tensor:
     """``x @ w (+ b)`` with ``w`` ``(in, out)`` (cfx's Linear layout), its three GEMMs in float8 by recipe ``r``
-    (module doc); the bias added after, in the output's dtype."""
-    y = _Fp8Linear.apply(x, w, recipe(r))
+    (module doc); the bias added after, in the output's dtype. ``split``: the mesh axes a rank's ``x`` and ``w``
+    are pieces over (inside ``shard_map``), whose amaxes its scales take."""
+    y = _Fp8Linear.apply(x, w, recipe(r), split)
     return y if b is None else y + b.to(y.dtype)
 
 
 # -- a Linear's weight, marked for float8 --------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, eq=False)
 class Float8Weight:
-    """A Linear weight ``w`` ``(in, out)`` whose matmuls run in float8 by ``recipe`` (``Linear.apply`` and ``x @
-    w`` call ``fp8_linear``); a pytree node whose one child is ``w`` (the params' master weight: its gradient
-    arrives in ``w``'s dtype). ``cfx.amp.policy("fp8")``'s ``cast_to_compute`` puts them in (``mark``)."""
+    """A Linear weight ``w`` ``(in, out)`` whose matmuls run in float8 by ``recipe``, its pieces ``split`` as said
+    (``Linear.apply`` and ``x @ w`` call ``fp8_linear``); a pytree node whose one child is ``w``. A
+    ``Float8Layer`` puts them in for its Linears (``fp8_layers.py``)."""
 
     w: torch.Tensor
     recipe: str = "tensorwise"
+    split: Split = ONE_DEVICE
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.w.shape)
 
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, self.w, self.recipe, b, self.split)
+
     def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.w, self.recipe)
+        return self.linear(x)
 
 
-tree_util.register_node(Float8Weight, lambda f: ((f.w,), (f.recipe,), ("w",)),
+tree_util.register_node(Float8Weight, lambda f: ((f.w,), (f.recipe, f.split), ("w",)),
                         lambda meta, children: Float8Weight(children[0], *meta))
 
 
-def converts(path: str, x: object) -> bool:
-    """Whether the policy runs the leaf at ``path`` in float8 (torchtitan's rule, cfx's names): a Linear weight
-    (``...w``, 2-D) of a transformer block other than the first (``blocks.N.``, ``N > 0``: the first layer, the
-    embeddings and the head stay in high precision), both of whose dims are multiples of 16 (what the float8
-    GEMM takes; the others stay in the compute dtype)."""
-    parts = path.split(".")
-    return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_floating_point() and parts[-1] == "w"
-            and len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() and int(parts[1]) > 0
-            and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0)
+def takes(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a layer's leaf ``name`` (its last path part) of ``shape`` is a Linear weight the float8 GEMM takes:
+    a ``w`` of two dims, both multiples of 16 (others stay in the compute dtype)."""
+    return name == "w" and len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 16 == 0

@@ -1,0 +1,95 @@
+"""``float8(model, recipe)``: a model whose blocks' Linears run their matmuls in float8 (``fp8.py``).
+
+A layer transform, as ``cfx.remat`` and ``cfx.zero.gathered`` are: every block but the first becomes a
+``Float8Layer`` with the same ``init`` / ``apply`` / ``axes``, whose ``apply`` hands each Linear weight the
+float8 GEMM takes (``fp8.takes``: ``w`` of two dims, multiples of 16) to the block as a ``Float8Weight``.
+torchtitan's rule, in cfx's names: the first block, the embeddings, the norms and the head stay in high
+precision. The params stay what they are -- plain tensors, stored, gathered by ZeRO-3, streamed by
+offload, split over pipeline stages as any others -- so every strategy that runs a block's ``apply`` on
+its weights runs the float8 Linears.
+
+Under a mesh, ``rules`` (logical axis -> mesh axes, the plan's) says which axes split each weight's two
+dims and ``tokens`` which split the batch's rows, so each rank scales its pieces with the amax one device
+takes (``fp8.Split``)::
+
+    model = cfx.amp.float8(model, "rowwise")                   # one device
+    loss = model.loss(cfx.amp.policy("fp8:rowwise").cast_to_compute(params), tokens, targets)
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Mapping
+
+from cfx._src.core import random, tree as tree_util
+from cfx._src.nn.fp8 import Float8Weight, Split, recipe as check_recipe, takes
+from cfx._src.transforms.shapes import eval_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Layer:
+    """``layer`` whose Linear weights at ``linears`` (``(relative path, Split)`` pairs) run in float8 by
+    ``recipe``; same ``init`` / ``apply`` / ``axes`` as ``layer`` (module doc)."""
+
+    layer: Any
+    recipe: str
+    linears: tuple[tuple[str, Split], ...]
+
+    def init(self, key):
+        return self.layer.init(key)
+
+    def axes(self):
+        return self.layer.axes()
+
+    def marked(self, params: Any) -> Any:
+        """``params`` with the weights at ``linears`` as ``Float8Weight`` nodes."""
+        splits = dict(self.linears)
+        return tree_util.map_with_path(
+            lambda path, x: Float8Weight(x, self.recipe, splits[path]) if path in splits else x, params)
+
+    def apply(self, params, *args, **kwargs):
+        return self.layer.apply(self.marked(params), *args, **kwargs)
+
+    def apply_with_stats(self, params, *args, **kwargs):
+        """``layer.apply_with_stats`` (an MoE block's) on the marked params."""
+        return self.layer.apply_with_stats(self.marked(params), *args, **kwargs)
+
+
+def _mesh_axes(rules: Mapping[str, Any], name: str | None) -> tuple[str, ...]:
+    axes = rules.get(name) if name is not None else None
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def linears_of(layer: Any, rules: Mapping[str, Any] | None = None, tokens: tuple[str, ...] = ()
+               ) -> tuple[tuple[str, Split], ...]:
+    """The ``(path, Split)`` of each Linear weight of ``layer`` the float8 GEMM takes (``fp8.takes``), the mesh
+    axes of its two dims from its logical axes (``layer.axes()``) through ``rules`` (``cfx.parallel.Rules``'
+    mapping), the rows' from ``tokens``."""
+    shapes = eval_shape(layer.init, random.key(0))
+    logical = dict(tree_util.flatten_with_path(layer.axes(), is_leaf=tree_util.is_axes_leaf)[0])
+    rules = rules or {}
+    out = []
+    for path, leaf in tree_util.flatten_with_path(shapes)[0]:
+        if takes(path.rpartition(".")[2], tuple(leaf.shape)):
+            k, n = (tuple(logical.get(path, ())) + (None, None))[:2]
+            split = Split(tuple(tokens), _mesh_axes(rules, k), _mesh_axes(rules, n))
+            out.append((path, split))
+    return tuple(out)
+
+
+def float8(model: Any, recipe: str = "tensorwise", *, rules: Mapping[str, Any] | None = None,
+           tokens: tuple[str, ...] = ()) -> Any:
+    """``model`` with every block but the first a ``Float8Layer`` by ``recipe`` (module doc); ``rules`` and
+    ``tokens``: how a mesh splits the weights and the batch (a Plan passes its own)."""
+    check_recipe(recipe)
+    if not isinstance(getattr(model, "blocks", None), tuple):
+        raise ValueError(f"cfx.amp.float8: {type(model).__name__} has no tuple of blocks (the parts protocol's "
+                         "`blocks`) whose Linears would run in float8; wrap a layer with "
+                         "Float8Layer(layer, recipe, linears_of(layer)) instead.")
+    index = itertools.count()
+
+    def convert(block: Any) -> Any:
+        linears = linears_of(block, rules, tokens)
+        return Float8Layer(block, recipe, linears) if next(index) > 0 and linears else block
+
+    return model.map_blocks(convert)

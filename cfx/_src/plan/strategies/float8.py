@@ -1,0 +1,66 @@
+"""Float8 training matmuls (``precision=fp8[:recipe]``): every block but the first runs its Linears' three
+GEMMs in float8 (``cfx.amp.float8``, a layer transform under all the others: ZeRO-3 gathers, offload
+streams and a pipeline stage runs the weights as any others), the rest in bf16. Each rank scales its
+pieces with the amax one device takes: the weights' dims split as the plan's rules lay them (Megatron's
+``model``), the batch's rows over ``data``. Grids, sequence and expert parallelism split a Linear's
+operands in ways this does not know yet: refused."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cfx._src.core import random, tree as tree_util
+from cfx._src.nn.fp8_layers import float8, linears_of
+from cfx._src.plan.strategies.expert import Expert
+from cfx._src.plan.strategies.megatron import Megatron
+from cfx._src.plan.strategy import Strategy
+from cfx._src.transforms.shapes import eval_shape
+
+
+def recipe_of(plan) -> str | None:
+    """The plan's float8 recipe (``fp8`` alone: ``tensorwise``), or None."""
+    if not plan.precision.startswith("fp8"):
+        return None
+    return plan.precision.partition(":")[2] or "tensorwise"
+
+
+def _rules(plan) -> dict[str, Any]:
+    """The layout rules of the strategies whose parallel forms split a block's weights before this one wraps
+    them (the experts' split 3-D weights, which stay in bf16; the grid is refused)."""
+    return {k: v for s in (Expert(), Megatron()) for k, v in s.rules(plan).items()}
+
+
+class Float8(Strategy):
+    name = "precision"
+
+    def check_plan(self, plan) -> None:
+        if recipe_of(plan) is None:
+            return
+        other = [f"{a}=" for a in ("row", "col", "dep", "seq", "expert") if plan.has(a)]
+        other += [f"sp={plan.sp}"] if plan.sp not in ("none", None) else []
+        if other:
+            raise ValueError(f"Plan: precision={plan.precision} runs the Linear matmuls in float8 under data, "
+                             f"model and pipe parallelism, ZeRO and offload, not with {', '.join(other)}; use "
+                             "precision=bf16 there, or drop them.")
+
+    def check(self, plan, model, where: str) -> None:
+        if recipe_of(plan) is None or not isinstance(getattr(model, "blocks", None), tuple):
+            return
+        rules, tokens = _rules(plan), plan.batch_axes
+        for i, block in enumerate(model.blocks[1:], 1):
+            shapes = dict(tree_util.flatten_with_path(eval_shape(block.init, random.key(0)))[0])
+            for path, split in linears_of(block, rules, tokens):
+                shape = shapes[path].shape
+                piece = (shape[0] // math.prod(plan.size(a) for a in split.k),
+                         shape[1] // math.prod(plan.size(a) for a in split.n))
+                if piece[0] % 16 or piece[1] % 16:
+                    raise ValueError(f"{where}: blocks.{i}.{path} {tuple(shape)} is split into {piece} pieces over "
+                                     f"{', '.join(split.k + split.n)}, which the float8 GEMM does not take (dims "
+                                     "must be multiples of 16 on every rank); use a model axis that leaves them "
+                                     "so, or precision=bf16.")
+
+    def parallelize(self, plan, model) -> Any:
+        r = recipe_of(plan)
+        if r is None or not isinstance(getattr(model, "blocks", None), tuple):
+            return model
+        return float8(model, r, rules=_rules(plan), tokens=plan.batch_axes)
