@@ -8,7 +8,7 @@ loss over 8 held-out batches.
 
 A recipe's row is ok when the mean of its three final losses is within twice bf16's spread over its
 seeds (the largest minus the smallest final loss) of bf16's mean: float8 changes the loss no more than
-the seed does. The loss curves (every step's train loss) go into the JSON for the notebook's plot.
+the seed does. The loss curves (every step's train loss) go beside the JSON (``X.curves.json``) for the notebook's plot.
 On the CPU the float8 GEMMs run through ``torch._scaled_mm``'s reference kernels: the seconds are printed,
 and are no measure of float8's speed (that is the GPU issue's ``fp8_vs_bf16_step_gpu``).
 """
@@ -70,9 +70,12 @@ def run(quick: bool = False, smoke: bool = False, json_path: str | None = None) 
         rows.append(Row(f"{p}_seconds_per_step_cpu", statistics.fmean(r["seconds"] for r in runs[p]) / SIZES[size][4],
                         "s", "printed (CPU reference kernels)"))
     out = report("fp8", rows, json_path)
-    if json_path:  # the curves, for the notebook's plot
-        out["curves"] = {p: [r["losses"] for r in rs] for p, rs in runs.items()}
-        out["finals"] = finals
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=1)
+    if json_path:  # the curves beside the rows, for the notebook's plot
+        with open(curves_path(json_path), "w") as f:
+            json.dump({"curves": {p: [r["losses"] for r in rs] for p, rs in runs.items()}, "finals": finals}, f)
     return out
+
+
+def curves_path(json_path: str) -> str:
+    """Where ``run`` writes every run's loss curve and final loss: ``X.json`` -> ``X.curves.json``."""
+    return json_path[:-5] + ".curves.json" if json_path.endswith(".json") else json_path + ".curves.json"
