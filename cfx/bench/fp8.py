@@ -2,7 +2,8 @@
 
 A GPT-2 of width 128 and 6 layers learns the bytes of Python's standard library (``train.data.stdlib_corpus``)
 for 300 steps of 8 x 128 bytes under the single-device Plan, with ``precision=bf16`` and with each float8
-recipe (``fp8:tensorwise``, ``fp8:rowwise``, ``fp8:rowwise_gw_hp``), each with seeds 0, 1 and 2 (the seed
+recipe (``fp8:tensorwise``, ``fp8:rowwise``, ``fp8:rowwise_gw_hp``, and ``fp8:delayed``: tensorwise with
+Transformer Engine's delayed scaling), each with seeds 0, 1 and 2 (the seed
 sets the init and the batches, the same for every precision). The final loss of a run is its mean eval
 loss over 8 held-out batches.
 
@@ -24,7 +25,7 @@ import cfx
 from cfx._src.train.data import run_keys, sample_batch, stdlib_corpus, train_val_split
 from cfx.bench.common import Row, report, size_of
 
-PRECISIONS = ("bf16", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_gw_hp")
+PRECISIONS = ("bf16", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_gw_hp", "fp8:delayed")
 SIZES = {  # width, layers, batch, bytes per row, steps, seeds, eval batches
     "smoke": (32, 2, 2, 32, 3, (0, 1), 2),
     "quick": (64, 4, 8, 64, 60, (0, 1, 2), 4),

@@ -39,9 +39,10 @@ from cfx._src.mesh.mesh import AbstractMesh
 from cfx._src.models.parts import max_length
 from cfx._src.optim.alias import adamw
 from cfx._src.plan.build import account, check_model
+from cfx._src.plan.config import PRECISIONS
 
 PRECISION = {"fp32": ("fp32", 4), "bf16": ("bf16", 2), "fp16": ("fp16", 2),
-             **{p: ("fp8", 2) for p in ("fp8", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_gw_hp")}}
+             **{p: ("fp8", 2) for p in PRECISIONS if p.startswith("fp8")}}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,25 +120,30 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Te
 
 
 def quantize(x: torch.Tensor, cast: Cast, dim: int, pow2: bool, over: tuple[str, ...] = (),
-             along: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+             along: tuple[str, ...] = (), scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` in ``cast.dtype`` and its scale (per slice along ``dim`` where ``cast.rowwise``); ``x`` split over
-    the mesh axes ``over``, of which ``along`` split ``dim`` (what a row-wise scale spans)."""
-    scale = scale_of(x, cast.dtype, dim if cast.rowwise else None, pow2, along if cast.rowwise else over)
+    the mesh axes ``over``, of which ``along`` split ``dim`` (what a row-wise scale spans). ``scale`` given (delayed
+    scaling's): that one, no amax taken."""
+    if scale is None:
+        scale = scale_of(x, cast.dtype, dim if cast.rowwise else None, pow2, along if cast.rowwise else over)
     return to_fp8(x, cast.dtype, scale), scale
 
 
 # -- one GEMM ---------------------------------------------------------------------------------------------
 def gemm(a: torch.Tensor, a_cast: Cast, b: torch.Tensor, b_cast: Cast, pow2: bool, out_dtype: torch.dtype,
-         fast: bool, split: tuple[tuple[str, ...], ...] = ((), (), ())) -> torch.Tensor:
+         fast: bool, split: tuple[tuple[str, ...], ...] = ((), (), ()),
+         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+         b_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``a @ b`` for 2-D ``a`` ``(M, K)`` and ``b`` ``(K, N)`` with each operand cast as told (row-wise: ``a``
     per row, ``b`` per column, along ``K``); both kept in high precision: a plain matmul in ``out_dtype``.
     ``fast``: the output GEMM (scales applied inside the product), else a gradient's (module doc). ``split``:
-    the mesh axes ``M``, ``K`` and ``N`` are split over."""
+    the mesh axes ``M``, ``K`` and ``N`` are split over; ``scales``: the operands' given scales (delayed scaling);
+    ``b_fp8``: ``b`` cast already (``(b8, scale)``, a per-tensor cast: ZeRO-3's float8 all-gather's)."""
     if a_cast.dtype is None:
         return a.to(out_dtype) @ b.to(out_dtype)
     m, k, n = split
-    a8, sa = quantize(a, a_cast, -1, pow2, m + k, k)
-    b8, sb = quantize(b, b_cast, 0, pow2, k + n, k)
+    a8, sa = quantize(a, a_cast, -1, pow2, m + k, k, scales[0])
+    b8, sb = quantize(b, b_cast, 0, pow2, k + n, k, scales[1]) if b_fp8 is None else b_fp8
     a8, b8 = a8.contiguous(), b8.t().contiguous().t()  # (row-major times column-major: what _scaled_mm takes)
     if a_cast.rowwise != b_cast.rowwise:  # one row-wise: the other's single scale repeated along its side
         if a_cast.rowwise:
@@ -160,30 +165,50 @@ def gemm(a: torch.Tensor, a_cast: Cast, b: torch.Tensor, b_cast: Cast, pow2: boo
 # -- the Linear ---------------------------------------------------------------------------------------------
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, r: Recipe, s: Split) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.recipe, ctx.split = r, s
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, r: Recipe, s: Split, d, w8=None, sw=None) -> torch.Tensor:
+        ctx.save_for_backward(x, w, w8)  # (w8: a view of ZeRO-3's float8 buffer, re-gathered for backward)
+        ctx.recipe, ctx.split, ctx.delayed, ctx.sw = r, s, d, sw
         x2 = x.reshape(-1, x.shape[-1])
-        y = gemm(x2, r.x, w, r.w, r.pow2, x.dtype, True, (s.tokens, s.k, s.n))
+        given = (None, None)
+        if d is not None:  # delayed scaling: the scales the history gave; this step's amaxes noted for the next
+            sx, sw_, _ = d.scales()
+            d.observe(0, x2), d.observe(1, w)
+            given = (sx, sw_)
+        y = gemm(x2, r.x, w, r.w, r.pow2, x.dtype, True, (s.tokens, s.k, s.n), given,
+                 None if w8 is None else (w8, sw))
         return y.reshape(*x.shape[:-1], w.shape[1])
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        r, s = ctx.recipe, ctx.split
+        x, w, w8 = ctx.saved_tensors
+        r, s, d = ctx.recipe, ctx.split, ctx.delayed
         gy2 = gy.reshape(-1, gy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        gx = gemm(gy2, r.gy, w.t(), r.w_gx, r.pow2, gy.dtype, False, (s.tokens, s.n, s.k)).reshape(x.shape)
-        gw = gemm(gy2.t(), r.gy_gw, x2, r.x_gw, r.pow2, gy.dtype, False, (s.n, s.tokens, s.k)).t()  # (out, in) -> w's
-        return gx.to(x.dtype), gw.to(w.dtype), None, None
+        on_gx, on_gw = (None, None), (None, None)
+        if d is not None:
+            sx, sw, sg = d.scales()
+            d.observe(2, gy2)
+            on_gx, on_gw = (sg, sw), (sg, sx)
+        gx = gemm(gy2, r.gy, w.t(), r.w_gx, r.pow2, gy.dtype, False, (s.tokens, s.n, s.k), on_gx,
+                  None if w8 is None else (w8.t(), ctx.sw)).reshape(x.shape)
+        gw = gemm(gy2.t(), r.gy_gw, x2, r.x_gw, r.pow2, gy.dtype, False, (s.n, s.tokens, s.k), on_gw).t()  # -> w's
+        return gx.to(x.dtype), gw.to(w.dtype), None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, r: str | Recipe = "tensorwise",
-               b: torch.Tensor | None = None, split: Split = ONE_DEVICE) -> torch.Tensor:
+               b: torch.Tensor | None = None, split: Split = ONE_DEVICE, delayed=None,
+               w_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x @ w (+ b)`` with ``w`` ``(in, out)`` (cfx's Linear layout), its three GEMMs in float8 by recipe ``r``
     (module doc); the bias added after, in the output's dtype. ``split``: the mesh axes a rank's ``x`` and ``w``
-    are pieces over (inside ``shard_map``), whose amaxes its scales take."""
-    y = _Fp8Linear.apply(x, w, recipe(r), split)
+    are pieces over (inside ``shard_map``), whose amaxes its scales take. ``delayed``: delayed scaling's slots of
+    this Linear (``fp8_delayed.Slots``: ``scales()`` of ``x``, ``w`` and ``gy``, and ``observe(i, t)``), whose
+    scales the casts take instead of the tensors' own amaxes. ``w_fp8``: ``w`` cast to e4m3 already, ``(w8, scale)``
+    (``tensorwise``: the one cast of ``w`` both GEMMs take), ``w`` then only its shape and gradient's way back."""
+    r = recipe(r)
+    if w_fp8 is not None and (r.w != r.w_gx or r.w.rowwise or r.w.dtype != w_fp8[0].dtype):
+        raise ValueError(f"fp8_linear: a weight cast before the Linear (a float8 all-gather's) serves both of its "
+                         f"GEMMs only under the tensorwise recipe, not {r.name!r}.")
+    y = _Fp8Linear.apply(x, w, r, split, delayed, *(w_fp8 or (None, None)))
     return y if b is None else y + b.to(y.dtype)
 
 
@@ -197,20 +222,38 @@ class Float8Weight:
     w: torch.Tensor
     recipe: str = "tensorwise"
     split: Split = ONE_DEVICE
+    delayed: object = None  # delayed scaling's slots of this Linear (``fp8_delayed.Slots``), or None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.w.shape)
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_linear(x, self.w, self.recipe, b, self.split)
+        return fp8_linear(x, self.w, self.recipe, b, self.split, self.delayed)
 
     def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
 
 
-tree_util.register_node(Float8Weight, lambda f: ((f.w,), (f.recipe, f.split), ("w",)),
+tree_util.register_node(Float8Weight, lambda f: ((f.w,), (f.recipe, f.split, f.delayed), ("w",)),
                         lambda meta, children: Float8Weight(children[0], *meta))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Float8Gathered(Float8Weight):
+    """A ``Float8Weight`` cast to e4m3 before it came (ZeRO-3's float8 all-gather): ``w8`` with its ``scale``;
+    ``w`` stands for its shape and takes its gradient (the gather's backward reduce-scatters it)."""
+
+    w8: torch.Tensor = None
+    scale: torch.Tensor = None
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, self.w, self.recipe, b, self.split, self.delayed, (self.w8, self.scale))
+
+
+tree_util.register_node(Float8Gathered, lambda f: ((f.w, f.w8, f.scale), (f.recipe, f.split, f.delayed),
+                                                   ("w", "w8", "scale")),
+                        lambda meta, children: Float8Gathered(children[0], *meta, *children[1:]))
 
 
 def takes(name: str, shape: tuple[int, ...]) -> bool:

@@ -21,19 +21,25 @@ import dataclasses
 import itertools
 from typing import Any, Mapping
 
+import torch
+
 from cfx._src.core import random, tree as tree_util
-from cfx._src.nn.fp8 import Float8Weight, Split, recipe as check_recipe, takes
+from cfx._src.nn.fp8 import Float8Gathered, Float8Weight, Split, recipe as check_recipe, takes
+from cfx._src.nn.fp8_delayed import DelayedScaling, Slots
 from cfx._src.transforms.shapes import eval_shape
 
 
 @dataclasses.dataclass(frozen=True)
 class Float8Layer:
     """``layer`` whose Linear weights at ``linears`` (``(relative path, Split)`` pairs) run in float8 by
-    ``recipe``; same ``init`` / ``apply`` / ``axes`` as ``layer`` (module doc)."""
+    ``recipe``; same ``init`` / ``apply`` / ``axes`` as ``layer`` (module doc). ``slots``: under delayed scaling
+    each Linear's first slot in the meta (``fp8_delayed``), else None (each cast scales by its own amax)."""
 
     layer: Any
     recipe: str
     linears: tuple[tuple[str, Split], ...]
+    slots: tuple[int, ...] | None = None
+    gather: bool = False  # under ZeRO-3, its weights all-gathered in float8 (``cfx.zero.gathered`` asks)
 
     def init(self, key):
         return self.layer.init(key)
@@ -43,12 +49,24 @@ class Float8Layer:
 
     def marked(self, params: Any) -> Any:
         """``params`` with the weights at ``linears`` as ``Float8Weight`` nodes."""
-        splits = dict(self.linears)
+        at = {path: (split, None if self.slots is None else Slots(base))
+              for (path, split), base in zip(self.linears, self.slots or [None] * len(self.linears))}
         return tree_util.map_with_path(
-            lambda path, x: Float8Weight(x, self.recipe, splits[path]) if path in splits else x, params)
+            lambda path, x: Float8Weight(x, self.recipe, *at[path]) if path in at else x, params)
 
     def apply(self, params, *args, **kwargs):
         return self.layer.apply(self.marked(params), *args, **kwargs)
+
+    @property
+    def gathered_in_fp8(self) -> dict[str, Split]:
+        """The weights a ZeRO-3 gather around this layer casts to e4m3 before it gathers them (``gather``), with
+        the axes their pieces split over besides ZeRO's."""
+        return dict(self.linears) if self.gather else {}
+
+    def gathered_weight(self, path: str, w: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> Float8Gathered:
+        """The weight at ``path`` as the float8 all-gather delivers it: cast already (``w8``, ``scale``); ``w`` its
+        stand-in, through which its gradient goes back."""
+        return Float8Gathered(w, self.recipe, dict(self.linears)[path], None, w8, scale)
 
     def apply_with_stats(self, params, *args, **kwargs):
         """``layer.apply_with_stats`` (an MoE block's) on the marked params."""
@@ -78,18 +96,36 @@ def linears_of(layer: Any, rules: Mapping[str, Any] | None = None, tokens: tuple
 
 
 def float8(model: Any, recipe: str = "tensorwise", *, rules: Mapping[str, Any] | None = None,
-           tokens: tuple[str, ...] = ()) -> Any:
+           tokens: tuple[str, ...] = (), scaling: DelayedScaling | None = None, gather: bool = False) -> Any:
     """``model`` with every block but the first a ``Float8Layer`` by ``recipe`` (module doc); ``rules`` and
-    ``tokens``: how a mesh splits the weights and the batch (a Plan passes its own)."""
+    ``tokens``: how a mesh splits the weights and the batch (a Plan passes its own). ``scaling``: delayed scaling
+    (``fp8_delayed``; per tensor, so ``recipe`` tensorwise), each Linear given three slots in block order --
+    ``slots_of(model)`` in all, the meta's size. ``gather``: ZeRO-3 all-gathers the Linears' weights in float8
+    (their e4m3 cast and scale, the one the tensorwise recipe takes; ``Float8Layer.gathered_in_fp8``)."""
     check_recipe(recipe)
+    if gather and (recipe != "tensorwise" or scaling is not None):
+        raise ValueError("cfx.amp.float8: gather=True all-gathers each weight's e4m3 cast by its own amax, the cast "
+                         "of the tensorwise recipe with dynamic scaling; use recipe='tensorwise' and no delayed scaling.")
+    if scaling is not None and recipe != "tensorwise":
+        raise ValueError(f"cfx.amp.float8: delayed scaling (Transformer Engine's) scales each tensor whole; recipe "
+                         f"{recipe!r} scales rows. Use recipe='tensorwise' with it, or dynamic scaling.")
     if not isinstance(getattr(model, "blocks", None), tuple):
         raise ValueError(f"cfx.amp.float8: {type(model).__name__} has no tuple of blocks (the parts protocol's "
                          "`blocks`) whose Linears would run in float8; wrap a layer with "
                          "Float8Layer(layer, recipe, linears_of(layer)) instead.")
-    index = itertools.count()
+    index, slot = itertools.count(), itertools.count(0, 3)
 
     def convert(block: Any) -> Any:
         linears = linears_of(block, rules, tokens)
-        return Float8Layer(block, recipe, linears) if next(index) > 0 and linears else block
+        if next(index) == 0 or not linears:
+            return block
+        slots = None if scaling is None else tuple(next(slot) for _ in linears)
+        return Float8Layer(block, recipe, linears, slots, gather)
 
     return model.map_blocks(convert)
+
+
+def slots_of(model: Any) -> int:
+    """How many delayed-scaling slots a ``float8(..., scaling=...)`` model's Linears take (3 each)."""
+    return sum(3 * len(b.linears) for b in getattr(model, "blocks", ())
+               if isinstance(b, Float8Layer) and b.slots is not None)

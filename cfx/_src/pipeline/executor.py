@@ -59,7 +59,8 @@ from cfx._src.pipeline.validate import validate
 
 
 def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: Partition | None = None,
-             sum_grads: bool = True, local_blocks: bool = False, chain: Any = None) -> "PipelineStep":
+             sum_grads: bool = True, local_blocks: bool = False, chain: Any = None,
+             fp8_sends: bool = False) -> "PipelineStep":
     """A ``step(params, tokens, targets) -> (loss, grads)`` running ``schedule`` over ``axis``.
 
     ``plan`` (default ``partition(model, schedule.n_stages)``) says which blocks each stage runs.
@@ -68,7 +69,8 @@ def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: Partit
     rank's own (not summed over the axis): stages keep only their own blocks' params and grads.
     ``chain``: a ``cfx.remat.solve`` plan for a chain of one stage's blocks, under which every
     stage runs its blocks (activation checkpointing solved per stage; a split backward's I then
-    computes the weight gradients too, and W hands them over). Raises ``ValueError`` /
+    computes the weight gradients too, and W hands them over). ``fp8_sends``: activations go to the
+    next stage as their e4m3 casts with their scale (``messages.packed``), gradients as they are. Raises ``ValueError`` /
     ``ScheduleError`` here for a bad schedule or plan; the mesh-dependent checks run in the step,
     on every rank, before any communication.
     """
@@ -92,7 +94,7 @@ def pipeline(model: Any, schedule: Schedule, *, axis: str = "pipe", plan: Partit
         if sizes != {chain.chain.n}:
             raise ValueError(f"{WHERE}: the remat plan is for a chain of {chain.chain.n} blocks but the "
                              f"stages run {sorted(sizes)}; solve it for one stage's blocks.")
-    return PipelineStep(model, schedule, axis, plan, parts, bool(sum_grads), bool(local_blocks), chain)
+    return PipelineStep(model, schedule, axis, plan, parts, bool(sum_grads), bool(local_blocks), chain, bool(fp8_sends))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +109,7 @@ class PipelineStep:
     sum_grads: bool
     local_blocks: bool = False
     chain: Any = None  # a remat plan each stage runs its blocks under
+    fp8_sends: bool = False  # activations sent as their e4m3 casts (``messages.packed``)
 
     def held_blocks(self, rank: int) -> list[int]:
         """The blocks pipe rank ``rank`` runs, its stages in ascending order."""

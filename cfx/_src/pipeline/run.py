@@ -44,7 +44,7 @@ class Run:
         self.weights = [v / total for v in self.valid]  # microbatch shares of the mean loss
         w = _grad_leaf(tree_util.leaves(params)[0])
         self.messages = Messages(step, dict(shape=step.parts.activation_shape(self.tokens[0].shape), dtype=w.dtype,
-                                            device=w.device))
+                                            device=w.device), fp8=step.fp8_sends)
         # this rank's params as fresh leaves, and each stage's list of them
         mine = sched.stages_of(rank)
         held = {k for s in mine for k in plan.extras(s)}

@@ -28,6 +28,7 @@ from cfx._src.plan import strategies as strategies_lib
 from cfx._src.plan.layout import Layout
 from cfx._src.plan.frozen import Placer, place
 from cfx._src.plan.on_rank import eval_on_rank, per_rank_specs
+from cfx._src.plan.strategies.float8 import with_meta
 from cfx._src.plan.strategy import Account, Built
 from cfx._src.spmd.shard_map import shard_map
 from cfx._src.spmd.spec_tree import broadcast_specs
@@ -273,7 +274,7 @@ def account(plan, model: Any, tx: Any, mesh: Any) -> Account:
     strategy adds (``Strategy.account``)."""
     layout = Layout(plan, model, mesh, strategies())
     built = Built(plan, model, layout, mesh, local=rank_model(plan, model))
-    built.opt, _ = make_optimizer(plan, tx, built)
+    built.opt, _ = make_optimizer(plan, with_meta(plan, model, tx), built)  # (fp8:delayed: its meta too)
     if layout.opt_on_local:  # the optimizer steps each rank's view: its blocks, its pieces
         local = layout.local_abstract()
     else:

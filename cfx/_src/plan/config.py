@@ -32,7 +32,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "host", "nvme", "auto")
 REMATS = ("none", "blocks", "dots", "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_gw_hp")
+FP8_COMMS = ("none", "all_gather", "pipe", "all_gather+pipe")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_gw_hp", "fp8:delayed")
 SEQUENCE_METHODS = ("none", "ring", "ulysses", "megatron")
 
 
@@ -75,6 +76,8 @@ class PlanConfig:
     precision: str = "fp32"
     sp: str | None = None                      # sequence parallelism; None: ring with a seq axis, else none
     tp: str | None = None                      # 2d | 2.5d | 3d: grid tensor parallelism over row, col (, dep)
+    fp8_comm: str = "none"                     # all_gather: ZeRO-3 gathers float8 weights as their e4m3 casts;
+                                               # pipe: stages send activations so; both: all_gather+pipe
 
     def __post_init__(self):
         mesh = self.mesh
@@ -143,6 +146,7 @@ class PlanConfig:
         _one_of("remat", self.remat, REMATS)
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("precision", self.precision, PRECISIONS)
+        _one_of("fp8_comm", self.fp8_comm, FP8_COMMS)
         for name in ("microbatches", "chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -210,6 +214,8 @@ class PlanConfig:
             groups.append(f"sp={self.sp}")
         if self.tp is not None:
             groups.append(f"tp={self.tp}")
+        if self.fp8_comm != d.fp8_comm:
+            groups.append(f"fp8_comm={self.fp8_comm}")
         return " ".join(groups) or "single-device"
 
     @classmethod
@@ -236,11 +242,11 @@ class PlanConfig:
                 kw[key] = mode
                 if budget:
                     kw[f"{key}_budget"] = budget
-            elif key in ("schedule", "precision", "sp", "tp"):
+            elif key in ("schedule", "precision", "sp", "tp", "fp8_comm"):
                 kw[key] = value
             else:
                 raise ValueError(f"Plan.parse({text!r}): unknown key {key!r}; keys are the axes {plan_axes()} "
-                                 "and zero, offload, remat, schedule, microbatches, chunks, precision, sp, tp.")
+                                 "and zero, offload, remat, schedule, microbatches, chunks, precision, sp, tp, fp8_comm.")
         return dict(kw, mesh=parse_mesh(",".join(axes), where=f"Plan.parse({text!r})") if axes else ())
 
 

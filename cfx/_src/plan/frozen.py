@@ -39,7 +39,8 @@ from cfx._src.models.frozen import block_at, in_whole, is_placed
 from cfx._src.models.parts import hook
 from cfx._src.zero.flat import GroupLayout
 from cfx._src.zero import prefetch
-from cfx._src.zero.gathered import ShardSource, frozen_gathered
+from cfx._src.zero.gathered import frozen_gathered
+from cfx._src.zero.source import ShardSource
 
 WHERE = "a frozen tree placed as a Plan keeps its state"
 PIPE = "pipe"

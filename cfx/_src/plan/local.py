@@ -7,6 +7,7 @@ within the plan's budget, solved for each batch shape the first time the step se
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -17,18 +18,22 @@ from cfx._src.generate.sample import sample_bytes
 from cfx._src.models.parts import hook
 from cfx._src.optim.base import apply_gradients, chain
 from cfx._src.optim.clipping import clip_by_global_norm
+from cfx._src.nn.fp8_delayed import DelayedScaling, step_scope
+from cfx._src.optim.fp8_meta import find_meta, replace_meta
 from cfx._src.optim.loss_scale import loss_scale
 from cfx._src.plan.build import check_clip_outside_scaling, check_model, rank_model, scheduled
 from cfx._src.plan.protocol import TrainState
+from cfx._src.plan.strategies.float8 import delayed_of, with_meta
 from cfx._src.plan.strategy import Built
 from cfx._src.precision.amp import Policy, policy as amp_policy
 from cfx._src.transforms.autodiff import value_and_grad
 from cfx._src.transforms.shapes import eval_shape
 
 
-def train_step(model, tx, policy: Policy):
+def train_step(model, tx, policy: Policy, delayed: DelayedScaling | None = None):
     """``step(params, opt_state, batch, key) -> (params, opt_state, loss)``: the loss in the policy's
-    compute dtype (scaled for fp16), the update in fp32 master params."""
+    compute dtype (scaled for fp16), the update in fp32 master params; ``delayed``: each step in a float8
+    ``step_scope`` of the meta in ``opt_state``, its amaxes into the meta after."""
     def scaled_loss(params, batch, key, scale):
         loss = model.loss(policy.cast_to_compute(params), *batch, key=key)
         return loss * scale, loss
@@ -36,8 +41,11 @@ def train_step(model, tx, policy: Policy):
 
     def step(params, opt_state, batch, key):
         scale = loss_scale(opt_state) if policy.needs_loss_scaling else 1.0
-        (_, loss), grads = grad_fn(params, tuple(batch), key, scale)
+        with step_scope(find_meta(opt_state)) if delayed else contextlib.nullcontext() as fp8_step:
+            (_, loss), grads = grad_fn(params, tuple(batch), key, scale)
         params, opt_state = apply_gradients(tx, grads, opt_state, params)
+        if delayed is not None:
+            opt_state = replace_meta(opt_state, fp8_step.finish(delayed))
         return params, opt_state, loss
 
     return step
@@ -63,11 +71,12 @@ class LocalProgram:
         if grad_clip > 0:
             check_clip_outside_scaling(tx, eval_shape(model.init, jr.key(0)), f"Plan {str(plan)!r}")
             tx = chain(clip_by_global_norm(grad_clip), tx)
+        self.policy, self._delayed = amp_policy(plan.precision), delayed_of(plan)
+        tx = with_meta(plan, model, tx)
         self.plan, self.model, self.tx = plan, model, tx
-        self.policy = amp_policy(plan.precision)
         self._steps: dict[tuple, Any] = {}  # remat=auto: a schedule and its step per batch shape
         self._remat_plan = None
-        self._step = None if plan.remat == "auto" else train_step(rank_model(plan, model), tx, self.policy)
+        self._step = None if plan.remat == "auto" else train_step(rank_model(plan, model), tx, self.policy, self._delayed)
         self._eval_model = rank_model(plan, model, blocks=False)  # (a float8 plan's blocks evaluate in float8)
 
     @property
@@ -109,13 +118,14 @@ class LocalProgram:
         shape = tuple(tuple(x.shape) for x in batch)
         if shape not in self._steps:  # the Remat strategy's solve, as a Plan's program asks it
             built = scheduled(self.plan, Built(self.plan, self.model, None, None), batch[0], key)
-            self._steps[shape] = built.schedule, train_step(built.local, self.tx, self.policy)
+            self._steps[shape] = built.schedule, train_step(built.local, self.tx, self.policy, self._delayed)
         self._remat_plan, step = self._steps[shape]
         return step
 
     def loss(self, state: TrainState, *batch: torch.Tensor) -> float:
         """The model's loss on ``batch``, without dropout."""
-        return evaluate(self._eval_model, state.params, self.policy, [self._checked(batch)])
+        with step_scope(find_meta(state.opt_state)) if self._delayed else contextlib.nullcontext():
+            return evaluate(self._eval_model, state.params, self.policy, [self._checked(batch)])
 
     def params(self, state: TrainState) -> Any:
         return state.params

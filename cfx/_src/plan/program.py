@@ -20,13 +20,16 @@ With ``jit`` each rank runs its step as one compiled graph (``cfx.jit(shard_map(
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from typing import Any
 
 import torch
 
 from cfx._src.core import donation, tree as tree_util
 from cfx._src.lax import collectives as lax, vma
+from cfx._src.mesh.spec import P
 from cfx._src.models.parts import hook
 from cfx._src.optim import base as optim
 from cfx._src.optim.loss_scale import loss_scale
@@ -35,7 +38,11 @@ from cfx._src.plan.layout import Layout, put_tree
 from cfx._src.plan.protocol import TrainState
 from cfx._src.plan.sampling import sample
 from cfx._src.plan.saving import StateFiles
+from cfx._src.nn.fp8_delayed import Fp8Meta, step_scope
+from cfx._src.optim.fp8_meta import find_meta, replace_meta
+from cfx._src.plan.strategies.float8 import delayed_of, with_meta
 from cfx._src.precision import amp
+from cfx._src.spmd.shard_map import shard_map
 
 
 class Program:
@@ -51,6 +58,8 @@ class Program:
         model = built.model
         self.layout = built.layout = Layout(plan, model, mesh, build.strategies())
         self.policy = amp.policy(plan.precision)
+        self._delayed = delayed_of(plan)  # fp8:delayed: its meta in the optimizer's state, each step scoped
+        tx = with_meta(plan, model, tx)
         built.local = build.rank_model(plan, model)
         self.eval_model = build.rank_model(plan, model, blocks=False)  # what a rank evaluates (no remat)
         self.opt, self.state_specs = build.make_optimizer(plan, tx, built, grad_clip=grad_clip)
@@ -59,7 +68,9 @@ class Program:
         self._jit, self._steps, self._last = jit, {}, None
         self._eval_run = build.make_runner(plan, built)  # also: offload's budget checked on shapes now
         self._specs = TrainState(self.layout.specs, self.state_specs)
-        self._loss = build.sharded_loss(self._eval_loss, self.layout)
+        self._loss = build.sharded_loss(self._eval_loss, self.layout) if self._delayed is None else shard_map(
+            self._eval_scaled, mesh=mesh, in_specs=(self.layout.specs, find_meta(self.state_specs),
+                                                    self.layout.batch_spec), out_specs=P())
 
     # -- state ---------------------------------------------------------------------------------
     def init(self, key: torch.Tensor) -> TrainState:
@@ -159,7 +170,9 @@ class Program:
         local = layout.local_view(state.params)
         build.watch(state.params, "param", home)  # booked while a cfx.memory tracker is active
         build.watch(state.opt_state, "optim", home)
-        loss, grads = run.grads(build.batch_varying(local, plan), batch, key, scale, self.policy.cast_to_compute)
+        rows = math.prod(plan.size(a) for a in plan.batch_axes)  # (a rank's gradients are rows x one device's)
+        with step_scope(find_meta(state.opt_state), rows) if self._delayed else contextlib.nullcontext() as fp8_step:
+            loss, grads = run.grads(build.batch_varying(local, plan), batch, key, scale, self.policy.cast_to_compute)
         grads = tree_util.map(lambda g, p: g.to(p.dtype), grads, local)
         for s in build.strategies():
             grads = s.reduce(plan, grads, built)
@@ -171,6 +184,8 @@ class Program:
             grads = layout.stack_local(grads)
         with donation.donated(tree_util.leaves(grads)), build.norms_over_ranks(plan, layout):  # spent grads: reusable
             new, opt_state = optim.apply_gradients(self.opt, grads, state.opt_state, on)
+        if self._delayed is not None:  # the step's amaxes over every rank, into the history (TE's rule)
+            opt_state = replace_meta(opt_state, fp8_step.finish(self._delayed, tuple(layout.mesh.axis_names)))
         out = TrainState(layout.stack_local(new) if on is local else new, opt_state)
         return (build.typed_as_stored(out, self._specs, layout.mesh) if vma.is_tracking() else out), loss
 
@@ -179,10 +194,17 @@ class Program:
         loss = self._eval_run.loss(self.policy.cast_to_compute(self.layout.local_view(params)), batch)
         return lax.pmean(loss, self.plan.batch_axes) if self.plan.batch_axes else loss
 
+    def _eval_scaled(self, params, meta: Fp8Meta, batch):
+        with step_scope(meta):  # fp8:delayed: the scales the next step would take
+            return self._eval_loss(params, batch)
+
     def loss(self, state: TrainState, *batch: torch.Tensor) -> float:
         """The model's loss on a global batch (``tokens, targets``, or a ``check_train_batch`` model's;
         split over ``data``), without dropout."""
-        return float(self._loss(state.params, build.arrange_batch(self.plan, self.model, batch)))
+        batch = build.arrange_batch(self.plan, self.model, batch)
+        if self._delayed is not None:
+            return float(self._loss(state.params, find_meta(state.opt_state), batch))
+        return float(self._loss(state.params, batch))
 
     def sample(self, state: TrainState, prompt: bytes, *, steps: int, key: torch.Tensor, context: int) -> bytes:
         """Text from the model on every rank (the same key: the same text; ``sampling.py``)."""

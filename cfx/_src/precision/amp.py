@@ -55,12 +55,18 @@ class Policy:
     compute_dtype: torch.dtype = torch.float32
     output_dtype: torch.dtype = torch.float32
     fp8: str | None = None  # the float8 recipe the blocks' Linears run by (``cfx.amp.float8``), or None
+    fp8_scaling: str = "dynamic"  # each cast's own amax, or "delayed": Transformer Engine's history
 
     def __post_init__(self):
         for f in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, f, dtype_of(getattr(self, f)))
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ValueError(f"cfx.amp fp8: unknown recipe {self.fp8!r}; use one of {', '.join(FP8_RECIPES)}.")
+        if self.fp8_scaling not in ("dynamic", "delayed"):
+            raise ValueError(f"cfx.amp fp8: scaling={self.fp8_scaling!r}; use 'dynamic' or 'delayed'.")
+        if self.fp8_scaling == "delayed" and self.fp8 != "tensorwise":
+            raise ValueError(f"cfx.amp fp8: delayed scaling scales each tensor whole (Transformer Engine's); recipe "
+                             f"{self.fp8!r} scales rows. Use fp8:delayed (tensorwise), or dynamic scaling.")
 
     @classmethod
     def from_string(cls, spec: str) -> "Policy":
@@ -94,14 +100,18 @@ class Policy:
         return _cast_tree(tree, self.output_dtype)
 
 
-def policy(name: str, *, recipe: str | None = None) -> Policy:
+def policy(name: str, *, recipe: str | None = None, scaling: str | None = None) -> Policy:
     """Presets: ``fp32``, ``bf16`` and ``fp16`` (fp32 master params, half compute, fp32 outputs); ``fp8``
     (or ``fp8:RECIPE``): bf16's, naming the recipe by which ``cfx.amp.float8`` runs the Linear matmuls of
     every transformer block but the first in float8 -- ``tensorwise`` (the default), ``rowwise`` or
-    ``rowwise_gw_hp`` (``cfx._src.nn.fp8``)."""
+    ``rowwise_gw_hp`` (``cfx._src.nn.fp8``) -- with each cast's own amax, or ``fp8:delayed`` (or
+    ``scaling="delayed"``): tensorwise, scaled from earlier steps' amaxes (``cfx._src.nn.fp8_delayed``)."""
     name = name.lower()
     if name == "fp8" or name.startswith("fp8:"):
-        return Policy(compute_dtype=torch.bfloat16, fp8=recipe or name.partition(":")[2] or "tensorwise")
+        tail = name.partition(":")[2]
+        if tail == "delayed":
+            tail, scaling = "", scaling or "delayed"
+        return Policy(compute_dtype=torch.bfloat16, fp8=recipe or tail or "tensorwise", fp8_scaling=scaling or "dynamic")
     if name in ("fp32", "float32", "full"):
         return Policy()
     if name in ("bf16", "bfloat16"):

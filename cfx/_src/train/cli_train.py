@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from cfx._src.core.runtime import keep_host_memory
 from cfx._src.core.cli import command_parser, parse, run_command
 from cfx._src.models.families import trained
+from cfx._src.plan.config import PRECISIONS
 from cfx._src.train.config import TrainConfig, check_flags
 from cfx._src.train.loop import train
 
@@ -34,8 +35,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global-norm clip; 0 disables")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_gw_hp"],
-                   default=d.precision, help="fp8[:recipe]: bf16 with the blocks' Linear matmuls in float8 (but the first block's)")
+    p.add_argument("--precision", choices=list(PRECISIONS), default=d.precision,
+                   help="fp8[:recipe]: bf16 with the blocks' Linear matmuls in float8 (but the first block's); "
+                        "fp8:delayed: tensorwise, scaled from earlier steps' amaxes (Transformer Engine's)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--data", default=d.data, help="a text file (default: the Python stdlib's source text)")
     p.add_argument("--eval-every", type=int, default=d.eval_every)

@@ -42,15 +42,15 @@ from typing import Any
 
 import torch
 
-from cfx._src.mesh import memory
 from cfx._src.core import tree as tree_util
 from cfx._src.lax import collectives as lax
-from cfx._src.lax import comm, groups
 from cfx._src.mesh.context import in_backward
 from cfx._src.zero.regather import RegatherHooks
 from cfx._src.zero import prefetch
 from cfx._src.zero.flat import GroupLayout, concat_flat
 from cfx._src.zero.params import ShardedLeaf, ZeroParams
+from cfx._src.zero.fp8_gather import Float8Source, GatherFp8Fn, over_axes
+from cfx._src.zero.source import GatherFn, ShardSource
 
 
 @contextlib.contextmanager
@@ -62,106 +62,6 @@ def grads_captured():
     are prefetched in forward and in backward (``prefetch.py``)."""
     with prefetch.step_scope():
         yield
-
-
-class ShardSource:
-    """Where a gathered group's shard comes from. This one: the pieces in the params tree."""
-
-    def __init__(self, layout: GroupLayout, axis: str, pieces: list[torch.Tensor], dtype: torch.dtype):
-        self.layout, self.axis, self.pieces, self.dtype = layout, axis, pieces, dtype
-        self.regathered: torch.Tensor | None = None
-        self.deferred = False  # its gradient's reduce-scatter may finish at the end of backward
-        self.before: ShardSource | None = None  # gathered just before this one in forward (prefetched after it in backward)
-        self._started: tuple | None = None      # a gather started ahead: (rows, done, order)
-        self.prefetch = False                    # may its gathers start ahead (Gathered.prefetch)
-        self.saved = 0                           # saved tensors of its buffer backward has yet to unpack
-
-    def inputs(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.pieces)
-
-    def shard(self, *, backward: bool) -> torch.Tensor:
-        del backward
-        return torch.cat([p.detach() for p in self.pieces])
-
-    def deliver(self, grad: torch.Tensor) -> tuple:
-        return tuple(grad.split(self.layout.pieces))
-
-    def after_forward(self) -> None:
-        pass
-
-    def gather(self, *, backward: bool) -> torch.Tensor:
-        """The padded leaf-major buffer (n * S,) of the group, all-gathered now (or, prefetched,
-        finished now)."""
-        started, self._started = self._started, None
-        if self.layout.n == 1 and started is None:  # one rank: the shard is the buffer, nothing to copy
-            shard = self.shard(backward=backward).detach()
-            groups.axes((self.axis,), "cfx.zero.gathered").record("all_gather", shard)
-            self.after_gather(backward=backward)
-            if shard._base is None:  # a view of a chunk copy is booked as the chunk already
-                memory.watch(shard, tier="device", kind="gathered")
-            return shard
-        rows, done, order = started if started is not None else self._start(backward=backward)
-        done()
-        if order is not None:
-            rows = rows[order]  # (n, S): the n shards, in requested order
-        self.after_gather(backward=backward)
-        with memory.ops_unwatched():  # booked as "gathered", not as an op output
-            # one rank: the row is already the leaf-major buffer (no second gathered-size copy)
-            full = rows.reshape(-1) if self.layout.n == 1 else self.layout.full_from_rows(rows)
-        memory.watch(full, tier="device", kind="gathered")
-        return full
-
-    def _start(self, *, backward: bool) -> tuple:
-        return prefetch.start(self.shard(backward=backward), self.axis)
-
-    def after_gather(self, *, backward: bool) -> None:
-        pass
-
-    def get_regathered(self) -> torch.Tensor:
-        if self.regathered is None:
-            self.regathered = self.gather(backward=True)
-            prev = self.before
-            if prev is not None and prev.prefetch and prev.regathered is None and prev._started is None:
-                prev._started = prev._start(backward=True)  # backward needs it next: in flight meanwhile
-        return self.regathered
-
-
-class _GatherFn(torch.autograd.Function):
-    """Forward: the leaves, as views of one gathered buffer. Backward: their gradients packed
-    into rows (n, S) and reduce-scattered (each leaf's gradient arrives alone: no buffer of the
-    gathered size per leaf, as slicing one differentiable buffer would allocate)."""
-
-    @staticmethod
-    def forward(ctx, src, *inputs):
-        ctx.src = src
-        ctx.set_materialize_grads(False)
-        return tuple(src.layout.leaves_of_full(src.gather(backward=False)))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        src = ctx.src
-        src.regathered = None  # every use of the params in backward is done
-        if src._started is not None:  # prefetched but never used (nothing in backward read the params)
-            src._started[1]()
-            src._started = None
-        rows = src.layout.rows_from_leaves(list(grads), dtype=src.dtype)  # (n, S); None -> zeros
-        ax = groups.axes((src.axis,), "cfx.zero.gathered")
-        if ax.size == 1:  # nothing to reduce: the row is the gradient (no copy of a gathered-size buffer)
-            ax.record("reduce_scatter", rows[0])
-            return (None,) + src.deliver(rows[0])
-        if not src.deferred:  # the gradient is read at once
-            return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax).div_(ax.size))
-        # the pieces' gradients are returned by the backward (not accumulated into .grad), so
-        # they are read only once it is over: the reduce-scatter runs under the backward of the
-        # layers before this one and is waited for by a callback the autograd engine runs before
-        # backward returns (FSDP's overlap)
-        grad, done = comm.reduce_scatter_start(list(rows.unbind(0)), ax)
-
-        def mean() -> None:
-            done()
-            grad.div_(ax.size)  # the pieces delivered are views of it
-        torch.autograd.Variable._execution_engine.queue_callback(mean)
-        return (None,) + src.deliver(grad)
 
 
 @contextlib.contextmanager
@@ -273,11 +173,19 @@ class Gathered:
         items, treedef = tree_util.flatten_with_path(tree)
         children = gathered_children(self.layer)
         own = [i for i, (p, x) in enumerate(items) if isinstance(x, ShardedLeaf) and not _under(p, children)]
-        if not own:
+        fp8 = getattr(self.layer, "gathered_in_fp8", None) or {}  # (a Float8Layer's weights: fp8_gather.py)
+        cast = [i for i in own if items[i][0] in fp8]
+        own = [i for i in own if items[i][0] not in fp8]
+        if not own and not cast:
             return fn(tree, *args, **kwargs)
-        src = self._source([items[i] for i in own])
         leaves = [x for _, x in items]
+        if not own:
+            with self._float8_group(items, cast, fp8, leaves):
+                return fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
+        src = self._source([items[i] for i in own])
         if torch.compiler.is_dynamo_compiling():  # inside cfx.jit: the compiler decides what backward keeps
+            if cast:
+                raise ValueError("cfx.zero.gathered: a float8 all-gather runs eagerly; compile without it.")
             for i, view in zip(own, _gather_traced(src)):
                 leaves[i] = view
             return fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
@@ -301,16 +209,28 @@ class Gathered:
             src._started = step.take(src.pieces)
             src.before = step.order[-1] if step.order else None
             step.order.append(src)
-        views = [v.view_as(v) for v in _GatherFn.apply(src, *src.inputs())]
+        views = [v.view_as(v) for v in GatherFn.apply(src, *src.inputs())]
         if step is not None:
             step.then(src.pieces)
             step.expect(self._child_groups(items, children))
         for i, view in zip(own, views):
             leaves[i] = view
         with contextlib.nullcontext() if root else RegatherHooks(src, views[0]):
-            out = fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
+            with self._float8_group(items, cast, fp8, leaves) if cast else contextlib.nullcontext():
+                out = fn(tree_util.unflatten(treedef, leaves), *args, **kwargs)
         src.after_forward()
         return out
+
+    def _float8_group(self, items: list, cast: list[int], fp8: dict, leaves: list) -> RegatherHooks:
+        """The layer's float8 weights (``cast``, indices into ``items``) all-gathered as their e4m3 casts into
+        ``leaves`` (``fp8_gather.py``); the hooks that free and re-gather their buffer around the layer's run."""
+        own = [items[i] for i in cast]
+        plain = self._source(own)
+        src = Float8Source(plain.layout, self.axis, plain.pieces, plain.dtype, over_axes(self.axis, fp8.values()))
+        stand_ins = GatherFp8Fn.apply(src, *src.inputs())
+        for i, w, w8, scale in zip(cast, stand_ins, src.cast, src.scales):
+            leaves[i] = self.layer.gathered_weight(items[i][0], w, w8, scale)
+        return RegatherHooks(src, src.cast[0])
 
     def _child_groups(self, items: list, children: list[str]) -> list[tuple[list[torch.Tensor], str]]:
         """What the gathered children will gather, in order: each child's plain pieces and axis,
@@ -321,7 +241,9 @@ class Gathered:
             inner = _inner_gathered(sublayer_at(self.layer, prefix))
             if inner is None or not inner.prefetch or gathered_children(inner.layer):
                 break
-            own = [x for p, x in items if isinstance(x, ShardedLeaf) and _under(p, [prefix])]
+            fp8 = getattr(inner.layer, "gathered_in_fp8", None) or {}  # (gathered apart, in float8: no prefetch)
+            own = [x for p, x in items if isinstance(x, ShardedLeaf) and _under(p, [prefix])
+                   and p[len(prefix) + 1:] not in fp8]
             if not own or any(x.source is not None for x in own):
                 break
             groups.append(([x.piece for x in own], inner.axis))

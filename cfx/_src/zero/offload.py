@@ -32,7 +32,8 @@ import torch
 
 from cfx._src.gemini.policy import AutoPolicy, DevicePolicy, HostPolicy
 from cfx._src.gemini.store import NvmeStore
-from cfx._src.zero.gathered import Gathered, ShardSource, _under, gathered_children, sublayer_at
+from cfx._src.zero.gathered import Gathered, _under, gathered_children, sublayer_at
+from cfx._src.zero.source import ShardSource
 
 
 @dataclasses.dataclass(frozen=True)

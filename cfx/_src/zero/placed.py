@@ -32,7 +32,7 @@ from cfx._src.core import tree as tree_util
 from cfx._src.gemini.placer import Placer
 from cfx._src.gemini.store import DeviceStore
 from cfx._src.zero.chunking import check_budget, pack_groups
-from cfx._src.zero.gathered import ShardSource
+from cfx._src.zero.source import ShardSource
 from cfx._src.zero.offload import gather_groups
 from cfx._src.zero.params import ShardedLeaf, ZeroParams
 

@@ -9,11 +9,15 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
+
 from cfx._src.core import tree as tree_util
 from cfx._src.mesh.layout import block_shape
 from cfx._src.mesh.spec import is_spec
+from cfx._src.nn.fp8 import E4M3
 from cfx._src.parallel.state import tree_pmean
 from cfx._src.plan.on_rank import per_rank_specs
+from cfx._src.precision.amp import policy
 from cfx._src.plan.strategy import Account, Built, Strategy
 from cfx._src.transforms.shapes import ShapeDtype
 from cfx._src.zero.flat import piece_size
@@ -66,15 +70,30 @@ class Data(Strategy):
 
 def _gathered_groups(built: Built) -> list[list[ShapeDtype]]:
     """Each gathered block's leaves as one rank gathers them (its tensor-parallel shapes, padded to
-    the data axis like the gathered buffer); the model's own group where it has no blocks."""
+    the data axis like the gathered buffer; a float8 all-gather's weights in e4m3); the model's own
+    group where it has no blocks."""
     layout = built.layout
     paths = [p for p, _ in tree_util.flatten_with_path(layout.model_shapes)[0]]
     groups = gather_groups(built.local, paths)  # the root's own leaves first
     shapes = tree_util.leaves(layout.model_shapes)
     specs = tree_util.leaves(layout.model_specs, is_leaf=is_spec)
-    n = layout.n
+    n, fp8 = layout.n, _float8_leaves(built.local)
+    compute = policy(built.plan.precision).compute_dtype  # (the pieces are cast to it before the gather)
+
+    def dtype(i: int) -> torch.dtype:
+        return E4M3 if paths[i] in fp8 else compute if shapes[i].dtype.is_floating_point else shapes[i].dtype
     return [[ShapeDtype((piece_size(math.prod(block_shape(shapes[i].shape, specs[i], layout.mesh)), n) * n,),
-                        shapes[i].dtype) for i in idx] for idx in (groups[1:] or groups)]
+                        dtype(i)) for i in idx] for idx in (groups[1:] or groups)]
+
+
+def _float8_leaves(model: Any) -> set[str]:
+    """The paths (``blocks.3.attn.q.w``) of the weights ZeRO-3 gathers as their e4m3 casts (a block's
+    ``Float8Layer.gathered_in_fp8``, read through the wrappers around it)."""
+    out = set()
+    for i, block in enumerate(getattr(model, "blocks", ())):
+        out |= {f"blocks.{i}.{p}" for p in (getattr(block, "gathered_in_fp8", None) or
+                                           getattr(getattr(block, "layer", None), "gathered_in_fp8", None) or {})}
+    return out
 
 
 

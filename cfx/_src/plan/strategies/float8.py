@@ -10,7 +10,10 @@ import math
 from typing import Any
 
 from cfx._src.core import random, tree as tree_util
-from cfx._src.nn.fp8_layers import float8, linears_of
+from cfx._src.nn.fp8_delayed import DelayedScaling
+from cfx._src.nn.fp8_layers import float8, linears_of, slots_of
+from cfx._src.optim.base import chain
+from cfx._src.optim.fp8_meta import meta_state
 from cfx._src.plan.strategies.expert import Expert
 from cfx._src.plan.strategies.megatron import Megatron
 from cfx._src.plan.strategy import Strategy
@@ -18,10 +21,25 @@ from cfx._src.transforms.shapes import eval_shape
 
 
 def recipe_of(plan) -> str | None:
-    """The plan's float8 recipe (``fp8`` alone: ``tensorwise``), or None."""
+    """The plan's float8 recipe (``fp8`` alone and ``fp8:delayed``: ``tensorwise``), or None."""
     if not plan.precision.startswith("fp8"):
         return None
-    return plan.precision.partition(":")[2] or "tensorwise"
+    tail = plan.precision.partition(":")[2]
+    return "tensorwise" if tail in ("", "delayed") else tail
+
+
+def delayed_of(plan) -> DelayedScaling | None:
+    """``precision=fp8:delayed``'s scaling (Transformer Engine's defaults), else None."""
+    return DelayedScaling() if plan.precision == "fp8:delayed" else None
+
+
+def with_meta(plan, model, tx) -> Any:
+    """``tx`` with delayed scaling's meta chained in front (its state holds it; ``fp8_delayed``) where the plan
+    scales so, else ``tx``."""
+    cfg = delayed_of(plan)
+    if cfg is None or not isinstance(getattr(model, "blocks", None), tuple):
+        return tx
+    return chain(meta_state(slots_of(float8(model, scaling=cfg)), cfg), tx)
 
 
 def _rules(plan) -> dict[str, Any]:
@@ -34,14 +52,31 @@ class Float8(Strategy):
     name = "precision"
 
     def check_plan(self, plan) -> None:
+        comm = plan.fp8_comm.split("+")
+        if "all_gather" in comm and (plan.precision not in ("fp8", "fp8:tensorwise") or plan.zero != 3
+                                     or plan.offload != "none"):
+            raise ValueError(f"Plan: fp8_comm={plan.fp8_comm} all-gathers ZeRO-3's weights as the e4m3 casts the "
+                             "tensorwise recipe makes of them (each by its own amax), held on the device; use "
+                             "precision=fp8 (or fp8:tensorwise) with zero=3 and offload=none, or drop fp8_comm "
+                             f"(here: precision={plan.precision} zero={plan.zero} offload={plan.offload}).")
+        if "pipe" in comm and (recipe_of(plan) is None or not plan.has("pipe")):
+            raise ValueError(f"Plan: fp8_comm={plan.fp8_comm} sends a pipeline's activations as e4m3 casts: it "
+                             "takes a pipe axis and an fp8 precision; add them, or drop fp8_comm.")
         if recipe_of(plan) is None:
             return
         other = [f"{a}=" for a in ("row", "col", "dep", "seq", "expert") if plan.has(a)]
         other += [f"sp={plan.sp}"] if plan.sp not in ("none", None) else []
+        other += [f"offload={plan.offload} (its chunks each hold their own optimizer state)"] if (
+            delayed_of(plan) and plan.offload != "none") else []
         if other:
             raise ValueError(f"Plan: precision={plan.precision} runs the Linear matmuls in float8 under data, "
-                             f"model and pipe parallelism, ZeRO and offload, not with {', '.join(other)}; use "
-                             "precision=bf16 there, or drop them.")
+                             f"model and pipe parallelism, ZeRO and offload (fp8:delayed: not offload), not with "
+                             f"{', '.join(other)}; use precision=bf16 there, or drop them.")
+
+    def jit_refusal(self, plan) -> str | None:
+        if plan.fp8_comm != "none":
+            return "ZeRO-3's float8 all-gather runs eagerly"
+        return "fp8:delayed notes each step's amaxes outside the graph" if delayed_of(plan) else None
 
     def check(self, plan, model, where: str) -> None:
         if recipe_of(plan) is None or not isinstance(getattr(model, "blocks", None), tuple):
@@ -63,4 +98,5 @@ class Float8(Strategy):
         r = recipe_of(plan)
         if r is None or not isinstance(getattr(model, "blocks", None), tuple):
             return model
-        return float8(model, r, rules=_rules(plan), tokens=plan.batch_axes)
+        return float8(model, r, rules=_rules(plan), tokens=plan.batch_axes, scaling=delayed_of(plan),
+                      gather=plan.fp8_comm == "all_gather")

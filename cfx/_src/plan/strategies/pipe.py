@@ -76,7 +76,8 @@ class Pipe(Strategy):
         if not plan.has("pipe"):
             return inner
         sched = make_schedule(plan.schedule, plan.size("pipe"), plan.microbatches, plan.chunks)
-        return StagesRunner(pipeline(built.local, sched, local_blocks=True, chain=built.schedule))
+        return StagesRunner(pipeline(built.local, sched, local_blocks=True, chain=built.schedule,
+                                     fp8_sends="pipe" in plan.fp8_comm.split("+")))
 
 
 class StagesRunner:
