@@ -47,6 +47,18 @@ def test_the_float8_all_gather_moves_half_the_bytes_and_changes_no_bit(text):
         assert sum(r.nbytes for r in gathers) == sum(r.nbytes for r in rest) + 2 * sum(r.nbytes for r in cast)
 
 
+@pytest.mark.timeout(120)
+def test_describe_counts_the_float8_bytes_the_step_sends():
+    model = cfx.models.gpt2("tiny", n_layer=4, n_embd=64, n_head=4, vocab_size=64, n_positions=32)
+    for comm in ("none", "all_gather", "all_gather+reduce_scatter"):
+        text = f"data=2 zero=3 precision=fp8 fp8_comm={comm}"
+        described = cfx.parallel.Plan.parse(text).describe(model, cfx.optim.adamw(1e-3), batch=(8, 32))
+        assert described.collectives == _run(text, steps=1)[2].sent(), text
+    # the gathered block: the largest is the first (no float8 there), in the compute dtype (bf16): its 49,152
+    # Linear weights and 832 norms and biases whole (a piece of 24,992 from each of the 2 ranks), 2 bytes each
+    assert described.bytes["gathered block"] == 2 * 24_992 * 2
+
+
 def test_fp8_comm_is_refused_where_it_does_not_run():
     for text in ("data=2 zero=2 precision=fp8", "data=2 zero=3 precision=fp8:rowwise", "data=2 zero=3 precision=bf16",
                  "data=2 zero=3 offload=host precision=fp8", "data=2 zero=3 precision=fp8:delayed"):

@@ -319,7 +319,9 @@ class _Step(Links):
     def data_reduce(self, state: Any) -> float:
         """The gradients' reduction over ``data`` (and ZeRO's gathers): ZeRO 0 an all-reduce of the
         gradients, 1-2 a reduce-scatter and the params' all-gather (the same bytes), 3 the params gathered
-        in forward and again in backward and the gradients reduce-scattered; then over ``expert``, the
+        in forward and again in backward and the gradients reduce-scattered (cfx's in the compute dtype, with
+        ``fp8_comm=all_gather`` the float8 weights in e4m3, with ``reduce_scatter`` the gradients as e5m2 in an
+        all-to-all); then over ``expert``, the
         gradients it replicates (``expert_reduce``)."""
         if self.plan.size("data") == 1:
             return self.expert_reduce(state)
@@ -328,7 +330,7 @@ class _Step(Links):
         if self.stack["grad_reduce_bytes"] is not None:  # a peer that reduces in its own dtype (constants.STACKS)
             whole *= self.stack["grad_reduce_bytes"] / 4
         if self.plan.zero == 3:
-            out = 2 * self.collective("data", "all_gather", whole) + self.collective("data", "reduce_scatter", whole)
+            out = zero3_s(self, whole)
         elif self.plan.zero == 0:
             out = self.collective("data", "all_reduce", whole)
         else:
@@ -353,6 +355,23 @@ class _Step(Links):
             return 0.0
         n = self.state_bytes(state, "optimizer") / 8
         return self.gpu.memory_s(n * self.stack["optimizer_bytes"], kernels=4)
+
+
+def zero3_s(step: "_Step", whole: float) -> float:
+    """ZeRO-3's seconds over ``data``: the params gathered in forward and again in backward, the gradients
+    reduce-scattered, ``whole`` bytes of each (a data rank's fp32 state); cfx's moves its pieces in the compute
+    dtype -- with ``fp8_comm=all_gather`` the blocks' Linear weights but the first block's as e4m3, with
+    ``reduce_scatter`` the gradients as e5m2 in an all-to-all (a peer's stack: its own dtype, ``whole``)."""
+    gathered, comm = whole, step.plan.fp8_comm.split("+")
+    if step.stack["grad_reduce_bytes"] is None:
+        gathered = whole = whole * step.bytes / 4
+        if "all_gather" in comm:
+            sh = step.shape
+            gathered -= whole * (sh.layers - 1) * sh.layer_params() / sh.params() * (step.bytes - 1) / step.bytes
+    grads = step.collective("data", "reduce_scatter", whole)
+    if step.stack["grad_reduce_bytes"] is None and "reduce_scatter" in comm:
+        grads = step.collective("data", "all_to_all", whole / step.bytes)  # e5m2 casts, one byte each
+    return 2 * step.collective("data", "all_gather", gathered) + grads
 
 
 def offload_s(step: "_Step", state: Any) -> float:

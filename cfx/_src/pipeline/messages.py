@@ -32,7 +32,7 @@ def packed(t: torch.Tensor) -> torch.Tensor:
 
 def unpacked(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """What ``packed`` sent: the cast divided by its scale, in ``dtype``."""
-    return (buf[:-4].view(E4M3).reshape(shape).float() / buf[-4:].view(torch.float32)).to(dtype)
+    return (buf[:-4].view(E4M3).reshape(shape).float() / buf[-4:].clone().view(torch.float32)).to(dtype)
 
 
 class Messages:

@@ -32,7 +32,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "host", "nvme", "auto")
 REMATS = ("none", "blocks", "dots", "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-FP8_COMMS = ("none", "all_gather", "pipe", "all_gather+pipe")
+FP8_COMMS = ("all_gather", "reduce_scatter", "pipe")  # fp8_comm's parts, joined by "+" (or "none")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_gw_hp", "fp8:delayed")
 SEQUENCE_METHODS = ("none", "ring", "ulysses", "megatron")
 
@@ -77,7 +77,8 @@ class PlanConfig:
     sp: str | None = None                      # sequence parallelism; None: ring with a seq axis, else none
     tp: str | None = None                      # 2d | 2.5d | 3d: grid tensor parallelism over row, col (, dep)
     fp8_comm: str = "none"                     # all_gather: ZeRO-3 gathers float8 weights as their e4m3 casts;
-                                               # pipe: stages send activations so; both: all_gather+pipe
+                                               # reduce_scatter: its gradients go as e5m2 (an all-to-all);
+                                               # pipe: stages send activations as e4m3; several: joined by +
 
     def __post_init__(self):
         mesh = self.mesh
@@ -90,6 +91,10 @@ class PlanConfig:
                 object.__setattr__(self, name, parse_bytes(v))
         if self.sp is None:
             object.__setattr__(self, "sp", self.default_sp)
+        if self.fp8_comm != "none":  # one spelling per set of parts
+            parts = self.fp8_comm.split("+")
+            object.__setattr__(self, "fp8_comm", "+".join(sorted(parts, key=lambda p: (
+                FP8_COMMS.index(p) if p in FP8_COMMS else len(FP8_COMMS), p))))
         if self.schedule == "interleaved" and self.chunks == 1:
             object.__setattr__(self, "chunks", 2)
         self._check()
@@ -146,7 +151,10 @@ class PlanConfig:
         _one_of("remat", self.remat, REMATS)
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("precision", self.precision, PRECISIONS)
-        _one_of("fp8_comm", self.fp8_comm, FP8_COMMS)
+        parts = self.fp8_comm.split("+")
+        if self.fp8_comm != "none" and (not set(parts) <= set(FP8_COMMS) or len(set(parts)) != len(parts)):
+            raise ValueError(f"Plan: fp8_comm={self.fp8_comm!r}; use none, or one or more of {', '.join(FP8_COMMS)} "
+                             "joined by + (e.g. all_gather+reduce_scatter).")
         for name in ("microbatches", "chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -35,6 +35,10 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global-norm clip; 0 disables")
+    p.add_argument("--fp8-comm", default=d.fp8_comm, metavar="PARTS",
+                   help="with an fp8 --precision: all_gather (ZeRO-3's float8 weights gathered as e4m3), "
+                        "reduce_scatter (ZeRO-3's gradients as e5m2), pipe (stages' activations as e4m3), joined "
+                        "by +; none: off")
     p.add_argument("--precision", choices=list(PRECISIONS), default=d.precision,
                    help="fp8[:recipe]: bf16 with the blocks' Linear matmuls in float8 (but the first block's); "
                         "fp8:delayed: tensorwise, scaled from earlier steps' amaxes (Transformer Engine's)")

@@ -50,6 +50,7 @@ class TrainConfig:
     chunks: int = 2                # virtual stages per rank for --schedule interleaved
     sp: str | None = None          # ring | ulysses over a seq axis, megatron over model (None: ring with seq)
     tp: str | None = None          # 2d | 2.5d | 3d: grid tensor parallelism over the mesh's row, col (, dep) axes
+    fp8_comm: str = "none"         # all_gather, reduce_scatter, pipe (joined by +): float8 communication
     auto: bool = False             # search the plan over --mesh with cfx.autoshard
     auto_budget: str | None = None # memory per rank for --auto's search (params, grads, moments, activations)
     verbose: bool = False          # --auto: print every param's spec and the collectives too
@@ -188,4 +189,4 @@ def plan_of(cfg: TrainConfig) -> Plan:
     return Plan(mesh=mesh, zero=cfg.zero, offload=cfg.offload,
                 offload_budget=cfg.offload_budget if cfg.offload == "auto" else None, remat=cfg.remat,
                 remat_budget=cfg.remat_budget if cfg.remat == "auto" else None, precision=cfg.precision,
-                sp=cfg.sp, tp=cfg.tp, **pipe)
+                sp=cfg.sp, tp=cfg.tp, fp8_comm=cfg.fp8_comm, **pipe)

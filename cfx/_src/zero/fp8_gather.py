@@ -7,6 +7,8 @@ the tensorwise recipe makes of the gathered weight: the same scale, the same flo
 buffer half the size. The Linear takes the cast as it comes (``fp8.Float8Gathered``); a stand-in of the weight's
 shape takes its gradient, which the gather's backward reduce-scatters as ever (``_GatherFn``'s). Backward's
 input gradient re-gathers the float8 buffer (``RegatherHooks``), casting the same pieces the same way again.
+
+The gradients' reduce-scatter in e5m2 is ``fp8_reduce.py``'s.
 """
 from __future__ import annotations
 
@@ -59,3 +61,4 @@ def over_axes(axis: str, splits) -> tuple[str, ...]:
     for s in splits:
         out += [a for a in s.k + s.n if a not in out]
     return tuple(out)
+

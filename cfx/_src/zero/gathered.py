@@ -137,6 +137,7 @@ class Gathered:
     layer: Any
     axis: str = "data"
     prefetch: bool = True
+    fp8_grads: bool = False  # its gradients reduce-scattered as e5m2 casts (``fp8_reduce.py``)
 
     def init(self, key: torch.Tensor) -> Any:
         return self.layer.init(key)
@@ -227,6 +228,7 @@ class Gathered:
         own = [items[i] for i in cast]
         plain = self._source(own)
         src = Float8Source(plain.layout, self.axis, plain.pieces, plain.dtype, over_axes(self.axis, fp8.values()))
+        src.fp8_grads = self.fp8_grads
         stand_ins = GatherFp8Fn.apply(src, *src.inputs())
         for i, w, w8, scale in zip(cast, stand_ins, src.cast, src.scales):
             leaves[i] = self.layer.gathered_weight(items[i][0], w, w8, scale)
@@ -264,7 +266,9 @@ class Gathered:
                                  f"(piece of {x.piece.numel()} elements) but axis {self.axis!r} has {n} "
                                  f"ranks here (pieces of {k}); re-shard with cfx.zero.shard_params on "
                                  "this mesh.")
-        return ShardSource(layout, self.axis, [x.piece for _, x in own], own[0][1].piece.dtype)
+        src = ShardSource(layout, self.axis, [x.piece for _, x in own], own[0][1].piece.dtype)
+        src.fp8_grads = self.fp8_grads
+        return src
 
 
 def _gather_traced(src: ShardSource) -> list[torch.Tensor]:
@@ -294,11 +298,12 @@ class _MeanGrad(torch.autograd.Function):
         return g / ctx.n, None
 
 
-def gathered(layer: Any, *, axis: str = "data", prefetch: bool = True) -> Gathered:
+def gathered(layer: Any, *, axis: str = "data", prefetch: bool = True, fp8_grads: bool = False) -> Gathered:
     """``layer`` as a ZeRO-3 layer over mesh axis ``axis`` (see the module doc). ``prefetch``:
     inside ``ztx.value_and_grad`` its gathers may start while the layer before it (forward) or
-    after it (backward) computes, holding one more layer gathered (``prefetch.py``)."""
+    after it (backward) computes, holding one more layer gathered (``prefetch.py``). ``fp8_grads``:
+    its gradients reduce-scattered as e5m2 casts, an all-to-all summed in fp32 (``fp8_reduce.py``; lossy)."""
     if not all(callable(getattr(layer, a, None)) for a in ("init", "apply", "axes")):
         raise ValueError(f"cfx.zero.gathered: {type(layer).__name__} is not a layer (needs init, apply "
                          "and axes); wrap a block or a model.")
-    return Gathered(layer, axis, bool(prefetch))
+    return Gathered(layer, axis, bool(prefetch), bool(fp8_grads))

@@ -9,6 +9,7 @@ from cfx._src.lax import comm, groups
 from cfx._src.mesh import memory
 from cfx._src.zero import prefetch
 from cfx._src.zero.flat import GroupLayout
+from cfx._src.zero.fp8_reduce import reduce_scatter_fp8
 
 
 class ShardSource:
@@ -22,6 +23,7 @@ class ShardSource:
         self._started: tuple | None = None      # a gather started ahead: (rows, done, order)
         self.prefetch = False                    # may its gathers start ahead (Gathered.prefetch)
         self.saved = 0                           # saved tensors of its buffer backward has yet to unpack
+        self.fp8_grads = False                   # its gradient reduce-scattered as e5m2 casts (fp8_reduce.py)
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.pieces)
@@ -96,6 +98,8 @@ class GatherFn(torch.autograd.Function):
         if ax.size == 1:  # nothing to reduce: the row is the gradient (no copy of a gathered-size buffer)
             ax.record("reduce_scatter", rows[0])
             return (None,) + src.deliver(rows[0])
+        if src.fp8_grads:  # cast to e5m2 and moved by an all-to-all, summed in fp32 (fp8_reduce.py)
+            return (None,) + src.deliver(reduce_scatter_fp8(rows, ax).div_(ax.size))
         if not src.deferred:  # the gradient is read at once
             return (None,) + src.deliver(comm.reduce_scatter_blocks(list(rows.unbind(0)), ax).div_(ax.size))
         # the pieces' gradients are returned by the backward (not accumulated into .grad), so

@@ -39,10 +39,10 @@ class Data(Strategy):
         return dataclasses.replace(placer, axis="data") if plan.zero == 3 and plan.has("data") else placer
 
     def wrap_block(self, plan, block) -> Any:
-        return gathered(block, axis="data") if plan.zero == 3 else block
+        return gathered(block, axis="data", fp8_grads=_fp8_grads(plan)) if plan.zero == 3 else block
 
     def wrap_root(self, plan, model) -> Any:
-        return gathered(model, axis="data") if plan.zero == 3 else model
+        return gathered(model, axis="data", fp8_grads=_fp8_grads(plan)) if plan.zero == 3 else model
 
     def reduce(self, plan, grads: Any, built: Built) -> Any:
         """``zero=0``: the gradients averaged over ``data`` in one flat all-reduce (ZeRO reduces its own)."""
@@ -66,6 +66,11 @@ class Data(Strategy):
         """ZeRO-3: the largest block one rank gathers at once (its tensor-parallel leaves, padded)."""
         if plan.zero == 3:
             acc.add("gathered block", max(tree_util.nbytes(g) for g in _gathered_groups(built)))
+
+
+def _fp8_grads(plan) -> bool:
+    """``fp8_comm=reduce_scatter``: ZeRO-3's gradients reduce-scattered as e5m2 casts."""
+    return "reduce_scatter" in plan.fp8_comm.split("+")
 
 
 def _gathered_groups(built: Built) -> list[list[ShapeDtype]]:

@@ -59,6 +59,10 @@ class Float8(Strategy):
                              "tensorwise recipe makes of them (each by its own amax), held on the device; use "
                              "precision=fp8 (or fp8:tensorwise) with zero=3 and offload=none, or drop fp8_comm "
                              f"(here: precision={plan.precision} zero={plan.zero} offload={plan.offload}).")
+        if "reduce_scatter" in comm and (recipe_of(plan) is None or plan.zero != 3 or plan.offload != "none"):
+            raise ValueError(f"Plan: fp8_comm={plan.fp8_comm} reduce-scatters ZeRO-3's gradients in e5m2 (an "
+                             "all-to-all of the casts, summed in fp32): it takes an fp8 precision, zero=3 and "
+                             "offload=none; use them, or drop fp8_comm.")
         if "pipe" in comm and (recipe_of(plan) is None or not plan.has("pipe")):
             raise ValueError(f"Plan: fp8_comm={plan.fp8_comm} sends a pipeline's activations as e4m3 casts: it "
                              "takes a pipe axis and an fp8 precision; add them, or drop fp8_comm.")
@@ -99,4 +103,4 @@ class Float8(Strategy):
         if r is None or not isinstance(getattr(model, "blocks", None), tuple):
             return model
         return float8(model, r, rules=_rules(plan), tokens=plan.batch_axes, scaling=delayed_of(plan),
-                      gather=plan.fp8_comm == "all_gather")
+                      gather="all_gather" in plan.fp8_comm.split("+"))
