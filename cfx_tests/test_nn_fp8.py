@@ -117,6 +117,8 @@ def test_float8_converts_the_blocks_linears_but_the_first_and_trains():
     assert marked["attn"]["q"]["w"].w.dtype == torch.bfloat16  # scaled from the compute copy, as under FSDP2
     # the same params and init; a dim that is not a multiple of 16 stays in the compute dtype
     torch.testing.assert_close(f8.init(cfx.random.key(0)), params)
+    mlp_only = cfx.amp.float8(model, where=lambda i, path: path.startswith("mlp."))  # a filter of one's own
+    assert [{p for p, _ in b.linears} for b in mlp_only.blocks] == [{"mlp.fc.w", "mlp.proj.w"}] * 3
     odd = cfx.models.gpt2("tiny", n_layer=2, n_embd=40, n_head=4, vocab_size=64, n_positions=32)
     assert not any(isinstance(b, cfx.amp.Float8Layer) for b in cfx.amp.float8(odd).blocks)
     # x @ w runs the same float8 product as the Linear

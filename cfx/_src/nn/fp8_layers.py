@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -95,9 +95,17 @@ def linears_of(layer: Any, rules: Mapping[str, Any] | None = None, tokens: tuple
     return tuple(out)
 
 
+def first_block_stays(index: int, path: str) -> bool:
+    """torchtitan's rule: every block's Linears but the first block's (the embeddings and head are no blocks)."""
+    return index > 0
+
+
 def float8(model: Any, recipe: str = "tensorwise", *, rules: Mapping[str, Any] | None = None,
-           tokens: tuple[str, ...] = (), scaling: DelayedScaling | None = None, gather: bool = False) -> Any:
-    """``model`` with every block but the first a ``Float8Layer`` by ``recipe`` (module doc); ``rules`` and
+           tokens: tuple[str, ...] = (), scaling: DelayedScaling | None = None, gather: bool = False,
+           where: Callable[[int, str], bool] = first_block_stays) -> Any:
+    """``model`` with its blocks' Linears run in float8 by ``recipe``, each block with one a ``Float8Layer`` (module
+    doc): those ``where(block index, path in the block)`` picks (default: all but the first block's), of the ones
+    the float8 GEMM takes (``fp8.takes``: dims multiples of 16). ``rules`` and
     ``tokens``: how a mesh splits the weights and the batch (a Plan passes its own). ``scaling``: delayed scaling
     (``fp8_delayed``; per tensor, so ``recipe`` tensorwise), each Linear given three slots in block order --
     ``slots_of(model)`` in all, the meta's size. ``gather``: ZeRO-3 all-gathers the Linears' weights in float8
@@ -116,8 +124,9 @@ def float8(model: Any, recipe: str = "tensorwise", *, rules: Mapping[str, Any] |
     index, slot = itertools.count(), itertools.count(0, 3)
 
     def convert(block: Any) -> Any:
-        linears = linears_of(block, rules, tokens)
-        if next(index) == 0 or not linears:
+        i = next(index)
+        linears = tuple((p, s) for p, s in linears_of(block, rules, tokens) if where(i, p))
+        if not linears:
             return block
         slots = None if scaling is None else tuple(next(slot) for _ in linears)
         return Float8Layer(block, recipe, linears, slots, gather)

@@ -59,6 +59,7 @@ class Program:
         self.layout = built.layout = Layout(plan, model, mesh, build.strategies())
         self.policy = amp.policy(plan.precision)
         self._delayed = delayed_of(plan)  # fp8:delayed: its meta in the optimizer's state, each step scoped
+        self._rows = math.prod([plan.size(a) for a in plan.batch_axes])  # (a rank's gradients: rows x one device's)
         tx = with_meta(plan, model, tx)
         built.local = build.rank_model(plan, model)
         self.eval_model = build.rank_model(plan, model, blocks=False)  # what a rank evaluates (no remat)
@@ -170,8 +171,7 @@ class Program:
         local = layout.local_view(state.params)
         build.watch(state.params, "param", home)  # booked while a cfx.memory tracker is active
         build.watch(state.opt_state, "optim", home)
-        rows = math.prod(plan.size(a) for a in plan.batch_axes)  # (a rank's gradients are rows x one device's)
-        with step_scope(find_meta(state.opt_state), rows) if self._delayed else contextlib.nullcontext() as fp8_step:
+        with step_scope(find_meta(state.opt_state), self._rows) if self._delayed else contextlib.nullcontext() as fp8_step:
             loss, grads = run.grads(build.batch_varying(local, plan), batch, key, scale, self.policy.cast_to_compute)
         grads = tree_util.map(lambda g, p: g.to(p.dtype), grads, local)
         for s in build.strategies():
