@@ -38,7 +38,7 @@ def test_gpu_all_without_cuda_skips_every_section():
 
 @pytest.mark.timeout(120)
 def test_gpu_all_smoke_runs_the_cpu_halves_and_names_its_sections(monkeypatch, tmp_path):
-    """The sections written for the device (LoRA against peft, the serving engine on the device; ZeRO-3's
+    """The sections written for the device (LoRA against peft, the serving engine on the device, float8; ZeRO-3's
     steps that the NCCL row runs, here on a local mesh of one) run their CPU halves at toy sizes without a
     failed row; a section name that does not exist is a ValueError, not a run of nothing."""
     import json
@@ -46,12 +46,13 @@ def test_gpu_all_smoke_runs_the_cpu_halves_and_names_its_sections(monkeypatch, t
 
     import cfx
     from cfx.bench import gpu_all, zero
-    monkeypatch.setenv("CFX_GPU_ONLY", "lora vs peft, serve")
+    monkeypatch.setenv("CFX_GPU_ONLY", "lora vs peft, serve, fp8")
     gpu_all.run_all(smoke=True, json_path=str(tmp_path / "all.json"))
     rows = json.loads((tmp_path / "all.json").read_text())["rows"]
     assert not [r for r in rows if r["unit"] == "error"], rows
     names = [r["metric"].split(" (")[0] for r in rows]
     assert "lora_step_vs_peft_gpu" in names and any(n.startswith("serve_throughput_gpu reference") for n in names)
+    assert {"fp8_vs_bf16_step_gpu", "fp8_matmul_tflops_gpu"} <= set(names)
     with cfx.Mesh({"data": 1}) as mesh:
         got = zero._zero3_steps(mesh, zero.SIZES["smoke"][0], "cpu")
     assert got["collectives"] > 0 and all(math.isfinite(x) for x in got["losses"] + got["params"])

@@ -12,17 +12,20 @@ A recipe's row is ok when the mean of its three final losses is within twice bf1
 seeds (the largest minus the smallest final loss) of bf16's mean: float8 changes the loss no more than
 the seed does. The loss curves (every step's train loss) go beside the JSON (``X.curves.json``) for the notebook's plot.
 On the CPU the float8 GEMMs run through ``torch._scaled_mm``'s reference kernels: the seconds are printed,
-and are no measure of float8's speed (that is the GPU issue's ``fp8_vs_bf16_step_gpu``).
+and are no measure of float8's speed: that is ``gpu_rows``' (``fp8_vs_bf16_step_gpu`` and the float8 matmul's
+TFLOP/s), measured in ``python -m cfx.bench gpu --all``'s "fp8" section.
 """
 from __future__ import annotations
 
 import json
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 
 import cfx
+from cfx._src.nn.fp8 import E4M3, scale_of, to_fp8
 from cfx._src.train.data import run_keys, sample_batch, stdlib_corpus, train_val_split
 from cfx.bench.common import Row, report, size_of
 
@@ -83,3 +86,73 @@ def run(quick: bool = False, smoke: bool = False, json_path: str | None = None) 
 def curves_path(json_path: str) -> str:
     """Where ``run`` writes every run's loss curve and final loss: ``X.json`` -> ``X.curves.json``."""
     return json_path[:-5] + ".curves.json" if json_path.endswith(".json") else json_path + ".curves.json"
+
+
+# -- the rows of the GPU run (``python -m cfx.bench gpu --all``'s "fp8" section) --------------------------------
+def _timed(fn: Callable[[], Any], device: str, reps: int) -> float:
+    """Median seconds of ``fn`` after a warm-up (synchronised on CUDA)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_rows(device: str, *, smoke: bool = False) -> list[Row]:
+    """``torch._scaled_mm`` on e4m3 operands with tensor-wise scales (what the tensorwise recipe's output GEMM
+    runs) at 4096 x 8192 x 16384, in TFLOP/s, beside bf16's ``a @ b``."""
+    M, K, N = (64, 64, 64) if smoke else (4096, 8192, 16384)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(K, N, device=device, dtype=torch.bfloat16, generator=g)
+    sa, sb = scale_of(a, E4M3), scale_of(b, E4M3)
+    a8, b8 = to_fp8(a, E4M3, sa), to_fp8(b, E4M3, sb).t().contiguous().t()
+    ia, ib = sa.reciprocal(), sb.reciprocal()
+    reps = 3 if smoke else 20
+    fp8_s = _timed(lambda: torch._scaled_mm(a8, b8, scale_a=ia, scale_b=ib, out_dtype=torch.bfloat16), device, reps)
+    bf16_s = _timed(lambda: a @ b, device, reps)
+    tag = "" if device == "cuda" else " [cpu smoke]"
+    flops = 2 * M * K * N
+    return [Row(f"fp8_matmul_tflops_gpu ({M} x {K} x {N}, e4m3, tensor-wise scales, bf16 out){tag}",
+                flops / fp8_s / 1e12, "TFLOP/s", "printed (H100 dense e4m3 peak 1,979)"),
+            Row(f"bf16_matmul_tflops_gpu ({M} x {K} x {N}){tag}", flops / bf16_s / 1e12, "TFLOP/s", "printed"),
+            Row(f"fp8_matmul_vs_bf16_gpu{tag}", bf16_s / fp8_s, "x", "printed (peaks: 2x)")]
+
+
+def step_rows(device: str, *, smoke: bool = False) -> list[Row]:
+    """``fp8_vs_bf16_step_gpu``: GPT-2 large's training step on one GPU, B8 x 1024, eager, AdamW, bf16 against
+    ``precision=fp8`` (tensorwise): tokens/s of fp8 over bf16's. Random weights (the step's time, not its loss)."""
+    kw, (B, T), steps = (dict(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32), (2, 32), 2) if smoke \
+        else ({}, (8, 1024), 10)
+    model = cfx.models.gpt2("tiny" if smoke else "large", **kw)
+    shapes = cfx.eval_shape(model.init, cfx.random.key(0))
+    params = cfx.tree.map(lambda s: torch.randn(s.shape, device=device) * 0.02, shapes)
+    tokens = torch.randint(0, model.config.vocab_size, (B, T + 1), device=device)
+    tx, seconds = cfx.optim.adamw(1e-4), {}
+    for precision in ("bf16", "fp8"):
+        policy = cfx.amp.policy(precision)
+        m = cfx.amp.float8(model, policy.fp8) if policy.fp8 else model
+        box = [cfx.tree.map(torch.clone, params), None]
+        box[1] = tx.init(box[0])
+
+        def step(m=m, policy=policy):
+            loss, grads = cfx.value_and_grad(lambda p: m.loss(policy.cast_to_compute(p), tokens[:, :-1], tokens[:, 1:]))(
+                box[0])
+            box[0], box[1] = cfx.optim.apply_gradients(tx, grads, box[1], box[0])
+        seconds[precision] = _timed(step, device, steps)
+        del box
+    ratio = seconds["bf16"] / seconds["fp8"]
+    tag = "" if device == "cuda" else " [cpu smoke]"
+    return [Row(f"fp8_vs_bf16_step_gpu (GPT-2 {'tiny' if smoke else 'large'} B{B}x{T}, eager: bf16 {seconds['bf16']:.3f} s, "
+                f"fp8 {seconds['fp8']:.3f} s a step){tag}", ratio, "x tokens/s", ">= 1.2", ratio >= 1.2 or bool(tag))]
+
+
+def gpu_rows(device: str, *, smoke: bool = False) -> list[Row]:
+    """The float8 rows of the GPU run: the matmul's TFLOP/s and a GPT-2 large step against bf16's."""
+    return matmul_rows(device, smoke=smoke) + step_rows(device, smoke=smoke)

@@ -2,7 +2,7 @@
 device lease (under 8 minutes on one H200, cold).
 
 Sections, most wanted first, each timed and skipped (never faked) once the deadline would pass:
-training (``gpu.training_rows``), generation (``gpu_generate``, without the int8 and HF static-cache
+float8 (``fp8.gpu_rows``: the matmul's TFLOP/s, a GPT-2 large step against bf16's), training (``gpu.training_rows``), generation (``gpu_generate``, without the int8 and HF static-cache
 extras), attention (T 512 / 2048 / 8192, D 64 / 128) and the backward's tile sweep, norms and adamw,
 linear cross-entropy (against Liger where it is importable), ZeRO-3 on NCCL against gloo, a LoRA step
 against peft, the serving engine's paged kernel against its reference, a GPT-2 medium step (what the
@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from cfx.bench import gpu, gpu_generate, kernels_attention, kernels_linear_xent, kernels_misc, lora, serve, zero
+from cfx.bench import fp8, gpu, gpu_generate, kernels_attention, kernels_linear_xent, kernels_misc, lora, serve, zero
 from cfx.bench.common import Row, report, skipped, write_json
 
 DEADLINE_S = 460.0  # every section's, the tests' included: a device call of 9 minutes with the machine's start
@@ -60,6 +60,7 @@ def sections(cuda: bool) -> list[tuple[str, float, Callable[[float], list[Row]]]
     size = "full" if cuda else "smoke"
     out = [
         ("zero3 nccl", 15, lambda left: zero.nccl_rows(smoke=not cuda)),
+        ("fp8", 40, lambda left: fp8.gpu_rows(dev, smoke=not cuda)),
         ("training", 120, lambda left: gpu.training_rows(size, dev)),
         ("generation", 60, lambda left: gpu_generate.rows(size, dev, extras=False)),
         ("lora vs peft", 20, lambda left: lora.peft_rows(dev, smoke=not cuda)),

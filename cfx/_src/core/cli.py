@@ -11,8 +11,13 @@ is read by ``cfx._src.plan.config.parse_mesh``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from typing import Any, Callable, Sequence
+
+
+REFUSAL_GRACE_S = 2.0  # how long a refusing rank under torchrun waits before it exits (run_command)
 
 
 def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable[[Any], Any],
@@ -27,6 +32,8 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
         # where print's separate write of the newline let two ranks' lines run together
         sys.stderr.write(f"error: {e}\n")
         sys.stderr.flush()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun, which stops every rank once one exits:
+            time.sleep(REFUSAL_GRACE_S)                   # the others refuse in this time too, each in its line
         return 2
     if report is not None:
         report(args, result)

@@ -1,10 +1,10 @@
 """``float8(model, recipe)``: a model whose blocks' Linears run their matmuls in float8 (``fp8.py``).
 
-A layer transform, as ``cfx.remat`` and ``cfx.zero.gathered`` are: every block but the first becomes a
-``Float8Layer`` with the same ``init`` / ``apply`` / ``axes``, whose ``apply`` hands each Linear weight the
-float8 GEMM takes (``fp8.takes``: ``w`` of two dims, multiples of 16) to the block as a ``Float8Weight``.
-torchtitan's rule, in cfx's names: the first block, the embeddings, the norms and the head stay in high
-precision. The params stay what they are -- plain tensors, stored, gathered by ZeRO-3, streamed by
+A layer transform, as ``cfx.remat`` and ``cfx.zero.gathered`` are: every block but the first (by default;
+``where=`` picks others) becomes a ``Float8Layer`` with the same ``init`` / ``apply`` / ``axes``, whose
+``apply`` hands each Linear weight the float8 GEMM takes (``fp8.takes``: ``w`` of two dims, multiples of 16)
+to the block as a ``Float8Weight``. torchtitan's rule, in cfx's names: the first block, the embeddings, the
+norms and the head stay in high precision. The params stay what they are -- plain tensors, stored, gathered by ZeRO-3, streamed by
 offload, split over pipeline stages as any others -- so every strategy that runs a block's ``apply`` on
 its weights runs the float8 Linears.
 
