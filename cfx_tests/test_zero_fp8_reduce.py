@@ -27,6 +27,7 @@ def spec_sum(rows: torch.Tensor, i: int) -> torch.Tensor:
     return total
 
 
+@pytest.mark.timeout(120)
 @settings(max_examples=6, deadline=None)
 @given(n=st.sampled_from([2, 4]), size=st.integers(1, 40), magnitude=st.sampled_from([1e-6, 1.0, 1e4]),
        seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]))

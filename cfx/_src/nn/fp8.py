@@ -21,7 +21,7 @@ too). Row-wise products come out in bf16 (fp32 where the inputs were fp16 / fp32
 it, as the fast kernels give bf16 only); the gradients' row-wise GEMMs apply their scales after an
 unscaled product (a separate multiply, exact accumulation), the output's inside it. These are
 torchao's numerics (its ``Float8Linear`` under the same recipe names, ``rowwise_with_gw_hp`` there):
-``cfx_tests/test_precision_fp8.py`` holds the two equal bit for bit on the CPU, and each equal to the
+``cfx_tests/test_nn_fp8.py`` holds the two equal bit for bit on the CPU, and each equal to the
 spec built from dequantised operands.
 
 Each operand is scaled from the dtype it arrives in; the outputs and the input's gradient are in the
@@ -109,8 +109,14 @@ def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, pow2: 
         amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
         if over:
             amax = comm.all_reduce(amax.float(), groups.axes(over, "cfx fp8 amax"), "max")
-        scale = (torch.finfo(dtype).max / amax.double().clamp(min=EPS)).float()
-        return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+        return scale_from_amax(amax, dtype, pow2)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
+    """``finfo(dtype).max / amax`` in fp64, rounded to fp32 (``pow2``: down to a power of two); an amax under
+    1e-12 counts as 1e-12."""
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ action mostly finds its bytes arrived instead of starting the transfer. One mess
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any, Iterable
 
 import torch
@@ -41,11 +42,8 @@ class Messages:
 
     def __init__(self, step: Any, spec: dict, fp8: bool = False):
         self.step, self.spec, self.fp8 = step, spec, fp8
-        numel = 1
-        for d in spec["shape"]:
-            numel *= d
         # each family's message as it travels: activations (packed, under fp8), then gradients
-        self.wire = [dict(spec, shape=(numel + 4,), dtype=torch.uint8) if fp8 else spec, spec]
+        self.wire = [dict(spec, shape=(math.prod(spec["shape"]) + 4,), dtype=torch.uint8) if fp8 else spec, spec]
         self.sends: list = []
         self.posted: collections.deque = collections.deque()    # (RECV action, buffer, done), in order
         self.unposted: collections.deque = collections.deque()  # RECV actions not posted yet

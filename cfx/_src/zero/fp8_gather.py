@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from cfx._src.lax import comm, groups
-from cfx._src.nn.fp8 import E4M3, EPS, to_fp8
+from cfx._src.nn.fp8 import E4M3, scale_from_amax, to_fp8
 from cfx._src.zero.source import GatherFn, ShardSource
 
 
@@ -34,7 +34,7 @@ class Float8Source(ShardSource):
             pieces = [p.detach() for p in self.pieces]
             amax = torch.stack([p.abs().amax().float() for p in pieces])
             amax = comm.all_reduce(amax, groups.axes(self.over, "cfx.zero.gathered float8"), "max")
-            self.scales = (torch.finfo(E4M3).max / amax.double().clamp(min=EPS)).float()
+            self.scales = scale_from_amax(amax, E4M3)
             return torch.cat([to_fp8(p, E4M3, s).view(torch.uint8) for p, s in zip(pieces, self.scales)])
 
     def gather(self, *, backward: bool) -> torch.Tensor:

@@ -17,20 +17,18 @@ from cfx._src.optim.fp8_meta import meta_state
 from cfx._src.plan.strategies.expert import Expert
 from cfx._src.plan.strategies.megatron import Megatron
 from cfx._src.plan.strategy import Strategy
+from cfx._src.precision.amp import policy
 from cfx._src.transforms.shapes import eval_shape
 
 
 def recipe_of(plan) -> str | None:
-    """The plan's float8 recipe (``fp8`` alone and ``fp8:delayed``: ``tensorwise``), or None."""
-    if not plan.precision.startswith("fp8"):
-        return None
-    tail = plan.precision.partition(":")[2]
-    return "tensorwise" if tail in ("", "delayed") else tail
+    """The plan's float8 recipe (its precision's policy's: ``fp8`` and ``fp8:delayed`` are tensorwise), or None."""
+    return policy(plan.precision).fp8
 
 
 def delayed_of(plan) -> DelayedScaling | None:
     """``precision=fp8:delayed``'s scaling (Transformer Engine's defaults), else None."""
-    return DelayedScaling() if plan.precision == "fp8:delayed" else None
+    return DelayedScaling() if policy(plan.precision).fp8_scaling == "delayed" else None
 
 
 def with_meta(plan, model, tx) -> Any:
@@ -53,7 +51,7 @@ class Float8(Strategy):
 
     def check_plan(self, plan) -> None:
         comm = plan.fp8_comm.split("+")
-        if "all_gather" in comm and (plan.precision not in ("fp8", "fp8:tensorwise") or plan.zero != 3
+        if "all_gather" in comm and (recipe_of(plan) != "tensorwise" or delayed_of(plan) or plan.zero != 3
                                      or plan.offload != "none"):
             raise ValueError(f"Plan: fp8_comm={plan.fp8_comm} all-gathers ZeRO-3's weights as the e4m3 casts the "
                              "tensorwise recipe makes of them (each by its own amax), held on the device; use "
@@ -79,7 +77,7 @@ class Float8(Strategy):
 
     def jit_refusal(self, plan) -> str | None:
         if plan.fp8_comm != "none":
-            return "ZeRO-3's float8 all-gather runs eagerly"
+            return f"fp8_comm={plan.fp8_comm}'s float8 collectives run eagerly"
         return "fp8:delayed notes each step's amaxes outside the graph" if delayed_of(plan) else None
 
     def check(self, plan, model, where: str) -> None:
